@@ -1,0 +1,256 @@
+"""Write and load signed task-vector artifacts.
+
+An artifact is a directory of three files:
+
+- ``tensors.safetensors``: ``heads`` (int64, ``(n, 2)``, :meth:`HeadSet.to_array`) and
+  ``values`` (float32, ``(n, d_head)``, the released mean activation of each head);
+- ``manifest.json``: an :class:`ArtifactManifest`, pretty-printed with sorted keys;
+- ``signature``: the raw 64-byte Ed25519 signature over
+  :func:`manifest_to_canonical_bytes`. The manifest holds the SHA-256 of the tensors file, so
+  the one signature covers the tensors too.
+
+Loading checks, in order, and stops at the first failure: the files and manifest parse
+(:class:`ArtifactFormatError`); the signing key is trusted (:class:`UnknownSigningKeyError`);
+the signature verifies (:class:`BadSignatureError`); the tensors hash matches
+(:class:`IntegrityError`); the tensors match the manifest (:class:`ArtifactFormatError`); the
+model fingerprint matches (:class:`ModelMismatchError`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import numpy.typing as npt
+import safetensors
+import safetensors.numpy
+from pydantic import ValidationError
+
+from dpmtv_common.artifact._publish import publish_directory
+from dpmtv_common.artifact.manifest import (
+    FORMAT_VERSION,
+    ArtifactManifest,
+    ReleaseDescription,
+    hash_plan,
+    manifest_to_canonical_bytes,
+)
+from dpmtv_common.crypto import SigningKey, TrustedKeys
+from dpmtv_common.errors import (
+    ArtifactFormatError,
+    ConfigError,
+    IntegrityError,
+    ModelMismatchError,
+)
+from dpmtv_common.heads import HeadSet
+
+__all__ = [
+    "MANIFEST_FILE",
+    "SIGNATURE_FILE",
+    "TENSORS_FILE",
+    "TaskVectorArtifact",
+    "load_artifact",
+    "write_artifact",
+]
+
+TENSORS_FILE = "tensors.safetensors"
+MANIFEST_FILE = "manifest.json"
+SIGNATURE_FILE = "signature"
+_FILES = (TENSORS_FILE, MANIFEST_FILE, SIGNATURE_FILE)
+
+
+@dataclass(frozen=True, eq=False)
+class TaskVectorArtifact:
+    """A loaded, verified artifact. Compare fields, not objects: ``values`` is an array.
+
+    Attributes:
+        manifest: The signed manifest.
+        heads: The heads, in row order of ``values``.
+        values: Read-only float32 array of shape ``(len(heads), manifest.d_head)``.
+    """
+
+    manifest: ArtifactManifest
+    heads: HeadSet
+    values: npt.NDArray[np.float32]
+
+
+def _values_to_float32(heads: HeadSet, values: npt.NDArray[np.generic]) -> npt.NDArray[np.float32]:
+    if len(heads) == 0:
+        raise ConfigError("heads must hold at least one head, got an empty HeadSet.")
+    if not np.issubdtype(values.dtype, np.floating):
+        raise ConfigError(f"values must have a floating dtype, got {values.dtype}.")
+    if values.ndim != 2 or values.shape[0] != len(heads) or values.shape[1] < 1:
+        raise ConfigError(
+            f"values must have shape ({len(heads)}, d_head) with d_head >= 1, got {values.shape!r}."
+        )
+    with np.errstate(over="ignore"):  # values beyond float32 become inf, refused just below
+        as_float32 = np.ascontiguousarray(values, dtype=np.float32)
+    if not np.isfinite(as_float32).all():
+        raise ConfigError("values must be finite in float32, got NaN or infinity.")
+    return as_float32
+
+
+def write_artifact(
+    directory: str | os.PathLike[str],
+    *,
+    heads: HeadSet,
+    values: npt.NDArray[np.generic],
+    release: ReleaseDescription,
+    signing_key: SigningKey,
+    overwrite: bool = False,
+) -> Path:
+    """Sign and write an artifact directory atomically; return its path.
+
+    Args:
+        directory: The artifact directory to create. Its parent is created if missing.
+        heads: The released heads; row ``i`` of ``values`` belongs to ``heads.heads[i]``.
+        values: Released (already noised) mean activations, shape ``(len(heads), d_head)``;
+            any floating dtype, stored as float32.
+        release: What was released and its privacy cost; the layout fields, plan hash and
+            key id are derived here so they cannot disagree with the tensors.
+        signing_key: The key that signs the manifest.
+        overwrite: Replace an existing artifact at ``directory``.
+
+    Raises:
+        ConfigError: Bad ``heads`` or ``values``, or ``directory`` exists (see ``overwrite``).
+    """
+    values32 = _values_to_float32(heads, values)
+    tensors = safetensors.numpy.save({"heads": heads.to_array(), "values": values32})
+    manifest = ArtifactManifest(
+        **release.model_dump(),
+        format_version=FORMAT_VERSION,
+        plan_hash=hash_plan(release.plan),
+        num_heads=len(heads),
+        d_head=int(values32.shape[1]),
+        num_layers_in_scope=heads.num_layers_in_scope,
+        tensors_sha256=hashlib.sha256(tensors).hexdigest(),
+        signing_key_id=signing_key.key_id,
+    )
+    signature = signing_key.sign(manifest_to_canonical_bytes(manifest))
+    readable = json.dumps(manifest.model_dump(mode="json"), sort_keys=True, indent=2) + "\n"
+    target = Path(directory)
+    files = {TENSORS_FILE: tensors, MANIFEST_FILE: readable.encode(), SIGNATURE_FILE: signature}
+    publish_directory(target, files, overwrite=overwrite)
+    return target
+
+
+def _read_files(path: Path) -> dict[str, bytes]:
+    if not path.is_dir():
+        raise ArtifactFormatError(f"artifact path must be a directory, got {str(path)!r}.")
+    missing = [name for name in _FILES if not (path / name).is_file()]
+    if missing:
+        raise ArtifactFormatError(
+            f"artifact directory must hold {list(_FILES)}, got {str(path)!r} missing {missing}."
+        )
+    return {name: (path / name).read_bytes() for name in _FILES}
+
+
+def _parse_manifest(path: Path, raw: bytes) -> ArtifactManifest:
+    where = f"{str(path / MANIFEST_FILE)!r}"
+    try:
+        document = json.loads(raw)
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ArtifactFormatError(f"{where} must be JSON, got unparsable bytes ({exc}).") from exc
+    if not isinstance(document, dict):
+        raise ArtifactFormatError(f"{where} must be a JSON object, got {type(document).__name__}.")
+    version = document.get("format_version")
+    if version != FORMAT_VERSION:
+        raise ArtifactFormatError(
+            f"format_version must be {FORMAT_VERSION}, got {version!r} in {where}. "
+            "A newer dpmtv may read it."
+        )
+    try:
+        return ArtifactManifest.model_validate_json(raw)
+    except ValidationError as exc:
+        raise ArtifactFormatError(f"{where} must be a valid manifest, got:\n{exc}") from exc
+
+
+def _check_tensors_hash(path: Path, tensors: bytes, manifest: ArtifactManifest) -> None:
+    actual = hashlib.sha256(tensors).hexdigest()
+    if actual != manifest.tensors_sha256:
+        raise IntegrityError(
+            f"{TENSORS_FILE} must have the signed sha256 {manifest.tensors_sha256}, "
+            f"got {actual} in {str(path)!r}: the tensors were changed after signing."
+        )
+
+
+def _check_tensor(
+    name: str, array: npt.NDArray[np.generic], dtype: type, shape: tuple[int, int]
+) -> None:
+    if array.dtype != dtype or array.shape != shape:
+        raise ArtifactFormatError(
+            f"tensor {name!r} must be {np.dtype(dtype)} of shape {shape}, "
+            f"got {array.dtype} of shape {array.shape}."
+        )
+
+
+def _parse_tensors(
+    tensors: bytes, manifest: ArtifactManifest
+) -> tuple[HeadSet, npt.NDArray[np.float32]]:
+    try:
+        arrays = safetensors.numpy.load(tensors)
+    except safetensors.SafetensorError as exc:
+        raise ArtifactFormatError(f"{TENSORS_FILE} must be safetensors, got ({exc}).") from exc
+    if sorted(arrays) != ["heads", "values"]:
+        raise ArtifactFormatError(
+            f"{TENSORS_FILE} must hold tensors ['heads', 'values'], got {sorted(arrays)}."
+        )
+    _check_tensor("heads", arrays["heads"], np.int64, (manifest.num_heads, 2))
+    _check_tensor("values", arrays["values"], np.float32, (manifest.num_heads, manifest.d_head))
+    try:
+        heads = HeadSet.from_array(arrays["heads"])
+    except ConfigError as exc:
+        raise ArtifactFormatError(f"tensor 'heads' must be a valid head set: {exc}") from exc
+    if heads.num_layers_in_scope != manifest.num_layers_in_scope:
+        raise ArtifactFormatError(
+            f"num_layers_in_scope must match the heads' {heads.num_layers_in_scope} layers, "
+            f"got {manifest.num_layers_in_scope}."
+        )
+    values = np.array(arrays["values"], dtype=np.float32)
+    if not np.isfinite(values).all():
+        raise ArtifactFormatError("tensor 'values' must be finite, got NaN or infinity.")
+    values.flags.writeable = False
+    return heads, values
+
+
+def _check_model(manifest: ArtifactManifest, expected: str | None) -> None:
+    if expected is not None and manifest.model_fingerprint != expected:
+        raise ModelMismatchError(
+            f"model_fingerprint must equal the loaded model's {expected!r}, "
+            f"got {manifest.model_fingerprint!r}: the artifact was made for another model."
+        )
+
+
+def load_artifact(
+    directory: str | os.PathLike[str],
+    *,
+    trusted_keys: TrustedKeys,
+    expected_model_fingerprint: str | None,
+) -> TaskVectorArtifact:
+    """Load an artifact after checking its format, signature, integrity and model.
+
+    Args:
+        directory: The artifact directory.
+        trusted_keys: Keys whose signatures are accepted.
+        expected_model_fingerprint: ``fingerprint_model_dir`` of the model the vector will
+            be applied to; ``None`` skips the check (inspection only, never before use).
+
+    Raises:
+        ArtifactFormatError: A file is missing or malformed.
+        UnknownSigningKeyError: The signer is not in ``trusted_keys``.
+        BadSignatureError: The signature does not cover this manifest.
+        IntegrityError: The tensors file differs from the signed hash.
+        ModelMismatchError: The artifact was made for another model.
+    """
+    path = Path(directory)
+    files = _read_files(path)
+    manifest = _parse_manifest(path, files[MANIFEST_FILE])
+    verify_key = trusted_keys.get(manifest.signing_key_id)
+    verify_key.verify(manifest_to_canonical_bytes(manifest), files[SIGNATURE_FILE])
+    _check_tensors_hash(path, files[TENSORS_FILE], manifest)
+    heads, values = _parse_tensors(files[TENSORS_FILE], manifest)
+    _check_model(manifest, expected_model_fingerprint)
+    return TaskVectorArtifact(manifest=manifest, heads=heads, values=values)

@@ -1,0 +1,47 @@
+"""Differential-privacy building blocks: mechanisms, noise, accounting, budgets, ledger."""
+
+from __future__ import annotations
+
+from dpmtv_common.privacy.accounting import (
+    Calibration,
+    EpsilonBound,
+    analytic_noise_multiplier,
+    calibrate_noise_multiplier,
+    epsilon_bound,
+    epsilon_per_pick_from_share,
+)
+from dpmtv_common.privacy.budget import PrivacyBudget
+from dpmtv_common.privacy.events import ReleaseEvent
+from dpmtv_common.privacy.ledger import LedgerEntry, PrivacyLedger, ReleaseState, Reservation
+from dpmtv_common.privacy.mechanisms import (
+    GaussianSumMechanism,
+    GumbelTopKMechanism,
+    clip_per_layer,
+    clip_scores,
+    sum_clipped_contributions,
+)
+from dpmtv_common.privacy.noise import NoiseSource, SecureNoise, require_cryptographic, secure_noise
+
+__all__ = [
+    "Calibration",
+    "EpsilonBound",
+    "GaussianSumMechanism",
+    "GumbelTopKMechanism",
+    "LedgerEntry",
+    "NoiseSource",
+    "PrivacyBudget",
+    "PrivacyLedger",
+    "ReleaseEvent",
+    "ReleaseState",
+    "Reservation",
+    "SecureNoise",
+    "analytic_noise_multiplier",
+    "calibrate_noise_multiplier",
+    "clip_per_layer",
+    "clip_scores",
+    "epsilon_bound",
+    "epsilon_per_pick_from_share",
+    "require_cryptographic",
+    "secure_noise",
+    "sum_clipped_contributions",
+]

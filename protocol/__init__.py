@@ -1,0 +1,88 @@
+"""The client/server contract of dpmtv: release plan, stages, messages and their wire codec.
+
+Import from here, not from the modules: ``from protocol import ReleasePlan, expect``.
+This package imports neither torch nor transformers, nor the ``client``/``server`` apps.
+"""
+
+from __future__ import annotations
+
+from protocol.codec import (
+    arrays_from_record,
+    arrays_to_record,
+    expect,
+    message_arrays_from_record,
+    message_from_record,
+    message_to_record,
+    secure_sum_request_from_config,
+    secure_sum_request_to_config,
+)
+from protocol.errors import (
+    ErrorCode,
+    MessageDecodeError,
+    ProtocolError,
+    RemoteError,
+    StageOrderError,
+    VersionMismatchError,
+)
+from protocol.messages import (
+    AbortNotice,
+    AnyMessage,
+    ErrorReply,
+    NoisyVectorBroadcast,
+    PlanAccept,
+    PlanRequest,
+    ReleaseAck,
+    ReleaseRequest,
+    SecureSumRequest,
+    WireMessage,
+)
+from protocol.plan import (
+    NeighbouringRelation,
+    NoiseMode,
+    PrivacyUnit,
+    ReleaseOrder,
+    ReleasePlan,
+    SelectionMode,
+    plan_hash,
+)
+from protocol.stages import ALLOWED_TRANSITIONS, Stage, StageTracker
+from protocol.version import PROTOCOL_VERSION, check_compatible
+
+__all__ = [
+    "ALLOWED_TRANSITIONS",
+    "AbortNotice",
+    "AnyMessage",
+    "ErrorCode",
+    "ErrorReply",
+    "MessageDecodeError",
+    "NeighbouringRelation",
+    "NoiseMode",
+    "NoisyVectorBroadcast",
+    "PROTOCOL_VERSION",
+    "PlanAccept",
+    "PlanRequest",
+    "PrivacyUnit",
+    "ProtocolError",
+    "ReleaseAck",
+    "ReleaseOrder",
+    "ReleasePlan",
+    "ReleaseRequest",
+    "RemoteError",
+    "SecureSumRequest",
+    "SelectionMode",
+    "Stage",
+    "StageOrderError",
+    "StageTracker",
+    "VersionMismatchError",
+    "WireMessage",
+    "arrays_from_record",
+    "arrays_to_record",
+    "check_compatible",
+    "expect",
+    "message_arrays_from_record",
+    "message_from_record",
+    "message_to_record",
+    "plan_hash",
+    "secure_sum_request_from_config",
+    "secure_sum_request_to_config",
+]

@@ -1,0 +1,230 @@
+"""The release plan: what one run releases, under which privacy parameters.
+
+The coordinator broadcasts the plan in the ``plan`` stage; each site checks it against its
+model, data and ledger before accepting. Both ledgers record :func:`plan_hash`, so the plan
+must be canonical: head lists are sorted and unique, and every field is explicit.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from datetime import datetime
+from enum import StrEnum
+from typing import Annotated, Self
+
+from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo, model_validator
+
+from dpmtv_common.aliases import LayerHead
+from dpmtv_common.artifact import hash_plan
+from dpmtv_common.errors import ConfigError
+from dpmtv_common.heads import HeadSet
+
+__all__ = [
+    "NeighbouringRelation",
+    "NoiseMode",
+    "PrivacyUnit",
+    "ReleaseOrder",
+    "ReleasePlan",
+    "SelectionMode",
+    "plan_hash",
+]
+
+
+def _name(info: ValidationInfo) -> str:
+    return info.field_name or "value"
+
+
+def _non_empty(value: str, info: ValidationInfo) -> str:
+    if not value.strip():
+        raise ValueError(f"{_name(info)} must be non-empty, got {value!r}.")
+    return value
+
+
+def _positive_finite(value: float, info: ValidationInfo) -> float:
+    # NaN fails every comparison, so test finiteness explicitly before the sign.
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(f"{_name(info)} must be finite and > 0, got {value!r}.")
+    return value
+
+
+def _at_least_one(value: int, info: ValidationInfo) -> int:
+    if value < 1:
+        raise ValueError(f"{_name(info)} must be >= 1, got {value!r}.")
+    return value
+
+
+def _open_unit(value: float, info: ValidationInfo) -> float:
+    if not 0 < value < 1:
+        raise ValueError(f"{_name(info)} must lie strictly between 0 and 1, got {value!r}.")
+    return value
+
+
+def _canonical_heads(value: tuple[LayerHead, ...], info: ValidationInfo) -> tuple[LayerHead, ...]:
+    # One canonical order lets both sides index activation rows without sending the
+    # layout twice, and keeps plan_hash independent of how a list was typed in.
+    if not value:
+        raise ValueError(f"{_name(info)} must hold at least one head, got {value!r}.")
+    try:
+        HeadSet(value)
+    except ConfigError as exc:
+        raise ValueError(
+            f"{_name(info)} must be sorted, unique (layer, head) pairs >= 0, got {value!r}; "
+            "build it with HeadSet.of(...).heads."
+        ) from exc
+    return value
+
+
+NonEmptyStr = Annotated[str, AfterValidator(_non_empty)]
+"""A string with at least one non-space character."""
+PositiveFloat = Annotated[float, AfterValidator(_positive_finite)]
+"""A finite float > 0."""
+PositiveInt = Annotated[int, AfterValidator(_at_least_one)]
+"""An int >= 1."""
+_OpenUnitFloat = Annotated[float, AfterValidator(_open_unit)]
+HeadList = Annotated[tuple[LayerHead, ...], AfterValidator(_canonical_heads)]
+"""A non-empty, sorted, duplicate-free tuple of ``(layer, head)`` pairs."""
+
+
+def _version(value: str, info: ValidationInfo) -> str:
+    if re.fullmatch(r"\d+\.\d+", value) is None:
+        raise ValueError(f"{_name(info)} must be 'MAJOR.MINOR', got {value!r}.")
+    return value
+
+
+def _timestamp(value: str, info: ValidationInfo) -> str:
+    # A naive timestamp means different instants at different sites; ledgers compare them.
+    try:
+        aware = datetime.fromisoformat(value).tzinfo is not None
+    except ValueError:
+        aware = False
+    if not aware:
+        raise ValueError(
+            f"{_name(info)} must be an ISO-8601 timestamp with a UTC offset, got {value!r}; "
+            "use datetime.now(UTC).isoformat()."
+        )
+    return value
+
+
+class SelectionMode(StrEnum):
+    """How the released heads are chosen."""
+
+    PUBLIC = "public"
+    """A head list computed on public data, fixed in the plan (no privacy cost)."""
+    PRIVATE = "private"
+    """Noisy top-k over secure-summed per-chunk votes (costs ``selection_share`` of epsilon)."""
+    ALL = "all"
+    """No selection: every head is released (baseline)."""
+
+
+class ReleaseOrder(StrEnum):
+    """Whether private selection runs before or after the activation release."""
+
+    SELECT_FIRST = "select-first"
+    RELEASE_FIRST = "release-first"
+
+
+class NoiseMode(StrEnum):
+    """Who adds the Gaussian noise to the secure sum."""
+
+    CENTRAL = "central"
+    """The coordinator adds one draw after the secure sum."""
+    DISTRIBUTED = "distributed"
+    """Each site adds a discrete-Gaussian share; the coordinator never sees a clean sum."""
+
+
+class NeighbouringRelation(StrEnum):
+    """Which datasets count as neighbours in the DP guarantee."""
+
+    REPLACE_ONE = "replace-one"
+
+
+class PrivacyUnit(StrEnum):
+    """What one neighbouring change protects."""
+
+    EXAMPLE = "example"
+    GROUP = "group"
+
+
+class ReleasePlan(BaseModel):
+    """Everything the sites must agree on before any private data is touched.
+
+    Attributes:
+        protocol_version: The coordinator's ``PROTOCOL_VERSION``.
+        release_id: Names this release in every message and in both ledgers.
+        task: Name of the task the vector is for.
+        model_fingerprint: Hash of the model's weights index and config; sites refuse others.
+        epsilon: Total epsilon of the release (selection and activations together).
+        delta: Total delta of the release.
+        neighbouring: The neighbouring relation the guarantee holds under.
+        privacy_unit: What the guarantee protects.
+        shots: K, demonstrations per chunk (each chunk holds K + 1 examples).
+        clip_norm: L2 bound C on each layer's in-scope head activations of one chunk;
+            sets the Gaussian sensitivity.
+        selection: How the released heads are chosen.
+        order: Whether private selection runs before or after the release.
+        num_selected_heads: k, heads to select (must equal ``len(public_heads)`` in
+            public mode; ignored in mode all).
+        public_heads: The fixed head list; set iff ``selection`` is public.
+        selection_share: Share of epsilon spent on private selection (private mode only).
+        score_top_r: Each chunk votes for its top-r heads; bounds a chunk's vote to r.
+        min_sites: Fewest surviving sites the release may go on with; fewer aborts it.
+        noise_mode: Who adds the noise.
+        max_chunks_per_site: Cap on chunks one site contributes, or ``None`` for no cap.
+        created: ISO-8601 timestamp with a UTC offset.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
+
+    protocol_version: Annotated[str, AfterValidator(_version)]
+    release_id: NonEmptyStr
+    task: NonEmptyStr
+    model_fingerprint: NonEmptyStr
+    epsilon: PositiveFloat
+    delta: _OpenUnitFloat
+    neighbouring: NeighbouringRelation = NeighbouringRelation.REPLACE_ONE
+    privacy_unit: PrivacyUnit = PrivacyUnit.EXAMPLE
+    shots: PositiveInt
+    clip_norm: PositiveFloat
+    selection: SelectionMode
+    order: ReleaseOrder
+    num_selected_heads: PositiveInt
+    public_heads: HeadList | None
+    selection_share: _OpenUnitFloat
+    score_top_r: PositiveInt
+    min_sites: PositiveInt
+    noise_mode: NoiseMode = NoiseMode.CENTRAL
+    max_chunks_per_site: PositiveInt | None
+    created: Annotated[str, AfterValidator(_timestamp)]
+
+    @model_validator(mode="after")
+    def _check_public_heads(self) -> Self:
+        public = self.selection is SelectionMode.PUBLIC
+        if self.public_heads is None:
+            if public:
+                raise ValueError(
+                    "public_heads must be set when selection is 'public', got None; "
+                    "compute it with the select-heads command."
+                )
+            return self
+        if not public:
+            raise ValueError(
+                f"public_heads must be None when selection is {self.selection.value!r}, "
+                f"got {self.public_heads!r}."
+            )
+        if len(self.public_heads) != self.num_selected_heads:
+            raise ValueError(
+                f"num_selected_heads must equal len(public_heads) = "
+                f"{len(self.public_heads)} in public mode, got {self.num_selected_heads!r}."
+            )
+        return self
+
+
+def plan_hash(plan: ReleasePlan) -> str:
+    """Return the SHA-256 hex digest of the plan's canonical JSON.
+
+    Canonical means ``model_dump(mode="json")`` with sorted keys and compact separators,
+    so the hash is the same on every site and across Python versions.
+    """
+    # One definition of the canonical form, shared with the artifact manifest that records it.
+    return hash_plan(plan.model_dump(mode="json"))

@@ -1,0 +1,36 @@
+import pytest
+
+from dpmtv_common.errors import ConfigError
+from dpmtv_common.privacy.events import ReleaseEvent
+
+
+def test_event_json_round_trip():
+    event = ReleaseEvent(4.2, picks=8, epsilon_per_pick=0.05)
+    assert ReleaseEvent.from_json(event.to_json()) == event
+
+
+def test_selection_rho_is_k_eps0_squared_over_eight():
+    assert ReleaseEvent(None, picks=8, epsilon_per_pick=0.1).selection_rho == pytest.approx(
+        8 * 0.01 / 8
+    )
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"noise_multiplier": 0.0}, "noise_multiplier"),
+        ({"noise_multiplier": float("nan")}, "noise_multiplier"),
+        ({"noise_multiplier": 1.0, "picks": -1}, "picks"),
+        ({"noise_multiplier": 1.0, "picks": 2, "epsilon_per_pick": 0.0}, "epsilon_per_pick"),
+        ({"noise_multiplier": None}, "at least one"),
+    ],
+)
+def test_invalid_events_are_refused(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        ReleaseEvent(**kwargs)
+
+
+@pytest.mark.parametrize("text", ["not json", "[1, 2]", '{"noise_multiplier": 1.0}'])
+def test_malformed_event_json_is_refused(text):
+    with pytest.raises(ConfigError):
+        ReleaseEvent.from_json(text)

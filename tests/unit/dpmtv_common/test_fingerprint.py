@@ -1,0 +1,121 @@
+import re
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from dpmtv_common.errors import ConfigError
+from dpmtv_common.fingerprint import fingerprint_model_dir
+
+
+def make_model_dir(root: Path) -> Path:
+    root.mkdir()
+    (root / "config.json").write_text('{"model_type": "tiny"}')
+    (root / "generation_config.json").write_text("{}")
+    (root / "model.safetensors").write_bytes(b"\x01" * 3000)
+    return root
+
+
+def test_fingerprint_has_sha256_prefix_and_hex_digest(tmp_path: Path) -> None:
+    # Arrange
+    model = make_model_dir(tmp_path / "model")
+    # Act
+    fingerprint = fingerprint_model_dir(model)
+    # Assert
+    assert re.fullmatch(r"sha256:[0-9a-f]{64}", fingerprint)
+
+
+def test_identical_copies_have_equal_fingerprints(tmp_path: Path) -> None:
+    # Arrange
+    first = make_model_dir(tmp_path / "a")
+    second = make_model_dir(tmp_path / "b")
+    # Act / Assert
+    assert fingerprint_model_dir(first) == fingerprint_model_dir(second)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        lambda d: (d / "model.safetensors").write_bytes(b"\x01" * 2999 + b"\x02"),
+        lambda d: (d / "config.json").write_text('{"model_type": "tinY"}'),
+        lambda d: (d / "model.safetensors").rename(d / "model2.safetensors"),
+        lambda d: (d / "extra.bin").write_bytes(b""),
+        lambda d: (d / "tokenizer_config.json").write_text("{}"),
+        lambda d: (d / "generation_config.json").unlink(),
+    ],
+    ids=["weight-byte", "config", "rename", "new-weight-file", "new-json", "removed-json"],
+)
+def test_any_change_to_covered_files_alters_fingerprint(
+    tmp_path: Path, change: Callable[[Path], object]
+) -> None:
+    # Arrange
+    model = make_model_dir(tmp_path / "model")
+    before = fingerprint_model_dir(model)
+    # Act
+    change(model)
+    # Assert
+    assert fingerprint_model_dir(model) != before
+
+
+@pytest.mark.parametrize("name", ["README.md", ".hidden.json", "notes.txt"])
+def test_uncovered_files_leave_fingerprint_alone(tmp_path: Path, name: str) -> None:
+    # Arrange
+    model = make_model_dir(tmp_path / "model")
+    before = fingerprint_model_dir(model)
+    # Act
+    (model / name).write_text("irrelevant")
+    # Assert
+    assert fingerprint_model_dir(model) == before
+
+
+def test_subdirectories_leave_fingerprint_alone(tmp_path: Path) -> None:
+    # Arrange
+    model = make_model_dir(tmp_path / "model")
+    before = fingerprint_model_dir(model)
+    # Act
+    (model / "original").mkdir()
+    (model / "original" / "consolidated.pth").write_bytes(b"\x00")
+    (model / "cache.json").mkdir()
+    # Assert
+    assert fingerprint_model_dir(model) == before
+
+
+def test_symlinked_snapshot_fingerprints_like_a_copy(tmp_path: Path) -> None:
+    # Arrange
+    model = make_model_dir(tmp_path / "model")
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    for entry in model.iterdir():
+        (snapshot / entry.name).symlink_to(entry)
+    # Act / Assert
+    assert fingerprint_model_dir(snapshot) == fingerprint_model_dir(model)
+
+
+def test_file_larger_than_one_block_is_hashed_in_full(tmp_path: Path) -> None:
+    # Arrange
+    model = make_model_dir(tmp_path / "model")
+    big = bytearray(3 * (1 << 20) + 5)
+    (model / "model.safetensors").write_bytes(bytes(big))
+    before = fingerprint_model_dir(model)
+    big[-1] = 1
+    # Act
+    (model / "model.safetensors").write_bytes(bytes(big))
+    # Assert
+    assert fingerprint_model_dir(model) != before
+
+
+def test_missing_directory_is_refused_with_its_path(tmp_path: Path) -> None:
+    # Arrange
+    missing = tmp_path / "nowhere"
+    # Act / Assert
+    with pytest.raises(ConfigError, match="nowhere"):
+        fingerprint_model_dir(missing)
+
+
+def test_directory_without_config_is_refused_with_its_path(tmp_path: Path) -> None:
+    # Arrange
+    model = make_model_dir(tmp_path / "weights_only")
+    (model / "config.json").unlink()
+    # Act / Assert
+    with pytest.raises(ConfigError, match=r"config\.json, got .*weights_only"):
+        fingerprint_model_dir(model)

@@ -1,0 +1,265 @@
+from __future__ import annotations
+
+import os
+import sqlite3
+from collections.abc import Iterator
+from contextlib import closing
+from datetime import UTC
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from dpmtv_common.errors import ConfigError, LedgerError, PrivacyBudgetExceededError
+from dpmtv_common.privacy import _ledger_schema
+from dpmtv_common.privacy.accounting import epsilon_bound
+from dpmtv_common.privacy.budget import PrivacyBudget
+from dpmtv_common.privacy.events import ReleaseEvent
+from dpmtv_common.privacy.ledger import PrivacyLedger, ReleaseState, Reservation
+
+DELTA = 1e-5
+EVENT = ReleaseEvent(5.0, 8, 0.1)  # alone: epsilon ~ 0.99; two composed: ~ 1.45 at DELTA
+BUDGET = PrivacyBudget(epsilon=3.0, delta=DELTA)
+
+
+@pytest.fixture
+def path(tmp_path: Path) -> Path:
+    return tmp_path / "ledger.sqlite"
+
+
+@pytest.fixture
+def ledger(path: Path) -> Iterator[PrivacyLedger]:
+    with PrivacyLedger.open(path, BUDGET) as opened:
+        yield opened
+
+
+def reserve(ledger: PrivacyLedger, release_id: str, *, delta: float = 1e-6) -> Reservation:
+    return ledger.reserve(
+        release_id=release_id,
+        plan_hash="plan-" + release_id,
+        event=EVENT,
+        epsilon=0.99,
+        delta=delta,
+        accountant="rdp",
+    )
+
+
+def states(ledger: PrivacyLedger) -> dict[str, ReleaseState]:
+    return {entry.release_id: entry.state for entry in ledger.releases()}
+
+
+def test_spent_is_none_for_a_new_ledger(ledger: PrivacyLedger) -> None:
+    assert ledger.spent() is None
+    assert ledger.releases() == []
+
+
+def test_reserve_and_commit_compose_like_epsilon_bound(ledger: PrivacyLedger) -> None:
+    # Arrange
+    expected = epsilon_bound([EVENT, EVENT], delta=DELTA)
+    # Act
+    reserve(ledger, "r1")
+    ledger.commit("r1")
+    second = reserve(ledger, "r2")
+    ledger.mark_exposed("r2")
+    ledger.commit("r2")
+    # Assert
+    assert ledger.spent() == expected
+    assert second.total == expected
+    assert expected.epsilon > epsilon_bound([EVENT], delta=DELTA).epsilon
+    assert states(ledger) == {"r1": ReleaseState.COMMITTED, "r2": ReleaseState.COMMITTED}
+
+
+def test_reservations_count_as_spent_before_commit(ledger: PrivacyLedger) -> None:
+    reserve(ledger, "r1")
+    assert ledger.spent() == epsilon_bound([EVENT], delta=DELTA)
+
+
+def test_overspend_is_refused_with_the_numbers_and_writes_nothing(path: Path) -> None:
+    # Arrange: one release fits epsilon=1.2, two composed (~1.45) do not.
+    budget = PrivacyBudget(epsilon=1.2, delta=DELTA)
+    spent_before = epsilon_bound([EVENT], delta=DELTA).epsilon
+    total = epsilon_bound([EVENT, EVENT], delta=DELTA).epsilon
+    with PrivacyLedger.open(path, budget) as ledger:
+        reserve(ledger, "r1")
+        # Act
+        with pytest.raises(PrivacyBudgetExceededError) as caught:
+            reserve(ledger, "r2")
+        # Assert
+        message = str(caught.value)
+        for number in (spent_before, total, 0.99, 1.2, DELTA):
+            assert repr(number) in message
+        assert [entry.release_id for entry in ledger.releases()] == ["r1"]
+        assert ledger.spent() == epsilon_bound([EVENT], delta=DELTA)
+
+
+def test_release_delta_above_budget_delta_is_refused(ledger: PrivacyLedger) -> None:
+    with pytest.raises(PrivacyBudgetExceededError, match=r"delta=0\.001"):
+        reserve(ledger, "r1", delta=1e-3)
+    assert ledger.releases() == []
+
+
+def test_abort_refunds_the_reservation(ledger: PrivacyLedger) -> None:
+    reserve(ledger, "r1")
+    ledger.abort("r1", "site dropped out before noise")
+    assert ledger.spent() is None
+    (entry,) = ledger.releases()
+    assert entry.state is ReleaseState.ABORTED
+    assert entry.note == "site dropped out before noise"
+
+
+def test_abort_makes_room_for_a_release_that_would_not_fit(path: Path) -> None:
+    # Arrange: epsilon=1.2 holds one release but not two.
+    with PrivacyLedger.open(path, PrivacyBudget(epsilon=1.2, delta=DELTA)) as ledger:
+        reserve(ledger, "r1")
+        ledger.abort("r1", "stopped before noise")
+        # Act
+        reservation = reserve(ledger, "r2")
+        # Assert
+        assert reservation.total == epsilon_bound([EVENT], delta=DELTA)
+
+
+def test_exposed_release_cannot_be_aborted(ledger: PrivacyLedger) -> None:
+    reserve(ledger, "r1")
+    ledger.mark_exposed("r1")
+    with pytest.raises(LedgerError, match=r"got 'exposed'\. Its noise was already drawn"):
+        ledger.abort("r1", "too late")
+    assert states(ledger) == {"r1": ReleaseState.EXPOSED}
+
+
+@pytest.mark.parametrize(
+    ("finish", "step", "state"),
+    [
+        ("commit", "mark_exposed", "committed"),
+        ("commit", "commit", "committed"),
+        ("abort", "commit", "aborted"),
+        ("abort", "mark_exposed", "aborted"),
+    ],
+)
+def test_wrong_transitions_state_the_current_state(
+    ledger: PrivacyLedger, finish: str, step: str, state: str
+) -> None:
+    reserve(ledger, "r1")
+    if finish == "commit":
+        ledger.commit("r1")
+    else:
+        ledger.abort("r1", "stopped")
+    with pytest.raises(LedgerError, match=f"got '{state}'"):
+        getattr(ledger, step)("r1")
+
+
+def test_unknown_release_id_is_refused(ledger: PrivacyLedger) -> None:
+    with pytest.raises(LedgerError, match="got 'missing'"):
+        ledger.commit("missing")
+
+
+def test_duplicate_release_id_is_refused_even_after_abort(ledger: PrivacyLedger) -> None:
+    reserve(ledger, "r1")
+    ledger.abort("r1", "stopped")
+    with pytest.raises(LedgerError, match="release_id must be new"):
+        reserve(ledger, "r1")
+    assert len(ledger.releases()) == 1
+
+
+def test_reopen_with_another_budget_is_refused_naming_both(path: Path) -> None:
+    PrivacyLedger.open(path, BUDGET).close()
+    with pytest.raises(ConfigError) as caught:
+        PrivacyLedger.open(path, PrivacyBudget(epsilon=4.0, delta=DELTA))
+    assert "epsilon=3.0" in str(caught.value)
+    assert "epsilon=4.0" in str(caught.value)
+
+
+def test_state_persists_across_reopen(path: Path) -> None:
+    # Arrange
+    with PrivacyLedger.open(path, BUDGET) as ledger:
+        reserve(ledger, "r1")
+        ledger.commit("r1")
+        reserve(ledger, "r2")
+        ledger.mark_exposed("r2")
+        reserve(ledger, "r3")
+        before = ledger.releases()
+    # Act: this process is alive, so reopening must not resolve r2 or r3.
+    with PrivacyLedger.open(path, BUDGET) as ledger:
+        after = ledger.releases()
+        spent = ledger.spent()
+    # Assert
+    assert after == before
+    assert spent == epsilon_bound([EVENT] * 3, delta=DELTA)
+
+
+def test_entries_record_owner_and_utc_times(ledger: PrivacyLedger) -> None:
+    reserve(ledger, "r1")
+    (entry,) = ledger.releases()
+    assert entry.pid == os.getpid()
+    assert entry.event == EVENT
+    assert (entry.plan_hash, entry.epsilon, entry.delta, entry.accountant) == (
+        "plan-r1",
+        0.99,
+        1e-6,
+        "rdp",
+    )
+    assert entry.created_utc.tzinfo == UTC
+    assert entry.updated_utc >= entry.created_utc
+
+
+def test_file_is_wal_and_records_schema_and_budget(path: Path) -> None:
+    PrivacyLedger.open(path, BUDGET).close()
+    with closing(sqlite3.connect(path)) as conn:
+        mode = conn.execute("PRAGMA journal_mode").fetchone()[0]
+        meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+    assert mode == "wal"
+    assert meta["schema_version"] == str(_ledger_schema.SCHEMA_VERSION)
+    assert (float(meta["budget_epsilon"]), float(meta["budget_delta"])) == (3.0, DELTA)
+
+
+def test_unknown_schema_version_is_refused(path: Path) -> None:
+    PrivacyLedger.open(path, BUDGET).close()
+    with closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute("UPDATE meta SET value = '99' WHERE key = 'schema_version'")
+    with pytest.raises(LedgerError, match="got '99'"):
+        PrivacyLedger.open(path, BUDGET)
+
+
+def test_a_file_that_is_not_a_database_is_refused(path: Path) -> None:
+    path.write_bytes(b"not a database, just some bytes" * 100)
+    with pytest.raises(LedgerError, match="must be a readable dpmtv ledger"):
+        PrivacyLedger.open(path, BUDGET)
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [("release_id", " "), ("plan_hash", ""), ("epsilon", float("nan")), ("delta", 1.0)],
+)
+def test_invalid_release_arguments_are_refused(
+    ledger: PrivacyLedger, field: str, value: object
+) -> None:
+    arguments: dict[str, Any] = {
+        "release_id": "r1",
+        "plan_hash": "p",
+        "event": EVENT,
+        "epsilon": 0.99,
+        "delta": 1e-6,
+        "accountant": "rdp",
+        field: value,
+    }
+    with pytest.raises(ConfigError, match=f"{field} must"):
+        ledger.reserve(**arguments)
+    assert ledger.releases() == []
+
+
+def test_pid_lookup_treats_permission_denied_as_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    def deny(pid: int, signal: int) -> None:
+        raise PermissionError(pid)
+
+    monkeypatch.setattr(os, "kill", deny)
+    assert _ledger_schema.pid_is_alive(12345)
+
+
+def test_pid_lookup_reports_a_vanished_process_and_never_probes_groups(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    def vanished(pid: int, signal: int) -> None:
+        raise ProcessLookupError(pid)
+
+    monkeypatch.setattr(os, "kill", vanished)
+    assert not _ledger_schema.pid_is_alive(12345)
+    assert not _ledger_schema.pid_is_alive(0)
