@@ -6,6 +6,7 @@ This package imports neither torch nor transformers, nor the ``client``/``server
 
 from __future__ import annotations
 
+from protocol.calibration import plan_calibration
 from protocol.codec import (
     arrays_from_record,
     arrays_to_record,
@@ -45,12 +46,20 @@ from protocol.plan import (
     SelectionMode,
     plan_hash,
 )
+from protocol.release import (
+    ActivationSum,
+    ReleaseOutcome,
+    ReleaseSums,
+    VoteSum,
+    run_release,
+)
 from protocol.stages import ALLOWED_TRANSITIONS, Stage, StageTracker
 from protocol.version import PROTOCOL_VERSION, check_compatible
 
 __all__ = [
     "ALLOWED_TRANSITIONS",
     "AbortNotice",
+    "ActivationSum",
     "AnyMessage",
     "ErrorCode",
     "ErrorReply",
@@ -65,8 +74,10 @@ __all__ = [
     "ProtocolError",
     "ReleaseAck",
     "ReleaseOrder",
+    "ReleaseOutcome",
     "ReleasePlan",
     "ReleaseRequest",
+    "ReleaseSums",
     "RemoteError",
     "SecureSumRequest",
     "SelectionMode",
@@ -74,6 +85,7 @@ __all__ = [
     "StageOrderError",
     "StageTracker",
     "VersionMismatchError",
+    "VoteSum",
     "WireMessage",
     "arrays_from_record",
     "arrays_to_record",
@@ -82,7 +94,9 @@ __all__ = [
     "message_arrays_from_record",
     "message_from_record",
     "message_to_record",
+    "plan_calibration",
     "plan_hash",
+    "run_release",
     "secure_sum_request_from_config",
     "secure_sum_request_to_config",
 ]

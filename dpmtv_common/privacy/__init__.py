@@ -11,6 +11,7 @@ from dpmtv_common.privacy.accounting import (
     epsilon_per_pick_from_share,
 )
 from dpmtv_common.privacy.budget import PrivacyBudget
+from dpmtv_common.privacy.calibration import ReleaseCalibration
 from dpmtv_common.privacy.events import ReleaseEvent
 from dpmtv_common.privacy.ledger import LedgerEntry, PrivacyLedger, ReleaseState, Reservation
 from dpmtv_common.privacy.mechanisms import (
@@ -31,6 +32,7 @@ __all__ = [
     "NoiseSource",
     "PrivacyBudget",
     "PrivacyLedger",
+    "ReleaseCalibration",
     "ReleaseEvent",
     "ReleaseState",
     "Reservation",

@@ -1,0 +1,7 @@
+"""``dpmtv-site``: the commands a site admin runs (release, infer, evaluate, select-heads...)."""
+
+from __future__ import annotations
+
+from client.cli.main import main
+
+__all__ = ["main"]

@@ -1,0 +1,83 @@
+"""``dpmtv-site select-heads``: a head list from PUBLIC data (no privacy cost)."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from client.chunking import make_chunks
+from client.cli._common import add_model_options, load_site_model, settings_from, write_heads_file
+from client.data import load_dataset
+from client.public_selection import (
+    ReinforceSettings,
+    SelectionMethod,
+    public_activations,
+    select_heads_attribution,
+    select_heads_reinforce,
+    suggested_clip_norm,
+)
+from dpmtv_common.errors import ConfigError
+
+__all__ = ["register"]
+
+
+def register(sub: Any) -> None:
+    """Add the ``select-heads`` sub-command."""
+    parser = sub.add_parser(
+        "select-heads",
+        help="choose heads on PUBLIC data -> heads.json for --selection public",
+        description="Never run this on private data: it has no privacy protection. It also "
+        "suggests a clip norm C (median per-layer norm of the chosen heads on the public data).",
+    )
+    add_model_options(parser)
+    parser.add_argument("--data", type=Path, help="PUBLIC labelled dataset folder")
+    parser.add_argument("--out", type=Path, required=True, help="heads file to write (JSON)")
+    parser.add_argument("--k", type=int, default=8, help="heads to keep (attribution)")
+    parser.add_argument("--shots", type=int, default=4)
+    parser.add_argument(
+        "--method", choices=[m.value for m in SelectionMethod], default="attribution"
+    )
+    parser.add_argument("--max-chunks", type=int, default=200)
+    parser.add_argument("--queries", type=int, default=64, help="public zero-shot queries used")
+    parser.add_argument("--steps", type=int, default=600, help="REINFORCE steps (MTV: 600)")
+    parser.add_argument("--samples", type=int, default=32, help="REINFORCE samples (MTV: 32)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.set_defaults(handler=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    """Select heads and write the heads file."""
+    settings = settings_from(args)
+    if settings.data_path is None:
+        raise ConfigError("select-heads needs --data DIR (a PUBLIC dataset).")
+    dataset = load_dataset(settings.data_path)
+    loaded = load_site_model(settings)
+    chunks = make_chunks(dataset, shots=args.shots, seed=args.seed, max_chunks=args.max_chunks)
+    acts = public_activations(
+        loaded, chunks.chunks, batch_size=settings.batch_size, instruction=dataset.instruction
+    )
+    mean = acts.mean(0)
+    queries = [chunk.query for chunk in chunks.chunks][: args.queries]
+    if SelectionMethod(args.method) is SelectionMethod.REINFORCE:
+        settings_rl = ReinforceSettings(steps=args.steps, samples=args.samples, seed=args.seed)
+        heads = select_heads_reinforce(
+            loaded, mean, queries, settings=settings_rl, instruction=dataset.instruction
+        )
+    else:
+        heads = select_heads_attribution(
+            loaded, mean, queries, k=args.k, instruction=dataset.instruction
+        )
+    clip = suggested_clip_norm(acts, heads)
+    write_heads_file(
+        args.out,
+        heads,
+        clip_norm_suggestion=clip,
+        method=args.method,
+        model_fingerprint=loaded.fingerprint,
+        public_chunks=len(chunks.chunks),
+        shots=args.shots,
+    )
+    print(f"{len(heads)} heads over {heads.num_layers_in_scope} layers -> {args.out}")
+    print(f"suggested clip norm C = {clip:.4g} (median per-layer norm on public data)")
+    return 0

@@ -1,0 +1,229 @@
+"""Read and overwrite per-head attention outputs at the last prompt token.
+
+How this connects:
+
+- **Where.** Every decoder layer ends its attention in ``o_proj``, a linear map whose
+  *input* ``(batch, seq, H * D)`` is the concatenation of the ``H`` heads' outputs (head ``h``
+  in columns ``h * D:(h + 1) * D``). ``client.models.adapters`` says where those projections
+  are in each architecture and what ``H`` and ``D`` are; this module never branches on names.
+- **How.** Plain torch ``forward_pre_hook``s on those projections, as MTV's official code
+  intervenes on the same input. Every hook goes through :func:`registered_pre_hooks`, which
+  removes all handles in ``finally``: no hook outlives its ``with`` block, also on error.
+- **What for.** :func:`capture_last_token_heads` reads the activations that sites average,
+  clip and release (design.md §1, step 2). :func:`patch_heads` writes a released task vector
+  back at inference (step 8), under one of two :class:`PatchPolicy` values.
+- **Position.** Both act at position ``-1``. Prompts are left-padded
+  (``ModelAdapter.build_batch_inputs``), so ``-1`` is every row's last prompt token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+import numpy.typing as npt
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+from transformers import PreTrainedModel
+
+from client.models.adapters import HeadShape, ModelAdapter
+from dpmtv_common.errors import ConfigError, ModelError
+from dpmtv_common.heads import HeadSet
+
+__all__ = [
+    "HeadCapture",
+    "PatchPolicy",
+    "PatchRecord",
+    "capture_last_token_heads",
+    "patch_heads",
+    "registered_pre_hooks",
+]
+
+PreHook = Callable[[nn.Module, tuple[Any, ...]], tuple[Any, ...] | None]
+
+
+class PatchPolicy(StrEnum):
+    """Which forward calls :func:`patch_heads` overwrites (always at the last position)."""
+
+    PROMPT_LAST_TOKEN = "prompt-last-token"  # noqa: S105 (a policy name, not a secret)
+    """Only calls with ``seq_len > 1``: in KV-cache ``generate()``, the prefill's last token.
+    A one-token prompt, or speculative decoding, would break this rule of thumb."""
+    EVERY_CALL = "every-call"
+    """Every call, so also each generated token (what MTV's official code does)."""
+
+
+@contextmanager
+def registered_pre_hooks(
+    hooks: Iterable[tuple[nn.Module, PreHook]],
+) -> Iterator[list[RemovableHandle]]:
+    """Register forward pre-hooks for the ``with`` block and remove them all on exit.
+
+    Args:
+        hooks: ``(module, hook)`` pairs; each hook may return replacement positional args.
+
+    Yields:
+        The handles, in registration order (``remove()`` is idempotent).
+    """
+    handles: list[RemovableHandle] = []
+    try:
+        for module, hook in hooks:
+            handles.append(module.register_forward_pre_hook(hook))
+        yield handles
+    finally:
+        for handle in handles:
+            handle.remove()
+
+
+def _head_input(args: tuple[Any, ...], shape: HeadShape) -> torch.Tensor:
+    """Return ``o_proj``'s input from hook args, checked to be ``(batch, seq, H * D)``."""
+    hidden = args[0]
+    if not isinstance(hidden, torch.Tensor) or hidden.ndim != 3:
+        raise ModelError(f"o_proj input must be a (batch, seq, H*D) tensor, got {type(hidden)}.")
+    return hidden
+
+
+@dataclass
+class HeadCapture:
+    """Last-position head activations recorded by :func:`capture_last_token_heads`.
+
+    ``calls[l]`` holds one float32 CPU tensor ``(batch, H, D)`` per forward call of layer ``l``.
+    """
+
+    shape: HeadShape
+    calls: list[list[torch.Tensor]] = field(default_factory=list)
+
+    def activations(self) -> torch.Tensor:
+        """Stack the recorded calls into one float32 tensor ``(batch_total, L, H, D)``.
+
+        Calls are concatenated along the batch axis, in call order.
+
+        Raises:
+            ModelError: Nothing was recorded, or layers saw different numbers of calls.
+        """
+        counts = {len(layer_calls) for layer_calls in self.calls}
+        if counts == {0}:
+            raise ModelError("capture must see at least one forward pass, got none.")
+        if len(counts) != 1:
+            raise ModelError(f"every layer must see the same calls, got counts {sorted(counts)}.")
+        per_call = [torch.stack(step, dim=1) for step in zip(*self.calls, strict=True)]
+        return torch.cat(per_call, dim=0)
+
+
+@contextmanager
+def capture_last_token_heads(
+    model: PreTrainedModel, adapter: ModelAdapter
+) -> Iterator[HeadCapture]:
+    """Record every layer's per-head ``o_proj`` input at the last position of each forward.
+
+    Use it around plain forward passes (in ``generate()`` each decoding step is a call too).
+
+    Yields:
+        A :class:`HeadCapture`; call ``activations()`` after the forward passes.
+    """
+    shape = adapter.head_shape(model)
+    capture = HeadCapture(shape, [[] for _ in range(shape.num_layers)])
+
+    def make_hook(layer: int) -> PreHook:
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
+            hidden = _head_input(args, shape)
+            last = hidden[:, -1].detach().reshape(hidden.shape[0], shape.num_heads, shape.head_dim)
+            capture.calls[layer].append(last.to(device="cpu", dtype=torch.float32))
+
+        return hook
+
+    projections = adapter.output_projections(model)
+    with registered_pre_hooks((p, make_hook(i)) for i, p in enumerate(projections)):
+        yield capture
+
+
+@dataclass
+class PatchRecord:
+    """How often :func:`patch_heads` overwrote each patched layer (``layer -> calls``)."""
+
+    calls_by_layer: dict[int, int]
+
+    @property
+    def total_calls(self) -> int:
+        """Patched forward calls summed over layers."""
+        return sum(self.calls_by_layer.values())
+
+
+def _validated_values(
+    heads: HeadSet, values: torch.Tensor | npt.NDArray[np.floating[Any]], shape: HeadShape
+) -> torch.Tensor:
+    """Check ``heads`` against the model and ``values`` against ``heads``; return float32."""
+    if len(heads) == 0:
+        raise ConfigError("heads must hold at least one head, got an empty HeadSet.")
+    for layer, head in heads.heads:
+        if layer >= shape.num_layers or head >= shape.num_heads:
+            raise ConfigError(
+                f"heads must lie within {shape.num_layers} layers x {shape.num_heads} heads, "
+                f"got {(layer, head)!r}."
+            )
+    tensor = torch.as_tensor(values, dtype=torch.float32)
+    expected = (len(heads), shape.head_dim)
+    if tuple(tensor.shape) != expected:
+        raise ConfigError(
+            f"values must have shape (len(heads), head_dim) = {expected}, "
+            f"got {tuple(tensor.shape)}."
+        )
+    if not torch.isfinite(tensor).all():
+        raise ConfigError("values must be finite, got NaN or infinity.")
+    return tensor
+
+
+@contextmanager
+def patch_heads(
+    model: PreTrainedModel,
+    adapter: ModelAdapter,
+    heads: HeadSet,
+    values: torch.Tensor | npt.NDArray[np.floating[Any]],
+    *,
+    policy: PatchPolicy,
+) -> Iterator[PatchRecord]:
+    """Overwrite the given heads' ``o_proj`` input at the last position with ``values``.
+
+    Args:
+        model: The model to patch (its weights are never modified).
+        adapter: The model's adapter.
+        heads: The heads to overwrite; row ``i`` of ``values`` goes to ``heads.heads[i]``.
+        values: Activations, shape ``(len(heads), D)``; cast to the model's dtype per call.
+        policy: Which forward calls to patch (see :class:`PatchPolicy`).
+
+    Yields:
+        A :class:`PatchRecord` counting the patched calls per layer.
+
+    Raises:
+        ConfigError: A head is out of range, or ``values`` has the wrong shape.
+    """
+    shape = adapter.head_shape(model)
+    policy = PatchPolicy(policy)
+    table = _validated_values(heads, values, shape)
+    rows = heads.row_layers()
+    head_index = torch.as_tensor(heads.to_array()[:, 1])
+    record = PatchRecord({layer: 0 for layer in heads.layers})
+
+    def make_hook(layer: int) -> PreHook:
+        mask = torch.as_tensor(rows == layer)
+        index, layer_values = head_index[mask], table[mask]  # (k,), (k, D)
+
+        def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
+            hidden = _head_input(args, shape)
+            if policy is PatchPolicy.PROMPT_LAST_TOKEN and hidden.shape[1] == 1:
+                return None
+            patched = hidden.clone(memory_format=torch.contiguous_format)
+            per_head = patched.view(*hidden.shape[:2], shape.num_heads, shape.head_dim)
+            per_head[:, -1, index.to(hidden.device)] = layer_values.to(hidden)
+            record.calls_by_layer[layer] += 1
+            return (patched, *args[1:])
+
+        return hook
+
+    projections = adapter.output_projections(model)
+    with registered_pre_hooks((projections[layer], make_hook(layer)) for layer in heads.layers):
+        yield record

@@ -1,0 +1,104 @@
+"""Answer queries with a model, optionally patched with a released task vector.
+
+Patching is free post-processing of the released vector: every query a site answers with it
+costs no further privacy. Answers are generated greedily and cut at the first line or
+sentence end, as MTV's evaluation does.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator, Sequence
+from contextlib import ExitStack, contextmanager
+from dataclasses import dataclass
+
+import torch
+from tqdm import tqdm
+
+from client.hooks import PatchPolicy, patch_heads
+from client.models import LoadedModel, Prompt
+from dpmtv_common.errors import ConfigError
+from dpmtv_common.heads import HeadSet
+
+__all__ = ["TaskVectorPatch", "first_answer_span", "generate_answers"]
+
+
+def first_answer_span(text: str) -> str:
+    """The generated answer up to its first line break or sentence-ending period."""
+    line = text.strip().split("\n", 1)[0]
+    match = re.search(r"(?<!\d)\.(?!\d)", line)
+    return (line[: match.start()] if match else line).strip()
+
+
+@dataclass(frozen=True)
+class TaskVectorPatch:
+    """Which heads to overwrite, with what, and when.
+
+    Attributes:
+        heads: The released heads.
+        values: float32 ``(len(heads), D)``, the released mean activations.
+        policy: ``prompt-last-token`` or MTV's ``every-call``.
+    """
+
+    heads: HeadSet
+    values: torch.Tensor
+    policy: PatchPolicy = PatchPolicy.PROMPT_LAST_TOKEN
+
+
+@contextmanager
+def _maybe_patched(loaded: LoadedModel, patch: TaskVectorPatch | None) -> Iterator[None]:
+    with ExitStack() as stack:
+        if patch is not None:
+            stack.enter_context(
+                patch_heads(
+                    loaded.model, loaded.adapter, patch.heads, patch.values, policy=patch.policy
+                )
+            )
+        yield
+
+
+@torch.no_grad()
+def _generate_batch(
+    loaded: LoadedModel, prompts: Sequence[Prompt], *, instruction: str | None, max_new_tokens: int
+) -> list[str]:
+    inputs = loaded.adapter.build_batch_inputs(loaded.processor, prompts, instruction=instruction)
+    inputs = inputs.to(loaded.model.device)
+    tokenizer = loaded.processor.tokenizer
+    output = loaded.model.generate(  # type: ignore[operator]
+        **inputs,
+        max_new_tokens=max_new_tokens,
+        do_sample=False,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    new_tokens = output[:, inputs["input_ids"].shape[1] :]
+    texts = tokenizer.batch_decode(new_tokens, skip_special_tokens=True)
+    return [first_answer_span(text) for text in texts]
+
+
+def generate_answers(
+    loaded: LoadedModel,
+    prompts: Sequence[Prompt],
+    *,
+    patch: TaskVectorPatch | None = None,
+    instruction: str | None = None,
+    max_new_tokens: int = 10,
+    batch_size: int = 8,
+    progress: bool = False,
+) -> list[str]:
+    """Greedy answers to ``prompts``, patched with ``patch`` when given."""
+    if max_new_tokens < 1:
+        raise ConfigError(f"max_new_tokens must be >= 1, got {max_new_tokens!r}.")
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size!r}.")
+    answers: list[str] = []
+    with (
+        _maybe_patched(loaded, patch),
+        tqdm(total=len(prompts), desc="answer", unit="query", disable=not progress) as bar,
+    ):
+        for start in range(0, len(prompts), batch_size):
+            batch = prompts[start : start + batch_size]
+            answers += _generate_batch(
+                loaded, batch, instruction=instruction, max_new_tokens=max_new_tokens
+            )
+            bar.update(len(batch))
+    return answers

@@ -1,0 +1,51 @@
+"""The model side of a site: adapters, prompts, loading and tiny offline builds.
+
+Import from here, not from the modules: ``from client.models import load_model, Example``.
+"""
+
+from __future__ import annotations
+
+from client.models.adapters import (
+    HeadShape,
+    ModelAdapter,
+    adapter_for,
+    get_adapter,
+    register_adapter,
+    supported_model_types,
+)
+from client.models.loading import (
+    LoadedModel,
+    ensure_processor_shim,
+    load_model,
+    resolve_device,
+    resolve_dtype,
+)
+from client.models.prompts import Example, Message, Prompt, prompt_to_messages
+from client.models.tiny import (
+    TINY_ARCHITECTURES,
+    TINY_IMAGE_SIZE,
+    build_tiny_model,
+    save_tiny_model,
+)
+
+__all__ = [
+    "Example",
+    "HeadShape",
+    "LoadedModel",
+    "Message",
+    "ModelAdapter",
+    "Prompt",
+    "TINY_ARCHITECTURES",
+    "TINY_IMAGE_SIZE",
+    "adapter_for",
+    "build_tiny_model",
+    "ensure_processor_shim",
+    "get_adapter",
+    "load_model",
+    "prompt_to_messages",
+    "register_adapter",
+    "resolve_device",
+    "resolve_dtype",
+    "save_tiny_model",
+    "supported_model_types",
+]

@@ -1,0 +1,161 @@
+"""Load a vision-language model, its processor and its adapter from a local directory.
+
+Nothing here touches the network: every ``from_pretrained`` call sets
+``local_files_only=True``, so ``HF_HUB_OFFLINE=1`` is enough and a missing file fails fast.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, cast
+
+import torch
+from torch import nn
+from transformers import (
+    AutoConfig,
+    AutoModelForImageTextToText,
+    AutoProcessor,
+    PreTrainedModel,
+    ProcessorMixin,
+)
+
+# The real class: ``transformers.AutoVideoProcessor`` is a placeholder without torchvision.
+from transformers.models.auto.video_processing_auto import AutoVideoProcessor
+from transformers.utils.hub import PushToHubMixin
+from transformers.utils.import_utils import is_torchvision_available
+
+from client.models.adapters import ModelAdapter, get_adapter
+from dpmtv_common.errors import ConfigError, ModelError
+from dpmtv_common.fingerprint import fingerprint_model_dir
+
+__all__ = ["LoadedModel", "ensure_processor_shim", "load_model", "resolve_device", "resolve_dtype"]
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    """A model ready for hooks: in eval mode, on its device, with what describes it.
+
+    Attributes:
+        model: The ``*ForConditionalGeneration`` model.
+        processor: Its processor (tokenizer + image processor + chat template).
+        adapter: The registry entry for ``model.config.model_type``.
+        fingerprint: ``fingerprint_model_dir`` of the directory it was read from; task-vector
+            artifacts record it, and a site refuses a vector made for another model.
+    """
+
+    model: PreTrainedModel
+    processor: ProcessorMixin
+    adapter: ModelAdapter
+    fingerprint: str
+
+
+class _AbsentSubprocessor(PushToHubMixin):
+    """Stands in for a ``None`` sub-processor while a processor is saved; serialises to null."""
+
+    _auto_class = None
+
+    def to_dict(self) -> None:
+        return None
+
+
+def ensure_processor_shim() -> None:
+    """Let image-only processors live without a video processor when torchvision is missing.
+
+    transformers' video processors need torchvision, and processors that own one (Qwen2-VL,
+    Qwen2.5-VL, SmolVLM) then refuse to be built, saved or loaded. torchvision cannot be
+    installed next to the CPU torch this project pins, and dpmtv never feeds video, so the
+    video processor is ``None``: accepted at construction, written as ``null`` by
+    ``save_pretrained``, and read back as ``None`` by ``from_pretrained``. Idempotent; does
+    nothing when torchvision is available.
+    """
+    if is_torchvision_available() or getattr(ProcessorMixin, "_dpmtv_shim", False):
+        return
+    check = ProcessorMixin.check_argument_for_proper_class
+    save = ProcessorMixin.save_pretrained
+
+    def check_allowing_none(self: ProcessorMixin, name: str, argument: Any) -> Any:
+        return None if argument is None else check(self, name, argument)  # type: ignore[no-untyped-call]
+
+    def save_allowing_none(self: ProcessorMixin, *args: Any, **kwargs: Any) -> Any:
+        attributes = self.get_attributes()  # type: ignore[no-untyped-call]
+        absent = [name for name in attributes if getattr(self, name) is None]
+        for name in absent:
+            setattr(self, name, _AbsentSubprocessor())
+        try:
+            return save(self, *args, **kwargs)
+        finally:
+            for name in absent:
+                setattr(self, name, None)
+
+    def no_video_processor(*args: Any, **kwargs: Any) -> None:
+        return None
+
+    ProcessorMixin.check_argument_for_proper_class = check_allowing_none  # type: ignore[method-assign]
+    ProcessorMixin.save_pretrained = save_allowing_none  # type: ignore[method-assign]
+    AutoVideoProcessor.from_pretrained = staticmethod(no_video_processor)  # type: ignore[method-assign]
+    ProcessorMixin._dpmtv_shim = True  # type: ignore[attr-defined]
+
+
+def resolve_device(device: str | None) -> torch.device:
+    """Return ``device``, or CUDA when available and CPU otherwise."""
+    if device is None:
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        resolved = torch.device(device)
+    except RuntimeError as exc:
+        raise ConfigError(f"device must be a torch device such as 'cpu', got {device!r}.") from exc
+    if resolved.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device must be available, got {device!r} on a machine without CUDA.")
+    return resolved
+
+
+def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
+    """Return ``dtype``, or bfloat16 on GPU and float32 on CPU."""
+    if dtype is None:
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    try:
+        return _DTYPES[dtype]
+    except KeyError:
+        raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}.") from None
+
+
+def load_model(
+    path: str | os.PathLike[str], *, device: str | None = None, dtype: str | None = None
+) -> LoadedModel:
+    """Load the model, processor and adapter saved in directory ``path``.
+
+    Args:
+        path: A local directory written by ``save_pretrained`` (model and processor).
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default CUDA when available.
+        dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``; default bfloat16 on GPU,
+            float32 on CPU.
+
+    Raises:
+        ConfigError: ``path``, ``device`` or ``dtype`` is unusable.
+        UnsupportedArchitectureError: No adapter serves the saved ``model_type``.
+        ModelError: transformers cannot read the model or processor.
+    """
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ConfigError(f"path must be an existing model directory, got {str(path)!r}.")
+    torch_device = resolve_device(device)
+    torch_dtype = resolve_dtype(dtype, torch_device)
+    ensure_processor_shim()
+    try:
+        config = AutoConfig.from_pretrained(directory, local_files_only=True)
+        adapter = get_adapter(str(config.model_type))  # fail before reading any weights
+        model = AutoModelForImageTextToText.from_pretrained(
+            directory, local_files_only=True, dtype=torch_dtype
+        )
+        processor = AutoProcessor.from_pretrained(  # type: ignore[no-untyped-call]
+            directory, local_files_only=True
+        )
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelError(f"path must hold a saved model and processor, got {str(path)!r}.") from exc
+    cast(nn.Module, model).to(torch_device).eval()  # in place; the typed .to() is mis-annotated
+    adapter.head_shape(model)  # validates the hook sites now, not at the first forward
+    return LoadedModel(model, processor, adapter, fingerprint_model_dir(directory))

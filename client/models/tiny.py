@@ -1,0 +1,251 @@
+"""Tiny random-weight builds of each supported architecture, made offline for tests and demos.
+
+Each build is the real transformers model class and the real processor class, from a
+configuration of a few hundred thousand parameters (text: hidden 64, 2 layers, 4 heads of 16;
+vision: hidden 32, 2 layers; 56-pixel images), with a byte-level BPE tokenizer trained on the
+fly and the architecture's chat template. Nothing is downloaded. The weights are random: the
+outputs mean nothing, but shapes, hooks, prompts and save/load behave as for a real checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import transformers as tf
+from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
+from tokenizers.models import BPE
+from transformers import PreTrainedModel, PreTrainedTokenizerFast, ProcessorMixin
+
+from client.models.adapters import get_adapter
+from client.models.loading import ensure_processor_shim
+from dpmtv_common.errors import ConfigError
+
+__all__ = ["TINY_ARCHITECTURES", "TINY_IMAGE_SIZE", "build_tiny_model", "save_tiny_model"]
+
+TINY_IMAGE_SIZE = 56
+"""Side in pixels of the images the tiny processors produce (4 x 4 patches of 14)."""
+
+_TEXT: dict[str, Any] = {
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 2048,
+}
+_VISION: dict[str, Any] = {
+    "hidden_size": 32,
+    "intermediate_size": 64,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+}
+_CORPUS = [
+    "User: What is in the image? Assistant: a cat, a dog, a red square, a blue circle. "
+    "Answer: one two three four five six seven eight nine ten yes no left right up down."
+] * 20
+_QWEN_SPECIALS = ("<|im_start|>", "<|im_end|>", "<|vision_start|>", "<|vision_end|>")
+_IDEFICS_SPECIALS = ("<fake_token_around_image>", "<image>", "<global-img>", "<end_of_utterance>")
+
+Built = tuple[PreTrainedModel, ProcessorMixin]
+
+
+def _tokenizer(specials: tuple[str, ...], extra: dict[str, str]) -> PreTrainedTokenizerFast:
+    """Train a 400-token byte-level BPE on a fixed corpus (deterministic) and wrap it."""
+    backend = Tokenizer(BPE(unk_token=None))
+    backend.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    backend.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<pad>", "<s>", "</s>", "<unk>", *specials, *extra.values()],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    backend.train_from_iterator(_CORPUS, trainer)
+    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
+        tokenizer_object=backend,
+        bos_token="<s>",  # noqa: S106 (tokens, not secrets; likewise below)
+        eos_token="</s>",  # noqa: S106
+        pad_token="<pad>",  # noqa: S106
+        unk_token="<unk>",  # noqa: S106
+        extra_special_tokens=extra,
+    )
+
+
+def _token_id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if not isinstance(token_id, int):
+        raise ConfigError(f"token must map to one id, got {token!r} -> {token_id!r}.")
+    return token_id
+
+
+def _text(tokenizer: PreTrainedTokenizerFast, **overrides: Any) -> dict[str, Any]:
+    ids = {
+        "bos_token_id": tokenizer.bos_token_id,
+        "eos_token_id": tokenizer.eos_token_id,
+        "pad_token_id": tokenizer.pad_token_id,
+    }
+    return {**_TEXT, "vocab_size": len(tokenizer), **ids, **overrides}
+
+
+def _llava() -> Built:
+    tok = _tokenizer((), {"image_token": "<image>"})
+    config = tf.LlavaConfig(
+        vision_config={
+            **_VISION,
+            "model_type": "clip_vision_model",
+            "image_size": TINY_IMAGE_SIZE,
+            "patch_size": 14,
+            "projection_dim": 32,
+        },
+        text_config=_text(tok, model_type="llama"),
+        image_token_index=_token_id(tok, "<image>"),
+        vision_feature_layer=-2,
+        vision_feature_select_strategy="default",
+        image_seq_length=16,
+    )
+    size = TINY_IMAGE_SIZE
+    images = tf.CLIPImageProcessorPil(
+        size={"shortest_edge": size}, crop_size={"height": size, "width": size}
+    )
+    processor = tf.LlavaProcessor(  # type: ignore[no-untyped-call]
+        images,
+        tok,
+        patch_size=14,
+        vision_feature_select_strategy="default",
+        num_additional_image_tokens=1,
+    )
+    return tf.LlavaForConditionalGeneration(config), processor
+
+
+def _qwen(config_class: Any, model_class: Any, processor_class: Any, vision: Any) -> Built:
+    tok = _tokenizer(
+        _QWEN_SPECIALS, {"image_token": "<|image_pad|>", "video_token": "<|video_pad|>"}
+    )
+    ids = {s: _token_id(tok, s) for s in (*_QWEN_SPECIALS, "<|image_pad|>")}
+    rope = {"rope_type": "default", "rope_theta": 1e4, "mrope_section": [2, 3, 3]}
+    config = config_class(
+        text_config=_text(tok, head_dim=16, rope_parameters=rope),
+        vision_config=vision,
+        image_token_id=ids["<|image_pad|>"],
+        video_token_id=_token_id(tok, "<|video_pad|>"),
+        vision_start_token_id=ids["<|vision_start|>"],
+        vision_end_token_id=ids["<|vision_end|>"],
+    )
+    images = tf.Qwen2VLImageProcessorPil(
+        min_pixels=14 * 14 * 16, max_pixels=14 * 14 * 16, patch_size=14
+    )
+    processor = processor_class(image_processor=images, tokenizer=tok, video_processor=None)
+    return model_class(config), processor
+
+
+def _qwen2_vl() -> Built:
+    vision = {
+        "depth": 2,
+        "embed_dim": 32,
+        "hidden_size": 64,
+        "num_heads": 4,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+    }
+    return _qwen(tf.Qwen2VLConfig, tf.Qwen2VLForConditionalGeneration, tf.Qwen2VLProcessor, vision)
+
+
+def _qwen2_5_vl() -> Built:
+    vision = {
+        "depth": 2,
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "out_hidden_size": 64,
+        "num_heads": 4,
+        "patch_size": 14,
+        "spatial_merge_size": 2,
+        "temporal_patch_size": 2,
+        "window_size": 56,
+        "fullatt_block_indexes": [1],
+    }
+    return _qwen(
+        tf.Qwen2_5_VLConfig, tf.Qwen2_5_VLForConditionalGeneration, tf.Qwen2_5_VLProcessor, vision
+    )
+
+
+def _idefics(
+    config_class: Any, model_class: Any, processor_class: Any, specials: Any, **extra: Any
+) -> Built:
+    tok = _tokenizer(specials, {"image_token": "<image>"})
+    config = config_class(
+        vision_config={**_VISION, "image_size": TINY_IMAGE_SIZE, "patch_size": 14},
+        text_config=_text(tok, model_type="llama"),
+        image_token_id=_token_id(tok, "<image>"),
+        scale_factor=2,
+    )
+    edge = {"longest_edge": TINY_IMAGE_SIZE}
+    images = tf.Idefics3ImageProcessorPil(do_image_splitting=False, size=edge, max_image_size=edge)
+    # image_seq_len = (56 / 14) ** 2 / scale_factor ** 2 = 4 tokens an image.
+    processor = processor_class(images, tok, image_seq_len=4, **extra)
+    return model_class(config), processor
+
+
+def _idefics3() -> Built:
+    return _idefics(
+        tf.Idefics3Config,
+        tf.Idefics3ForConditionalGeneration,
+        tf.Idefics3Processor,
+        _IDEFICS_SPECIALS,
+    )
+
+
+def _smolvlm() -> Built:
+    return _idefics(
+        tf.SmolVLMConfig,
+        tf.SmolVLMForConditionalGeneration,
+        tf.SmolVLMProcessor,
+        ("<|im_start|>", *_IDEFICS_SPECIALS),
+        video_processor=None,
+    )
+
+
+_BUILDERS: dict[str, Callable[[], Built]] = {
+    "idefics3": _idefics3,
+    "llava": _llava,
+    "qwen2_5_vl": _qwen2_5_vl,
+    "qwen2_vl": _qwen2_vl,
+    "smolvlm": _smolvlm,
+}
+TINY_ARCHITECTURES: tuple[str, ...] = tuple(sorted(_BUILDERS))
+"""The ``model_type`` values :func:`build_tiny_model` can build."""
+
+
+def build_tiny_model(arch: str, *, seed: int) -> tuple[PreTrainedModel, ProcessorMixin]:
+    """Build a tiny random-weight model of ``arch`` and its processor, in eval mode on CPU.
+
+    The global torch RNG is forked around weight initialisation, so building a model does
+    not disturb the caller's random state; equal seeds give equal weights.
+
+    Args:
+        arch: One of :data:`TINY_ARCHITECTURES` (a ``config.model_type``).
+        seed: Seed for the weight initialisation.
+    """
+    try:
+        builder = _BUILDERS[arch]
+    except KeyError:
+        raise ConfigError(
+            f"arch must be one of {list(TINY_ARCHITECTURES)}, got {arch!r}."
+        ) from None
+    ensure_processor_shim()
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model, processor = builder()
+    processor.chat_template = get_adapter(arch).chat_template
+    model.train(False)  # eval mode; .eval() is untyped in transformers
+    return model, processor
+
+
+def save_tiny_model(arch: str, directory: str | os.PathLike[str], *, seed: int) -> None:
+    """Build a tiny ``arch`` model and save it and its processor where ``load_model`` reads."""
+    model, processor = build_tiny_model(arch, seed=seed)
+    model.save_pretrained(directory)
+    processor.save_pretrained(directory)

@@ -1,0 +1,188 @@
+"""Per-chunk head scores for private selection: each chunk votes for its top-r heads.
+
+A chunk's vote vector has one entry per head of the model, 1 for its r best heads and 0
+elsewhere, so it lies in [0, 1] per head: replacing one chunk moves any head's summed score
+by at most 1 (Δ∞ = 1, the sensitivity the Gumbel top-k is calibrated to). Two ways to rank:
+
+* ``shift`` — ‖z_h(K-shot prompt) − z_h(zero-shot query)‖: heads whose last-token output the
+  demonstrations change most (two forward passes a chunk).
+* ``attribution`` — attribution patching (Nanda 2023; Syed et al. 2023): the first-order gain
+  in log p(first answer token) of the zero-shot query when head h is overwritten with a
+  reference value, (ref_h − z_h)·∂log p/∂z_h. One forward and one backward pass a chunk. The
+  reference is the chunk's own K-shot activation (select-first) or the released noisy vector
+  (release-first, where selection happens after the Gaussian release).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import numpy as np
+import torch
+from torch import nn
+from tqdm import tqdm
+
+from client.chunking import Chunk
+from client.extraction import batched, chunk_prompt, forward_last_token_heads, zero_shot_prompt
+from client.hooks import registered_pre_hooks
+from client.models import LoadedModel, Prompt
+from dpmtv_common.aliases import Float64Array
+from dpmtv_common.errors import ConfigError, ModelError
+
+__all__ = [
+    "HeadVotes",
+    "ScoreMethod",
+    "answer_token_ids",
+    "chunk_head_votes",
+    "last_token_attribution",
+    "top_r_votes",
+]
+
+
+class ScoreMethod(StrEnum):
+    """How a chunk ranks heads before voting for its top r."""
+
+    SHIFT = "shift"
+    ATTRIBUTION = "attribution"
+
+
+@dataclass(frozen=True)
+class HeadVotes:
+    """Summed votes: ``total[l * H + h]`` counts the chunks that voted for head (l, h)."""
+
+    total: Float64Array
+    num_chunks: int
+
+
+def top_r_votes(scores: np.ndarray, top_r: int) -> Float64Array:
+    """1.0 for the ``top_r`` largest entries of each row of ``scores`` (B, n), else 0.0."""
+    if not 1 <= top_r <= scores.shape[1]:
+        raise ConfigError(f"top_r must lie in [1, {scores.shape[1]}], got {top_r!r}.")
+    votes = np.zeros(scores.shape, dtype=np.float64)
+    best = np.argsort(-scores, axis=1, kind="stable")[:, :top_r]
+    np.put_along_axis(votes, best, 1.0, axis=1)
+    return votes
+
+
+def answer_token_ids(loaded: LoadedModel, answers: Sequence[str]) -> torch.Tensor:
+    """The first token of each answer, as MTV scores its first answer token."""
+    tokenizer = loaded.processor.tokenizer
+    ids = []
+    for answer in answers:
+        encoded = tokenizer(answer, add_special_tokens=False)["input_ids"]
+        if not encoded:
+            raise ConfigError(f"answer must tokenize to at least one token, got {answer!r}.")
+        ids.append(int(encoded[0]))
+    return torch.tensor(ids)
+
+
+@contextmanager
+def _frozen_parameters(model: nn.Module) -> Iterator[None]:
+    """Gradients flow to activations only; parameters keep their flags afterwards."""
+    flags = [p.requires_grad for p in model.parameters()]
+    try:
+        for parameter in model.parameters():
+            parameter.requires_grad_(False)
+        yield
+    finally:
+        for parameter, flag in zip(model.parameters(), flags, strict=True):
+            parameter.requires_grad_(flag)
+
+
+def last_token_attribution(
+    loaded: LoadedModel,
+    prompts: Sequence[Prompt],
+    answers: Sequence[str],
+    *,
+    instruction: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Last-token head activations and ∂ log p(first answer token)/∂ activation.
+
+    Returns:
+        ``(activations, gradients)``, both float32 ``(B, L, H, D)``.
+    """
+    model, adapter = loaded.model, loaded.adapter
+    shape = adapter.head_shape(model)
+    inputs = adapter.build_batch_inputs(loaded.processor, prompts, instruction=instruction)
+    inputs = inputs.to(model.device)
+    offsets: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+
+    def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
+        hidden = args[0]
+        offset = torch.zeros_like(hidden[:, -1], requires_grad=True)
+        offsets.append(offset)
+        values.append(hidden[:, -1].detach())
+        patched = torch.cat([hidden[:, :-1], (hidden[:, -1] + offset).unsqueeze(1)], dim=1)
+        return (patched, *args[1:])
+
+    targets = answer_token_ids(loaded, answers).to(model.device)
+    with _frozen_parameters(model), torch.enable_grad():
+        with registered_pre_hooks((p, hook) for p in adapter.output_projections(model)):
+            logits = model(**inputs).logits[:, -1].float()
+        logits.log_softmax(-1).gather(1, targets[:, None]).sum().backward()
+    if len(offsets) != shape.num_layers or any(o.grad is None for o in offsets):
+        raise ModelError("attribution must see one gradient per layer; the model skipped some.")
+    batch = len(prompts)
+    view = (batch, shape.num_layers, shape.num_heads, shape.head_dim)
+    acts = torch.stack(values, dim=1).float().reshape(view).cpu()
+    grads = torch.stack([o.grad for o in offsets if o.grad is not None], dim=1)
+    return acts, grads.float().reshape(view).cpu()
+
+
+def _chunk_scores(
+    loaded: LoadedModel,
+    batch: Sequence[Chunk],
+    method: ScoreMethod,
+    reference: torch.Tensor | None,
+    instruction: str | None,
+) -> np.ndarray:
+    """Scores ``(B, L * H)`` of the heads for each chunk of ``batch``."""
+    zero_shot = [zero_shot_prompt(chunk.query) for chunk in batch]
+    if method is ScoreMethod.SHIFT or reference is None:
+        shots = forward_last_token_heads(
+            loaded, [chunk_prompt(c) for c in batch], instruction=instruction
+        )
+    if method is ScoreMethod.SHIFT:
+        plain = forward_last_token_heads(loaded, zero_shot, instruction=instruction)
+        scores = (shots - plain).norm(dim=-1)
+    else:
+        answers = [chunk.query.answer for chunk in batch]
+        acts, grads = last_token_attribution(loaded, zero_shot, answers, instruction=instruction)
+        target = shots if reference is None else reference.expand_as(acts)
+        scores = ((target - acts) * grads).sum(dim=-1)
+    return np.asarray(scores.reshape(len(batch), -1).to(torch.float64).numpy())
+
+
+def chunk_head_votes(
+    loaded: LoadedModel,
+    chunks: Sequence[Chunk],
+    *,
+    top_r: int,
+    method: ScoreMethod = ScoreMethod.SHIFT,
+    reference: np.ndarray | None = None,
+    batch_size: int = 4,
+    instruction: str | None = None,
+    progress: bool = True,
+) -> HeadVotes:
+    """Sum every chunk's top-r vote over all heads of the model.
+
+    Args:
+        reference: For ``attribution``: values ``(L, H, D)`` to score against (the released
+            noisy vector in release-first order); None scores against each chunk's own
+            K-shot activation.
+    """
+    method = ScoreMethod(method)
+    ref = None if reference is None else torch.as_tensor(reference, dtype=torch.float32)
+    shape = loaded.adapter.head_shape(loaded.model)
+    total = np.zeros(shape.num_layers * shape.num_heads)
+    with tqdm(total=len(chunks), desc="score", unit="chunk", disable=not progress) as bar:
+        for batch in batched(chunks, batch_size):
+            scores = _chunk_scores(loaded, batch, method, ref, instruction)
+            total += top_r_votes(scores, top_r).sum(axis=0)
+            bar.update(len(batch))
+    return HeadVotes(total, len(chunks))

@@ -1,0 +1,19 @@
+"""The calibration both sides derive from a plan: a site reserves what the coordinator spends."""
+
+from __future__ import annotations
+
+from dpmtv_common.privacy.calibration import ReleaseCalibration
+from protocol.plan import ReleasePlan, SelectionMode
+
+__all__ = ["plan_calibration"]
+
+
+def plan_calibration(plan: ReleasePlan) -> ReleaseCalibration:
+    """Calibrate the plan's mechanisms: k Gumbel picks only in private selection mode."""
+    private_picks = plan.num_selected_heads if plan.selection is SelectionMode.PRIVATE else 0
+    return ReleaseCalibration.for_budget(
+        epsilon=plan.epsilon,
+        delta=plan.delta,
+        private_picks=private_picks,
+        selection_share=plan.selection_share,
+    )

@@ -1,0 +1,192 @@
+"""The stage sequence of one release, shared by the single-holder command and the coordinator.
+
+How this connects: whoever runs a release supplies a :class:`ReleaseSums` — local extraction
+for a single data holder (``client.release``), SecAgg+ secure sums over the sites for the
+federated coordinator (``server``). :func:`run_release` then does everything that touches
+privacy in exactly one place: it calibrates the plan, runs private selection (Gumbel top-k)
+and the single Gaussian draw in the plan's order, calls ``on_first_noise`` right before the
+first noisy output exists (ledgers mark the release exposed there), and returns the released
+heads and mean activations. Exactly one Gaussian draw happens per release, on the sum.
+
+Orders (design §1 step 6):
+
+* ``select-first``: votes → Gumbel top-k → S → clipped sum over S → one Gaussian draw.
+* ``release-first``: clipped sum over all heads → one Gaussian draw → votes scored against the
+  noisy vector (private mode) or the public list → keep the rows of S (post-processing).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Protocol
+
+import numpy as np
+
+from dpmtv_common.aliases import Float64Array
+from dpmtv_common.errors import ConfigError, InsufficientSharesError
+from dpmtv_common.heads import HeadSet
+from dpmtv_common.privacy.calibration import ReleaseCalibration
+from dpmtv_common.privacy.noise import NoiseSource
+from protocol.calibration import plan_calibration
+from protocol.plan import ReleaseOrder, ReleasePlan, SelectionMode
+
+__all__ = ["ActivationSum", "ReleaseOutcome", "ReleaseSums", "VoteSum", "run_release"]
+
+
+@dataclass(frozen=True)
+class ActivationSum:
+    """Σ over chunks of per-layer-clipped activations of ``heads``: ``(len(heads), D)``."""
+
+    heads: HeadSet
+    total: Float64Array
+    num_chunks: int
+
+
+@dataclass(frozen=True)
+class VoteSum:
+    """Σ over chunks of top-r head votes, ``(L * H,)`` in (layer, head) order."""
+
+    total: Float64Array
+    num_chunks: int
+
+
+class ReleaseSums(Protocol):
+    """Where a release's sums come from (local extraction, or secure sums over sites)."""
+
+    def activation_sum(self, heads: HeadSet) -> ActivationSum:
+        """Clipped activation sum over ``heads`` (clip norm from the plan)."""
+        ...
+
+    def vote_sum(self, reference: Float64Array | None) -> VoteSum:
+        """Top-r vote sum; ``reference`` is the noisy all-head vector ``(L, H, D)`` or None."""
+        ...
+
+
+@dataclass(frozen=True)
+class ReleaseOutcome:
+    """What a release produced and what it cost.
+
+    Attributes:
+        heads: The released heads.
+        values: Their noisy mean activations, float64 ``(len(heads), D)``.
+        num_chunks: m of the Gaussian sum (the divisor of the mean).
+        noise_std: σ of the Gaussian draw.
+        gaussian_heads: The heads the Gaussian ran on (all heads in release-first order).
+        calibration: The calibrated mechanisms and the (ε, δ) bound they meet.
+        signal_to_noise: ‖mean‖ / (σ/m · √(coordinates)) of the released vector, a
+            diagnostic computed from released (noisy) values only.
+    """
+
+    heads: HeadSet
+    values: Float64Array
+    num_chunks: int
+    noise_std: float
+    gaussian_heads: HeadSet
+    calibration: ReleaseCalibration
+    signal_to_noise: float
+
+
+def _noisy_mean(
+    summed: ActivationSum, plan: ReleasePlan, calibration: ReleaseCalibration, noise: NoiseSource
+) -> tuple[Float64Array, float]:
+    mechanism = calibration.gaussian(clip_norm=plan.clip_norm, heads=summed.heads)
+    mean = mechanism.noisy_mean(summed.total, num_chunks=summed.num_chunks, noise=noise)
+    return mean, mechanism.noise_std
+
+
+def _require_chunks(summed: ActivationSum) -> ActivationSum:
+    # Checked before the release is marked exposed: nothing noisy exists yet, so an abort
+    # here refunds every ledger.
+    if summed.num_chunks < 1:
+        raise InsufficientSharesError(
+            f"a release needs at least one chunk, got {summed.num_chunks}."
+        )
+    return summed
+
+
+def _rows(heads: HeadSet, subset: HeadSet) -> list[int]:
+    index = {head: row for row, head in enumerate(heads.heads)}
+    return [index[head] for head in subset.heads]
+
+
+def _select(
+    votes: VoteSum, calibration: ReleaseCalibration, noise: NoiseSource, num_heads: int
+) -> HeadSet:
+    picked = calibration.gumbel().select(votes.total, noise=noise)
+    return HeadSet.of((index // num_heads, index % num_heads) for index in picked)
+
+
+def _snr(values: Float64Array, noise_std: float, num_chunks: int) -> float:
+    """Debiased ‖signal‖/‖noise‖ of a released mean, from the released values alone."""
+    expected_noise_sq = (noise_std / num_chunks) ** 2 * values.size
+    ratio_sq = float(np.sum(values**2)) / expected_noise_sq - 1.0
+    return math.sqrt(max(ratio_sq, 0.0))
+
+
+def _once(callback: Callable[[], None]) -> Callable[[], None]:
+    called = False
+
+    def call() -> None:
+        nonlocal called
+        if not called:
+            called = True
+            callback()
+
+    return call
+
+
+def _check_public_heads(plan: ReleasePlan, num_layers: int, num_heads: int) -> None:
+    for layer, head in plan.public_heads or ():
+        if layer >= num_layers or head >= num_heads:
+            raise ConfigError(
+                f"public heads must lie within {num_layers} layers x {num_heads} heads, got "
+                f"{(layer, head)!r}."
+            )
+
+
+def run_release(
+    plan: ReleasePlan,
+    *,
+    sums: ReleaseSums,
+    num_layers: int,
+    num_heads: int,
+    noise: NoiseSource,
+    on_first_noise: Callable[[], None],
+) -> ReleaseOutcome:
+    """Run the plan's selection and its single Gaussian draw; see the module docstring."""
+    _check_public_heads(plan, num_layers, num_heads)
+    calibration = plan_calibration(plan)
+    exposed = _once(on_first_noise)
+    all_heads = HeadSet.all_heads(num_layers=num_layers, num_heads=num_heads)
+    fixed_scope = HeadSet(plan.public_heads) if plan.public_heads else all_heads
+    private = plan.selection is SelectionMode.PRIVATE
+    if plan.order is ReleaseOrder.SELECT_FIRST or plan.selection is SelectionMode.ALL:
+        scope = fixed_scope
+        if private:
+            votes = sums.vote_sum(None)
+            exposed()
+            scope = _select(votes, calibration, noise, num_heads)
+        summed = _require_chunks(sums.activation_sum(scope))
+        exposed()
+        values, noise_std = _noisy_mean(summed, plan, calibration, noise)
+        released = scope
+    else:
+        summed = _require_chunks(sums.activation_sum(all_heads))
+        exposed()
+        noisy_all, noise_std = _noisy_mean(summed, plan, calibration, noise)
+        released = fixed_scope
+        if private:
+            reference = noisy_all.reshape(num_layers, num_heads, -1)
+            released = _select(sums.vote_sum(reference), calibration, noise, num_heads)
+        values = noisy_all[_rows(all_heads, released)]
+    return ReleaseOutcome(
+        heads=released,
+        values=values,
+        num_chunks=summed.num_chunks,
+        noise_std=noise_std,
+        gaussian_heads=summed.heads,
+        calibration=calibration,
+        signal_to_noise=_snr(values, noise_std, summed.num_chunks),
+    )

@@ -1,0 +1,157 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pytest
+
+from dpmtv_common.errors import ConfigError, InsufficientSharesError
+from dpmtv_common.heads import HeadSet
+from dpmtv_common.privacy.testing import SeededNoise
+from protocol import (
+    PROTOCOL_VERSION,
+    ActivationSum,
+    ReleaseOrder,
+    ReleasePlan,
+    SelectionMode,
+    VoteSum,
+    run_release,
+)
+
+LAYERS, HEADS, DIM = 3, 4, 2
+
+
+def make_plan(selection: SelectionMode, order: ReleaseOrder, **overrides) -> ReleasePlan:
+    fields = {
+        "protocol_version": PROTOCOL_VERSION,
+        "release_id": "r1",
+        "task": "shapes",
+        "model_fingerprint": "sha256:abc",
+        "epsilon": 1.0,
+        "delta": 1e-5,
+        "shots": 2,
+        "clip_norm": 1.0,
+        "selection": selection,
+        "order": order,
+        "num_selected_heads": 2,
+        "public_heads": ((0, 1), (2, 3)) if selection is SelectionMode.PUBLIC else None,
+        "selection_share": 0.4,
+        "score_top_r": 2,
+        "min_sites": 1,
+        "max_chunks_per_site": None,
+        "created": "2026-11-29T00:00:00+00:00",
+    }
+    fields.update(overrides)
+    return ReleasePlan(**fields)
+
+
+@dataclass
+class FakeSums:
+    """In-memory sums: every head's sum is its (layer, head) index; votes favour heads 5, 9."""
+
+    num_chunks: int = 1000
+    log: list[str] = field(default_factory=list)
+    references: list[np.ndarray | None] = field(default_factory=list)
+
+    def activation_sum(self, heads: HeadSet) -> ActivationSum:
+        self.log.append(f"activations:{len(heads)}")
+        rows = np.array([[10.0 * layer + head] * DIM for layer, head in heads.heads])
+        return ActivationSum(heads, rows * self.num_chunks, self.num_chunks)
+
+    def vote_sum(self, reference):
+        self.log.append("votes")
+        self.references.append(reference)
+        total = np.zeros(LAYERS * HEADS)
+        total[[5, 9]] = 1e6  # (1, 1) and (2, 1) win whatever the Gumbel noise
+        return VoteSum(total, self.num_chunks)
+
+
+class CountingNoise(SeededNoise):
+    def __init__(self, log: list[str]):
+        super().__init__(0)
+        self.log = log
+
+    def add_gaussian(self, values, *, noise_std):
+        self.log.append("gaussian")
+        return super().add_gaussian(values, noise_std=noise_std)
+
+    def gumbel_top_k(self, scores, *, k, scale):
+        self.log.append("gumbel")
+        return super().gumbel_top_k(scores, k=k, scale=scale)
+
+
+def release(plan: ReleasePlan, sums: FakeSums):
+    noise = CountingNoise(sums.log)
+    outcome = run_release(
+        plan,
+        sums=sums,
+        num_layers=LAYERS,
+        num_heads=HEADS,
+        noise=noise,
+        on_first_noise=lambda: sums.log.append("exposed"),
+    )
+    return outcome
+
+
+def test_private_select_first_selects_then_noises_only_the_selected_heads():
+    sums = FakeSums()
+    outcome = release(make_plan(SelectionMode.PRIVATE, ReleaseOrder.SELECT_FIRST), sums)
+    assert sums.log == ["votes", "exposed", "gumbel", "activations:2", "gaussian"]
+    assert outcome.heads == HeadSet.of([(1, 1), (2, 1)])
+    assert outcome.gaussian_heads == outcome.heads
+    assert outcome.values.shape == (2, DIM)
+    # Sensitivity covers the 2 layers in scope only.
+    expected_std = outcome.calibration.noise_multiplier * 2 * 1.0 * np.sqrt(2)
+    assert outcome.noise_std == pytest.approx(expected_std)
+
+
+def test_private_release_first_noises_all_heads_once_then_selects_against_the_noisy_vector():
+    sums = FakeSums()
+    outcome = release(make_plan(SelectionMode.PRIVATE, ReleaseOrder.RELEASE_FIRST), sums)
+    assert sums.log == ["activations:12", "exposed", "gaussian", "votes", "gumbel"]
+    assert sums.references[0] is not None
+    assert sums.references[0].shape == (LAYERS, HEADS, DIM)
+    assert outcome.heads == HeadSet.of([(1, 1), (2, 1)])
+    assert outcome.gaussian_heads == HeadSet.all_heads(num_layers=LAYERS, num_heads=HEADS)
+    # The released rows are the noisy rows of the selected heads (no second draw).
+    np.testing.assert_allclose(outcome.values[:, 0], [11.0, 21.0], atol=1.0)
+
+
+@pytest.mark.parametrize("order", list(ReleaseOrder))
+def test_public_heads_are_released_with_one_draw(order):
+    sums = FakeSums()
+    outcome = release(make_plan(SelectionMode.PUBLIC, order), sums)
+    assert outcome.heads == HeadSet.of([(0, 1), (2, 3)])
+    assert sums.log.count("gaussian") == 1
+    assert "gumbel" not in sums.log
+    assert outcome.calibration.picks == 0
+
+
+def test_all_heads_mode_releases_every_head():
+    sums = FakeSums()
+    outcome = release(make_plan(SelectionMode.ALL, ReleaseOrder.RELEASE_FIRST), sums)
+    assert len(outcome.heads) == LAYERS * HEADS
+    assert sums.log == ["activations:12", "exposed", "gaussian"]
+
+
+def test_values_are_the_mean_over_chunks():
+    sums = FakeSums(num_chunks=10**6)
+    outcome = release(make_plan(SelectionMode.PUBLIC, ReleaseOrder.SELECT_FIRST), sums)
+    np.testing.assert_allclose(outcome.values[:, 0], [1.0, 23.0], atol=1e-3)
+    assert outcome.signal_to_noise > 100
+
+
+def test_public_heads_outside_the_model_are_refused_before_any_work():
+    sums = FakeSums()
+    plan = make_plan(SelectionMode.PUBLIC, ReleaseOrder.SELECT_FIRST, public_heads=((0, 1), (7, 0)))
+    with pytest.raises(ConfigError, match="public heads"):
+        release(plan, sums)
+    assert sums.log == []
+
+
+def test_zero_chunks_abort_before_noise():
+    sums = FakeSums(num_chunks=0)
+    with pytest.raises(InsufficientSharesError):
+        release(make_plan(SelectionMode.ALL, ReleaseOrder.SELECT_FIRST), sums)
+    assert "gaussian" not in sums.log
+    assert "exposed" not in sums.log
