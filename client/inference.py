@@ -24,9 +24,13 @@ __all__ = ["TaskVectorPatch", "first_answer_span", "generate_answers"]
 
 
 def first_answer_span(text: str) -> str:
-    """The generated answer up to its first line break or sentence-ending period."""
+    """The generated answer up to its first line break or sentence-ending period.
+
+    A period followed by a digit is a decimal point ("1.5", ".5"), not a sentence end; a
+    period after a number still ends the sentence ("3. Yes" gives "3").
+    """
     line = text.strip().split("\n", 1)[0]
-    match = re.search(r"(?<!\d)\.(?!\d)", line)
+    match = re.search(r"\.(?!\d)", line)
     return (line[: match.start()] if match else line).strip()
 
 

@@ -22,7 +22,6 @@ from client.scoring import ScoreMethod, chunk_head_votes
 from dpmtv_common.aliases import Float64Array
 from dpmtv_common.artifact import (
     ArtifactManifest,
-    ReleaseDescription,
     load_artifact,
     write_artifact,
 )
@@ -32,17 +31,17 @@ from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.ledger import PrivacyLedger
 from dpmtv_common.privacy.noise import NoiseSource
 from protocol import (
-    PROTOCOL_VERSION,
     ActivationSum,
     ReleaseOutcome,
     ReleasePlan,
     VoteSum,
     plan_calibration,
     plan_hash,
+    release_description,
     run_release,
 )
 
-__all__ = ["LocalSums", "SingleHolderRelease", "release_description", "run_single_holder_release"]
+__all__ = ["LocalSums", "SingleHolderRelease", "run_single_holder_release"]
 
 
 @dataclass
@@ -93,33 +92,6 @@ class SingleHolderRelease:
     artifact: Path
     manifest: ArtifactManifest
     outcome: ReleaseOutcome
-
-
-def release_description(plan: ReleasePlan, outcome: ReleaseOutcome) -> ReleaseDescription:
-    """The manifest fields of a finished release."""
-    calibration = outcome.calibration
-    return ReleaseDescription(
-        protocol_version=PROTOCOL_VERSION,
-        release_id=plan.release_id,
-        model_fingerprint=plan.model_fingerprint,
-        task=plan.task,
-        plan=plan.model_dump(mode="json"),
-        epsilon=calibration.bound.epsilon,
-        delta=plan.delta,
-        accountant=calibration.bound.accountant,
-        accountant_parameters={
-            **calibration.event.to_dict(),
-            "neighbouring": plan.neighbouring.value,
-            "privacy_unit": plan.privacy_unit.value,
-            "num_layers_in_scope": outcome.gaussian_heads.num_layers_in_scope,
-            "gaussian_heads": len(outcome.gaussian_heads),
-            "signal_to_noise": outcome.signal_to_noise,
-        },
-        num_chunks=outcome.num_chunks,
-        shots=plan.shots,
-        clip_norm=plan.clip_norm,
-        noise_std=outcome.noise_std,
-    )
 
 
 def run_single_holder_release(

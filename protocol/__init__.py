@@ -51,6 +51,7 @@ from protocol.release import (
     ReleaseOutcome,
     ReleaseSums,
     VoteSum,
+    release_description,
     run_release,
 )
 from protocol.stages import ALLOWED_TRANSITIONS, Stage, StageTracker
@@ -96,6 +97,7 @@ __all__ = [
     "message_to_record",
     "plan_calibration",
     "plan_hash",
+    "release_description",
     "run_release",
     "secure_sum_request_from_config",
     "secure_sum_request_to_config",

@@ -81,12 +81,18 @@ class PlanAccept(WireMessage):
 
     Attributes:
         num_chunks: m_i, the site's disjoint chunks of K + 1 examples.
+        num_layers: L of the site's model (the coordinator needs no model of its own).
+        num_heads: H, attention heads a layer.
+        head_dim: D, dimensions a head.
     """
 
     kind: Literal["plan-accept"] = "plan-accept"
     release_id: NonEmptyStr
     site_name: NonEmptyStr
     num_chunks: Annotated[int, Field(ge=0)]
+    num_layers: Annotated[int, Field(ge=1)]
+    num_heads: Annotated[int, Field(ge=1)]
+    head_dim: Annotated[int, Field(ge=1)]
 
 
 class ErrorReply(WireMessage):
@@ -182,11 +188,18 @@ class ReleaseAck(WireMessage):
 
 
 class AbortNotice(WireMessage):
-    """Coordinator to site: the release stops; reserved budget is released."""
+    """Coordinator to site: the release stops.
+
+    Attributes:
+        noisy_output: Whether any noisy output (Gumbel picks or the Gaussian draw) already
+            exists. False: the site refunds its reservation. True: the release counts as
+            spent in every ledger although no artifact follows (fail closed).
+    """
 
     kind: Literal["abort"] = "abort"
     release_id: NonEmptyStr
     reason: str
+    noisy_output: bool
 
 
 AnyMessage: TypeAlias = Annotated[

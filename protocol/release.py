@@ -25,14 +25,23 @@ from typing import Protocol
 import numpy as np
 
 from dpmtv_common.aliases import Float64Array
+from dpmtv_common.artifact import ReleaseDescription
 from dpmtv_common.errors import ConfigError, InsufficientSharesError
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.calibration import ReleaseCalibration
 from dpmtv_common.privacy.noise import NoiseSource
 from protocol.calibration import plan_calibration
 from protocol.plan import ReleaseOrder, ReleasePlan, SelectionMode
+from protocol.version import PROTOCOL_VERSION
 
-__all__ = ["ActivationSum", "ReleaseOutcome", "ReleaseSums", "VoteSum", "run_release"]
+__all__ = [
+    "ActivationSum",
+    "ReleaseOutcome",
+    "ReleaseSums",
+    "VoteSum",
+    "release_description",
+    "run_release",
+]
 
 
 @dataclass(frozen=True)
@@ -189,4 +198,31 @@ def run_release(
         gaussian_heads=summed.heads,
         calibration=calibration,
         signal_to_noise=_snr(values, noise_std, summed.num_chunks),
+    )
+
+
+def release_description(plan: ReleasePlan, outcome: ReleaseOutcome) -> ReleaseDescription:
+    """The manifest fields of a finished release: plan, privacy spent, m, K, C, σ, layout."""
+    calibration = outcome.calibration
+    return ReleaseDescription(
+        protocol_version=PROTOCOL_VERSION,
+        release_id=plan.release_id,
+        model_fingerprint=plan.model_fingerprint,
+        task=plan.task,
+        plan=plan.model_dump(mode="json"),
+        epsilon=calibration.bound.epsilon,
+        delta=plan.delta,
+        accountant=calibration.bound.accountant,
+        accountant_parameters={
+            **calibration.event.to_dict(),
+            "neighbouring": plan.neighbouring.value,
+            "privacy_unit": plan.privacy_unit.value,
+            "num_layers_in_scope": outcome.gaussian_heads.num_layers_in_scope,
+            "gaussian_heads": len(outcome.gaussian_heads),
+            "signal_to_noise": outcome.signal_to_noise,
+        },
+        num_chunks=outcome.num_chunks,
+        shots=plan.shots,
+        clip_norm=plan.clip_norm,
+        noise_std=outcome.noise_std,
     )

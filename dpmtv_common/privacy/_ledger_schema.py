@@ -225,6 +225,10 @@ def _stored_budget(meta: dict[str, str], path: str) -> PrivacyBudget:
         ) from exc
 
 
+RUN_OWNED_PID = 0
+"""The pid stored for a reservation owned by a federated run rather than by one process."""
+
+
 def pid_is_alive(pid: int) -> bool:
     """Whether a process with ``pid`` exists on this host (POSIX; elsewhere always True).
 
@@ -233,8 +237,12 @@ def pid_is_alive(pid: int) -> bool:
     if os.name != "posix":
         # os.kill(pid, 0) terminates the process on Windows: never probe there.
         return True
-    if pid <= 0:
-        # kill(0 or -n) would signal a process group; no ledger ever stores such a pid.
+    if pid == RUN_OWNED_PID:
+        # Held by a federated run that outlives any one process (Flower starts a fresh
+        # ClientApp process per message): only the run's own messages, or an admin, end it.
+        return True
+    if pid < 0:
+        # kill(-n) would signal a process group; no ledger ever stores such a pid.
         return False
     try:
         os.kill(pid, 0)

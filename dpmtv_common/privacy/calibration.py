@@ -11,6 +11,7 @@ calibration, so a site reserves in its own ledger exactly the event the coordina
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import lru_cache
 
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
@@ -57,10 +58,7 @@ class ReleaseCalibration:
             if private_picks
             else 0.0
         )
-        result = calibrate_noise_multiplier(
-            epsilon=epsilon, delta=delta, picks=private_picks, epsilon_per_pick=per_pick
-        )
-        return cls(epsilon, delta, private_picks, per_pick, result.noise_multiplier, result.bound)
+        return _calibrated(cls, epsilon, delta, private_picks, per_pick)
 
     @property
     def event(self) -> ReleaseEvent:
@@ -80,3 +78,14 @@ class ReleaseCalibration:
         if self.picks == 0:
             raise ConfigError("this release runs no private selection (picks == 0).")
         return GumbelTopKMechanism(picks=self.picks, epsilon_per_pick=self.epsilon_per_pick)
+
+
+@lru_cache(maxsize=64)
+def _calibrated(
+    cls: type[ReleaseCalibration], epsilon: float, delta: float, picks: int, per_pick: float
+) -> ReleaseCalibration:
+    # PLD calibration takes seconds and every stage of a release asks for the same one.
+    result = calibrate_noise_multiplier(
+        epsilon=epsilon, delta=delta, picks=picks, epsilon_per_pick=per_pick
+    )
+    return cls(epsilon, delta, picks, per_pick, result.noise_multiplier, result.bound)

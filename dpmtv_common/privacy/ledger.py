@@ -153,11 +153,16 @@ class PrivacyLedger:
         delta: float,
         accountant: str,
         note: str = "",
+        owned_by_run: bool = False,
     ) -> Reservation:
         """Reserve a release before any of its noisy output exists.
 
         The check composes every counted release plus ``event`` at the budget's δ, under
         the database write lock, so concurrent reservations cannot both take the rest.
+        By default the calling process owns the reservation and crash recovery resolves it
+        when that process is gone. With ``owned_by_run`` (a site in a federated run, whose
+        stages run in separate processes) only ``commit``/``abort`` end it: a run that never
+        finishes leaves it counted (fail closed) until an admin resolves it.
 
         Raises:
             PrivacyBudgetExceededError: if the total would exceed the budget's ε or
@@ -176,7 +181,8 @@ class PrivacyLedger:
             self._refuse_overspend(counted, total, release_id, epsilon, delta)
             now = schema.utc_now()
             values = (release_id, plan_hash, event.to_json(), epsilon, delta, accountant)
-            conn.execute(schema.INSERT_RELEASE, (*values, os.getpid(), now, now, note))
+            owner = schema.RUN_OWNED_PID if owned_by_run else os.getpid()
+            conn.execute(schema.INSERT_RELEASE, (*values, owner, now, now, note))
         return Reservation(release_id, total)
 
     def mark_exposed(self, release_id: str) -> None:

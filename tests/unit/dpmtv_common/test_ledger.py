@@ -262,4 +262,30 @@ def test_pid_lookup_reports_a_vanished_process_and_never_probes_groups(
 
     monkeypatch.setattr(os, "kill", vanished)
     assert not _ledger_schema.pid_is_alive(12345)
-    assert not _ledger_schema.pid_is_alive(0)
+    assert not _ledger_schema.pid_is_alive(-1)
+    # pid 0 marks a run-owned reservation, never resolved by process liveness.
+    assert _ledger_schema.pid_is_alive(_ledger_schema.RUN_OWNED_PID)
+
+
+def test_run_owned_reservation_survives_its_process_and_still_counts(tmp_path: Path) -> None:
+    # Arrange: a reservation owned by a federated run, as a site makes in the plan stage.
+    path = tmp_path / "ledger.sqlite"
+    budget = PrivacyBudget(10.0, 1e-5)
+    with PrivacyLedger.open(path, budget) as ledger:
+        ledger.reserve(
+            release_id="run-1",
+            plan_hash="h",
+            event=ReleaseEvent(5.0, 8, 0.1),
+            epsilon=1.0,
+            delta=1e-5,
+            accountant="rdp",
+            owned_by_run=True,
+        )
+    # Act: another process-level open runs crash recovery.
+    with PrivacyLedger.open(path, budget) as reopened:
+        entries = reopened.releases()
+        spent = reopened.spent()
+    # Assert
+    assert entries[0].state is ReleaseState.RESERVED
+    assert entries[0].pid == 0
+    assert spent is not None

@@ -61,10 +61,12 @@ PLAN = ReleasePlan(
 SELECT_REQUEST = SecureSumRequest(
     release_id="r1", stage="select", heads=None, clip_norm=1.0, score_top_r=4
 )
-ABORT = AbortNotice(release_id="r1", reason="too few sites")
+ABORT = AbortNotice(release_id="r1", reason="too few sites", noisy_output=False)
 EXAMPLES: list[WireMessage] = [
     PlanRequest(plan=PLAN),
-    PlanAccept(release_id="r1", site_name="site-a", num_chunks=120),
+    PlanAccept(
+        release_id="r1", site_name="site-a", num_chunks=120, num_layers=2, num_heads=4, head_dim=16
+    ),
     ErrorReply(code=ErrorCode.REFUSED, reason="not today"),
     SELECT_REQUEST,
     NoisyVectorBroadcast(release_id="r1", heads=((0, 1), (3, 2))),

@@ -1,0 +1,170 @@
+"""Site side of the secure sum: the reply SecAgg+ masks, and the ChaCha20 mask-PRG patch.
+
+The site's ``train`` handler runs under Flower's ``secaggplus_mod``
+(``@app.train(mods=[secaggplus_mod])``). At the collect stage the mod calls the handler,
+which returns :func:`secure_sum_reply`; the mod then quantises every coordinate to the
+grid of ``[-c, c]`` (clipping silently beyond), adds the masks and sends only the masked
+integers. Because a silent clip would bias the sum (and break the DP sensitivity bound),
+:func:`secure_sum_reply` refuses any coordinate beyond ``±c``. ``c`` is the coordinator's
+``clipping_range`` from the SecAgg+ setup stage; :func:`secaggplus_clipping_range` reads it
+from the mod's state in the handler's ``Context``.
+
+Exceptions raised here become an error reply whose text reaches the coordinator, so their
+messages name the array and the bound but never a private value.
+"""
+
+from __future__ import annotations
+
+import importlib
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import numpy.typing as npt
+from flwr.app import ConfigRecord, Context, Message
+from flwr.common import (
+    Code,
+    FitRes,
+    NDArrayInt,
+    Status,
+    ndarrays_to_parameters,
+)
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_STATE, Key, Stage
+from flwr.compat.common.recorddict_compat import fitres_to_recorddict
+
+from dpmtv_common.aliases import Float64Array
+from dpmtv_common.crypto import mask_prg
+from dpmtv_common.errors import ConfigError
+
+__all__ = [
+    "install_secure_mask_prg",
+    "mask_prg_in_use",
+    "secaggplus_clipping_range",
+    "secure_sum_reply",
+]
+
+# The package ``flwr.client.mod.secure_aggregation`` rebinds the name ``secaggplus_mod`` to
+# the mod *function*, so the module is fetched from the import system, not by attribute.
+_MOD_MODULE = "flwr.client.mod.secure_aggregation.secaggplus_mod"
+# The global that the mod module imported from secaggplus_utils and calls at collect.
+_PATCHED_NAME = "pseudo_rand_gen"
+_FITINS_CONFIG = "fitins.config"
+
+
+def secure_sum_reply(
+    msg: Message, arrays: Sequence[npt.ArrayLike], *, clipping_range: float
+) -> Message:
+    """Build the reply ``secaggplus_mod`` masks: the arrays, weight 1, nothing in plaintext.
+
+    The layout is Flower's legacy FitRes (``fitres.parameters``, ``fitres.num_examples`` = 1,
+    empty ``fitres.metrics``, status OK); the mod replaces the parameters by masked integers
+    and forwards the rest in plaintext, hence weight 1 and no metrics.
+
+    Args:
+        msg: The collect-stage message the handler received.
+        arrays: The site's contributions (e.g. its sum of clipped chunk vectors); each is sent
+            as float64 (float32 would cap precision at one ulp of 2c) and must have ndim >= 1
+            (Flower mis-handles 0-d arrays).
+        clipping_range: The per-coordinate bound c of the sum, normally
+            ``secaggplus_clipping_range(context)``.
+
+    Raises:
+        ConfigError: If a coordinate is beyond ``±clipping_range`` or not finite, an array is
+            0-d or empty input, or the coordinator announced another mask PRG than this site
+            runs (the masks would not cancel).
+    """
+    _check_mask_prg(msg)
+    bound = _checked_bound(clipping_range)
+    checked = [_checked_array(index, array, bound) for index, array in enumerate(arrays)]
+    if not checked:
+        raise ConfigError("arrays must hold at least one array, got none.")
+    fitres = FitRes(
+        status=Status(code=Code.OK, message="Success"),
+        parameters=ndarrays_to_parameters(checked),
+        num_examples=1,  # weight 1 with max_weight 1: the coordinator gets a sum, unscaled
+        metrics={},  # plaintext on the wire: keep empty
+    )
+    return Message(fitres_to_recorddict(fitres, keep_input=False), reply_to=msg)
+
+
+def secaggplus_clipping_range(context: Context) -> float:
+    """Return the clipping range c the coordinator set up for the current secure sum.
+
+    ``secaggplus_mod`` stores the setup-stage parameters in ``context.state`` (config record
+    ``"secaggplus_state"``, key ``"clipping_range"``) and saves its state only after the
+    handler returns, so during the collect stage the stored stage is still ``share_keys``.
+
+    Raises:
+        ConfigError: If not called from a handler running under ``secaggplus_mod``'s collect
+            stage.
+    """
+    state = context.state.config_records.get(RECORD_KEY_STATE)
+    stage = state.get("current_stage") if state is not None else None
+    if state is None or stage != Stage.SHARE_KEYS:
+        raise ConfigError(
+            f"secaggplus_clipping_range must be called by a handler under secaggplus_mod at "
+            f"the collect stage, got stored stage {stage!r}."
+        )
+    return _checked_bound(state.get(Key.CLIPPING_RANGE))
+
+
+def install_secure_mask_prg() -> None:
+    """Make this process's ``secaggplus_mod`` expand masks with ChaCha20 (idempotent).
+
+    Patches the name ``pseudo_rand_gen`` in
+    ``flwr.client.mod.secure_aggregation.secaggplus_mod`` (imported there from
+    ``flwr.common.secure_aggregation.secaggplus_utils``; the collect stage calls it for the
+    site's private mask and one pairwise mask per neighbour). ``secagg_mod`` delegates to
+    this module and is covered too. The coordinator must call
+    ``server.secagg.install_secure_mask_prg()``, or the masks do not cancel;
+    :func:`secure_sum_reply` refuses a mismatch announced by the coordinator.
+    """
+    vars(importlib.import_module(_MOD_MODULE))[_PATCHED_NAME] = _chacha20_pseudo_rand_gen
+
+
+def mask_prg_in_use() -> str:
+    """Return the name of the mask expansion this process's ``secaggplus_mod`` runs."""
+    current = vars(importlib.import_module(_MOD_MODULE))[_PATCHED_NAME]
+    installed = current is _chacha20_pseudo_rand_gen
+    return mask_prg.MASK_PRG_NAME if installed else mask_prg.FLOWER_PRG_NAME
+
+
+def _chacha20_pseudo_rand_gen(
+    seed: bytes, num_range: int, dimensions_list: list[tuple[int, ...]]
+) -> list[NDArrayInt]:
+    """Stand in for Flower's ``pseudo_rand_gen``, with its signature."""
+    return mask_prg.expand_mask(seed, num_range, dimensions_list)
+
+
+def _check_mask_prg(msg: Message) -> None:
+    config = msg.content.config_records.get(_FITINS_CONFIG, ConfigRecord())
+    announced = config.get(mask_prg.MASK_PRG_CONFIG_KEY)
+    ours = mask_prg_in_use()
+    if announced != ours:
+        raise ConfigError(
+            f"the coordinator's mask PRG must match this site's {ours!r}, got {announced!r}: "
+            f"the masks would not cancel. Both sides must call install_secure_mask_prg()."
+        )
+
+
+def _checked_bound(clipping_range: object) -> float:
+    if isinstance(clipping_range, int | float) and not isinstance(clipping_range, bool):
+        bound = float(clipping_range)
+        if math.isfinite(bound) and bound > 0:
+            return bound
+    raise ConfigError(f"clipping_range must be a finite number > 0, got {clipping_range!r}.")
+
+
+def _checked_array(index: int, array: npt.ArrayLike, bound: float) -> Float64Array:
+    values = np.asarray(array, dtype=np.float64)
+    if values.ndim == 0:
+        raise ConfigError(f"arrays[{index}] must have ndim >= 1, got a 0-d array; reshape(1).")
+    if not np.isfinite(values).all():
+        raise ConfigError(f"arrays[{index}] must be finite, got NaN or infinity.")
+    if values.size and np.abs(values).max() > bound:
+        raise ConfigError(
+            f"arrays[{index}] must lie within ±clipping_range={bound} per coordinate "
+            f"(SecAgg+ would clip it silently and bias the sum), got a coordinate beyond it. "
+            f"Clip before summing or size the plan's range for the site's chunk count."
+        )
+    return values

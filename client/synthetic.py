@@ -1,0 +1,156 @@
+"""Procedurally drawn image tasks, written in the real site-data format.
+
+Every image shows one to four shapes of one kind and one colour, grouped on one side of the
+canvas. Four tasks ask about the same images with the same question; only the answer differs:
+
+* ``colour`` — the shapes' colour (red, green, blue, yellow);
+* ``shape`` — their kind (circle, square, triangle, cross);
+* ``count`` — how many there are (1 to 4, as digits);
+* ``position`` — where they are grouped (left, right, top, bottom).
+
+So a model can tell the task only from the demonstrations' answers: zero-shot it must guess,
+with K shots (or a task vector) it can know. Each site, the public set and the test set are
+separate folders (``manifest.jsonl`` + images) that ``client.data.load_dataset`` reads.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from PIL import Image, ImageDraw
+
+from client.data import write_jsonl_dataset
+from dpmtv_common.errors import ConfigError
+from dpmtv_common.rng import make_rng
+
+__all__ = ["QUESTION", "TASKS", "SceneSpec", "draw_scene", "random_scene", "write_task_datasets"]
+
+QUESTION = "What is the answer for this image?"
+COLOURS = {
+    "red": (220, 40, 40),
+    "green": (40, 170, 60),
+    "blue": (40, 80, 220),
+    "yellow": (230, 200, 30),
+}
+SHAPES = ("circle", "square", "triangle", "cross")
+POSITIONS = ("left", "right", "top", "bottom")
+TASKS = ("colour", "shape", "count", "position")
+IMAGE_SIZE = 64
+
+
+@dataclass(frozen=True)
+class SceneSpec:
+    """What one image shows."""
+
+    colour: str
+    shape: str
+    count: int
+    position: str
+
+    def answer(self, task: str) -> str:
+        """The answer to ``task`` for this scene."""
+        answers = {
+            "colour": self.colour,
+            "shape": self.shape,
+            "count": str(self.count),
+            "position": self.position,
+        }
+        if task not in answers:
+            raise ConfigError(f"task must be one of {list(TASKS)}, got {task!r}.")
+        return answers[task]
+
+
+def random_scene(rng: np.random.Generator) -> SceneSpec:
+    """A uniformly random scene."""
+    return SceneSpec(
+        colour=str(rng.choice(list(COLOURS))),
+        shape=str(rng.choice(SHAPES)),
+        count=int(rng.integers(1, 5)),
+        position=str(rng.choice(POSITIONS)),
+    )
+
+
+def _region(position: str) -> tuple[int, int, int, int]:
+    half = IMAGE_SIZE // 2
+    return {
+        "left": (0, 0, half, IMAGE_SIZE),
+        "right": (half, 0, IMAGE_SIZE, IMAGE_SIZE),
+        "top": (0, 0, IMAGE_SIZE, half),
+        "bottom": (0, half, IMAGE_SIZE, IMAGE_SIZE),
+    }[position]
+
+
+def _draw_shape(draw: ImageDraw.ImageDraw, shape: str, box: tuple[int, ...], fill: Any) -> None:
+    x0, y0, x1, y1 = box
+    if shape == "circle":
+        draw.ellipse(box, fill=fill)
+    elif shape == "square":
+        draw.rectangle(box, fill=fill)
+    elif shape == "triangle":
+        draw.polygon([((x0 + x1) // 2, y0), (x0, y1), (x1, y1)], fill=fill)
+    else:
+        third = (x1 - x0) // 3
+        draw.rectangle((x0 + third, y0, x1 - third, y1), fill=fill)
+        draw.rectangle((x0, y0 + third, x1, y1 - third), fill=fill)
+
+
+def _slots(region: tuple[int, int, int, int], count: int) -> Iterator[tuple[int, ...]]:
+    """Up to four non-overlapping boxes in a 2x2 grid inside ``region``."""
+    x0, y0, x1, y1 = region
+    width, height = (x1 - x0) // 2, (y1 - y0) // 2
+    size = min(width, height) - 4
+    for index in range(count):
+        column, row = index % 2, index // 2
+        left = x0 + column * width + (width - size) // 2
+        top = y0 + row * height + (height - size) // 2
+        yield (left, top, left + size, top + size)
+
+
+def draw_scene(scene: SceneSpec, rng: np.random.Generator) -> Image.Image:
+    """Render ``scene`` on a light, slightly noisy background."""
+    background = rng.integers(225, 256, size=(IMAGE_SIZE, IMAGE_SIZE, 3), dtype=np.uint8)
+    image = Image.fromarray(background, "RGB")
+    draw = ImageDraw.Draw(image)
+    for box in _slots(_region(scene.position), scene.count):
+        _draw_shape(draw, scene.shape, box, COLOURS[scene.colour])
+    return image
+
+
+def _write_split(root: Path, task: str, count: int, rng: np.random.Generator, prefix: str) -> None:
+    (root / "images").mkdir(parents=True, exist_ok=True)
+    records = []
+    for index in range(count):
+        scene = random_scene(rng)
+        name = f"images/{prefix}-{index:05d}.png"
+        draw_scene(scene, rng).save(root / name)
+        records.append(
+            {
+                "id": f"{prefix}-{index}",
+                "image": name,
+                "question": QUESTION,
+                "answer": scene.answer(task),
+            }
+        )
+    write_jsonl_dataset(root, records, task=task, privacy_unit="example", instruction=None)
+
+
+def write_task_datasets(
+    root: Path, *, task: str, sites: int, per_site: int, public: int, test: int, seed: int
+) -> dict[str, Path]:
+    """Write ``site-0`` … ``site-{sites-1}``, ``public`` and ``test`` under ``root``."""
+    if task not in TASKS:
+        raise ConfigError(f"task must be one of {list(TASKS)}, got {task!r}.")
+    if sites < 1 or per_site < 1:
+        raise ConfigError(f"sites and per_site must be >= 1, got {sites!r} and {per_site!r}.")
+    rng = make_rng(seed)
+    folders = {f"site-{i}": per_site for i in range(sites)} | {"public": public, "test": test}
+    written = {}
+    for name, count in folders.items():
+        if count > 0:
+            _write_split(root / name, task, count, rng, name)
+            written[name] = root / name
+    return written

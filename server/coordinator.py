@@ -1,0 +1,262 @@
+"""One release, run by the coordinator through its stages (one method a stage).
+
+plan → [select] → extract → (noise once) → release, or abort. The privacy-relevant steps —
+calibration, the Gumbel picks, the single Gaussian draw, the order — are in
+``protocol.run_release``, shared with the single-holder command; this module adds what only a
+federation has: the plan exchange and each site's refusal, secure sums over the surviving
+sites, the consortium ledger, the signed broadcast, and the abort notice telling every site
+whether noisy output exists (refund) or not (count it).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import numpy as np
+from flwr.app import Context
+from flwr.serverapp import Grid
+
+from dpmtv_common.artifact import MANIFEST_FILE, SIGNATURE_FILE, TENSORS_FILE, write_artifact
+from dpmtv_common.crypto import SigningKey
+from dpmtv_common.errors import ConfigError, InsufficientSharesError
+from dpmtv_common.heads import HeadSet
+from dpmtv_common.privacy.ledger import PrivacyLedger
+from dpmtv_common.privacy.noise import NoiseSource
+from protocol import (
+    PROTOCOL_VERSION,
+    AbortNotice,
+    NoiseMode,
+    PlanAccept,
+    PlanRequest,
+    ReleaseAck,
+    ReleaseOrder,
+    ReleaseOutcome,
+    ReleasePlan,
+    ReleaseRequest,
+    SelectionMode,
+    plan_calibration,
+    plan_hash,
+    release_description,
+    run_release,
+)
+from server.federated_sums import FederatedSums
+from server.messaging import Exchange
+from server.settings import CoordinatorSettings, RunConfig
+
+__all__ = ["Coordinator", "ReleaseReport", "build_plan"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ReleaseReport:
+    """What a finished release produced, for logs, tests and benchmarks."""
+
+    plan: ReleasePlan
+    outcome: ReleaseOutcome
+    artifact: Path
+    acknowledged: tuple[str, ...]
+    stage_seconds: dict[str, float]
+
+
+def build_plan(run: RunConfig) -> ReleasePlan:
+    """The release plan of a run config (validated by ``ReleasePlan``)."""
+    public = run.heads()
+    if NoiseMode(run.noise_mode) is not NoiseMode.CENTRAL:
+        raise ConfigError(
+            f"noise-mode must be 'central' in this version, got {run.noise_mode!r}: distributed "
+            "(site-added discrete Gaussian) noise is not implemented yet."
+        )
+    k = len(public) if public is not None else run.num_selected_heads
+    return ReleasePlan(
+        protocol_version=PROTOCOL_VERSION,
+        release_id=run.resolved_release_id(),
+        task=run.task,
+        model_fingerprint=run.model_fingerprint,
+        epsilon=run.epsilon,
+        delta=run.delta,
+        shots=run.shots,
+        clip_norm=run.clip_norm,
+        selection=SelectionMode(run.selection),
+        order=ReleaseOrder(run.order),
+        num_selected_heads=k,
+        public_heads=public.heads if public is not None else None,
+        selection_share=run.selection_share,
+        score_top_r=run.score_top_r or k,
+        min_sites=run.min_sites,
+        max_chunks_per_site=run.max_chunks_per_site or None,
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+
+
+@dataclass
+class Coordinator:
+    """State of one release plus one method per stage (Flower's WorkflowState style)."""
+
+    grid: Grid
+    context: Context
+    run: RunConfig
+    settings: CoordinatorSettings
+    noise: NoiseSource
+    accepted: dict[int, PlanAccept] = field(default_factory=dict)
+    exposed: bool = False
+    seconds: dict[str, float] = field(default_factory=dict)
+
+    def wait_for_sites(self) -> list[int]:
+        """Poll until ``expected-sites`` nodes are connected, or the timeout; then go on."""
+        deadline = time.monotonic() + self.run.node_wait_timeout
+        nodes = list(self.grid.get_node_ids())
+        while len(nodes) < self.run.expected_sites and time.monotonic() < deadline:
+            time.sleep(1.0)
+            nodes = list(self.grid.get_node_ids())
+        if len(nodes) < self.run.min_sites:
+            raise InsufficientSharesError(
+                f"connected sites must number at least min-sites={self.run.min_sites}, got "
+                f"{len(nodes)} after {self.run.node_wait_timeout:g} s."
+            )
+        return sorted(nodes)
+
+    def plan_stage(self, plan: ReleasePlan, nodes: list[int]) -> None:
+        """Broadcast the plan; keep the sites that accept (each reserved its own budget)."""
+        replies = self._exchange().broadcast(
+            "plan", PlanRequest(plan=plan), nodes, PlanAccept, f"{plan.release_id}-plan"
+        )
+        self.accepted = {n: a for n, a in replies.answers.items() if isinstance(a, PlanAccept)}
+        for node, reason in replies.failures.items():
+            _log.warning("site %s refused or failed the plan: %s", node, reason)
+        shapes = {(a.num_layers, a.num_heads, a.head_dim) for a in self.accepted.values()}
+        if len(shapes) > 1:
+            raise ConfigError(f"sites must share one model shape, got {sorted(shapes)}.")
+        if len(self.accepted) < plan.min_sites:
+            raise InsufficientSharesError(
+                f"accepting sites must number at least min-sites={plan.min_sites}, got "
+                f"{len(self.accepted)}; refusals: {replies.failures}"
+            )
+
+    def release_stage(self, plan: ReleasePlan, ledger: PrivacyLedger) -> ReleaseOutcome:
+        """Secure sums, private selection and the single Gaussian draw."""
+        first = next(iter(self.accepted.values()))
+        all_heads = HeadSet.all_heads(num_layers=first.num_layers, num_heads=first.num_heads)
+        sums = FederatedSums(
+            self.grid,
+            self.context,
+            plan,
+            {node: accept.num_chunks for node, accept in self.accepted.items()},
+            first.head_dim,
+            all_heads,
+            self.run.stage_timeout,
+        )
+
+        def on_first_noise() -> None:
+            ledger.mark_exposed(plan.release_id)
+            self.exposed = True
+
+        return run_release(
+            plan,
+            sums=sums,
+            num_layers=first.num_layers,
+            num_heads=first.num_heads,
+            noise=self.noise,
+            on_first_noise=on_first_noise,
+        )
+
+    def broadcast_stage(self, plan: ReleasePlan, outcome: ReleaseOutcome) -> tuple[Path, list[str]]:
+        """Sign the artifact, keep a copy, and send it to every site that accepted."""
+        if self.settings.signing_key is None:
+            raise ConfigError("the coordinator needs DPMTV_SERVER_SIGNING_KEY to sign artifacts.")
+        path = write_artifact(
+            self.settings.artifacts_dir / plan.release_id,
+            heads=outcome.heads,
+            values=np.asarray(outcome.values),
+            release=release_description(plan, outcome),
+            signing_key=SigningKey.load(self.settings.signing_key),
+        )
+        request = ReleaseRequest(
+            release_id=plan.release_id,
+            manifest_json=(path / MANIFEST_FILE).read_text(),
+            tensors=(path / TENSORS_FILE).read_bytes(),
+            signature=(path / SIGNATURE_FILE).read_bytes(),
+        )
+        replies = self._exchange().broadcast(
+            "release", request, self.accepted, ReleaseAck, f"{plan.release_id}-release"
+        )
+        for node, reason in replies.failures.items():
+            _log.warning("site %s did not store the artifact: %s", node, reason)
+        acks = [a.site_name for a in replies.answers.values() if isinstance(a, ReleaseAck)]
+        return path, sorted(acks)
+
+    def abort_stage(self, plan: ReleasePlan, reason: str) -> None:
+        """Tell every site that accepted whether noisy output exists (count) or not (refund)."""
+        notice = AbortNotice(
+            release_id=plan.release_id, reason=reason[:500], noisy_output=self.exposed
+        )
+        self._exchange().broadcast(
+            "abort", notice, self.accepted, AbortNotice, f"{plan.release_id}-abort"
+        )
+
+    def _exchange(self) -> Exchange:
+        return Exchange(self.grid, self.run.stage_timeout)
+
+    def timed(self, stage: str, started: float) -> None:
+        """Record how long ``stage`` took."""
+        self.seconds[stage] = time.monotonic() - started
+
+    def reserve(self, plan: ReleasePlan, ledger: PrivacyLedger) -> None:
+        """Reserve the release's cost in the consortium ledger (refused with the numbers)."""
+        calibration = plan_calibration(plan)
+        ledger.reserve(
+            release_id=plan.release_id,
+            plan_hash=plan_hash(plan),
+            event=calibration.event,
+            epsilon=calibration.bound.epsilon,
+            delta=plan.delta,
+            accountant=calibration.bound.accountant,
+        )
+
+
+def run_coordinated_release(
+    grid: Grid, context: Context, run: RunConfig, settings: CoordinatorSettings, noise: NoiseSource
+) -> ReleaseReport:
+    """Plan → secure sums and noise → signed broadcast; abort notices on any failure."""
+    plan = build_plan(run)
+    coordinator = Coordinator(grid, context, run, settings, noise)
+    started = time.monotonic()
+    nodes = coordinator.wait_for_sites()
+    coordinator.timed("wait", started)
+    with PrivacyLedger.open(settings.ledger_path, settings.budget) as ledger:
+        coordinator.reserve(plan, ledger)
+        try:
+            started = time.monotonic()
+            coordinator.plan_stage(plan, nodes)
+            coordinator.timed("plan", started)
+            started = time.monotonic()
+            outcome = coordinator.release_stage(plan, ledger)
+            coordinator.timed("sums+noise", started)
+            started = time.monotonic()
+            path, acks = coordinator.broadcast_stage(plan, outcome)
+            coordinator.timed("broadcast", started)
+        except BaseException as exc:
+            _finish_failed(coordinator, plan, ledger, exc)
+            raise
+        ledger.commit(plan.release_id)
+    _log.info("release %s: %d sites acknowledged", plan.release_id, len(acks))
+    return ReleaseReport(plan, outcome, path, tuple(acks), dict(coordinator.seconds))
+
+
+def _finish_failed(
+    coordinator: Coordinator, plan: ReleasePlan, ledger: PrivacyLedger, exc: BaseException
+) -> None:
+    """Count the release if noise was drawn (fail closed), else refund; tell the sites."""
+    if coordinator.exposed:
+        ledger.commit(plan.release_id)
+    else:
+        ledger.abort(plan.release_id, f"aborted before any noisy output: {exc!r}"[:500])
+    if coordinator.accepted:
+        try:
+            coordinator.abort_stage(plan, f"{type(exc).__name__}: {exc}")
+        except Exception:  # the original failure matters more than a lost notice
+            _log.exception("abort notice could not be sent for %s", plan.release_id)

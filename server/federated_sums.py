@@ -1,0 +1,131 @@
+"""The coordinator's :class:`protocol.ReleaseSums`: SecAgg+ secure sums over the sites.
+
+Every site returns ``[flattened sum, [m_i]]``; the secure sum gives the coordinator only the
+totals over the surviving sites, including the public chunk count m = Σ m_i. A site lost in
+one secure sum is left out of the later ones; fewer survivors than the plan's minimum raise
+``InsufficientSharesError`` and the release aborts.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+from flwr.app import Context
+from flwr.serverapp import Grid
+
+from dpmtv_common.aliases import Float64Array
+from dpmtv_common.errors import InsufficientSharesError
+from dpmtv_common.heads import HeadSet
+from protocol import (
+    ActivationSum,
+    NoisyVectorBroadcast,
+    ReleasePlan,
+    SecureSumRequest,
+    VoteSum,
+    message_to_record,
+    secure_sum_request_to_config,
+)
+from server.messaging import Exchange
+from server.secagg import SecureSumSettings, install_secure_mask_prg, secure_sum
+
+__all__ = ["FederatedSums"]
+
+
+@dataclass
+class FederatedSums:
+    """Secure sums over the sites that accepted the plan.
+
+    Attributes:
+        sites: node id -> m_i, of the sites still in the release.
+        head_dim: D of the consortium's model.
+        all_heads: every head of the model (the scope of ``heads=None``).
+    """
+
+    grid: Grid
+    context: Context
+    plan: ReleasePlan
+    sites: dict[int, int]
+    head_dim: int
+    all_heads: HeadSet
+    stage_timeout: float
+    rounds: int = 0
+    log: list[str] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        install_secure_mask_prg()  # idempotent; the sites refuse any other mask expansion
+
+    def _settings(self) -> SecureSumSettings:
+        # A site's sum of m_i clipped chunks reaches m_i * C per coordinate; votes and the
+        # count reach m_i. The range covers both, so SecAgg+ never clips silently.
+        m_max = max(self.sites.values())
+        return SecureSumSettings.for_plan(
+            max_abs_coordinate=float(m_max) * max(self.plan.clip_norm, 1.0),
+            max_sites=len(self.sites),
+            timeout=self.stage_timeout,
+        )
+
+    def _secure_sum(self, request: SecureSumRequest) -> tuple[list[Float64Array], int]:
+        self.rounds += 1
+        result = secure_sum(
+            self.grid,
+            self.context,
+            sorted(self.sites),
+            secure_sum_request_to_config(request),
+            round_id=self.rounds,
+            settings=self._settings(),
+            min_sites=self.plan.min_sites,
+        )
+        if result is None:
+            raise InsufficientSharesError(
+                f"secure sum {self.rounds} ({request.stage}) produced no result: too few sites "
+                "stayed to rebuild the masks. The release is aborted."
+            )
+        self.sites = {node: self.sites[node] for node in result.site_ids}
+        self.log.append(f"{request.stage}: {result.num_sites} sites")
+        count = round(float(result.arrays[1][0]))
+        return result.arrays, count
+
+    def activation_sum(self, heads: HeadSet) -> ActivationSum:
+        """Σ over surviving sites of their clipped activation sums over ``heads``."""
+        request = SecureSumRequest(
+            release_id=self.plan.release_id,
+            stage="extract",
+            heads=None if heads == self.all_heads else heads.heads,
+            clip_norm=self.plan.clip_norm,
+            score_top_r=None,
+        )
+        arrays, count = self._secure_sum(request)
+        total = np.asarray(arrays[0], dtype=np.float64).reshape(len(heads), self.head_dim)
+        return ActivationSum(heads, total, count)
+
+    def vote_sum(self, reference: Float64Array | None) -> VoteSum:
+        """Σ over surviving sites of top-r votes (against ``reference`` when given)."""
+        if reference is not None:
+            self._broadcast_reference(reference)
+        request = SecureSumRequest(
+            release_id=self.plan.release_id,
+            stage="select",
+            heads=None,
+            clip_norm=self.plan.clip_norm,
+            score_top_r=self.plan.score_top_r,
+        )
+        arrays, count = self._secure_sum(request)
+        return VoteSum(np.asarray(arrays[0], dtype=np.float64), count)
+
+    def _broadcast_reference(self, reference: Float64Array) -> None:
+        notice = NoisyVectorBroadcast(release_id=self.plan.release_id, heads=self.all_heads.heads)
+        record = message_to_record(notice, arrays={"values": np.asarray(reference)})
+        exchange = Exchange(self.grid, self.stage_timeout)
+        replies = exchange.send(
+            "noisy_vector",
+            dict.fromkeys(self.sites, record),
+            NoisyVectorBroadcast,
+            f"{self.plan.release_id}-reference",
+        )
+        self.sites = {node: self.sites[node] for node in replies.answers}
+        if len(self.sites) < self.plan.min_sites:
+            raise InsufficientSharesError(
+                f"sites holding the noisy vector must number at least {self.plan.min_sites}, "
+                f"got {len(self.sites)}."
+            )

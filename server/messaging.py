@@ -1,0 +1,81 @@
+"""Plain (non-secure) exchanges with the sites: one message per site, replies by site."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from flwr.app import Message, RecordDict
+from flwr.serverapp import Grid
+
+from dpmtv_common.errors import DpmtvError
+from protocol import WireMessage, expect, message_to_record
+
+__all__ = ["Exchange", "Replies"]
+
+_log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Replies:
+    """What came back: decoded answers, and why the other sites gave none."""
+
+    answers: dict[int, WireMessage]
+    failures: dict[int, str]
+
+
+@dataclass
+class Exchange:
+    """Sends ``query.<action>`` messages through the grid and decodes the replies."""
+
+    grid: Grid
+    timeout: float
+
+    def send(
+        self,
+        action: str,
+        contents: Mapping[int, RecordDict],
+        expected: type[WireMessage],
+        group_id: str,
+    ) -> Replies:
+        """Send one record to each site and decode every reply as ``expected``."""
+        messages = [
+            self.grid.create_message(content, f"query.{action}", node_id, group_id)
+            for node_id, content in contents.items()
+        ]
+        replies = self.grid.send_and_receive(messages, timeout=self.timeout)
+        answers: dict[int, WireMessage] = {}
+        failures = {node_id: "no reply before the timeout" for node_id in contents}
+        for reply in replies:
+            node_id = reply.metadata.src_node_id
+            failures.pop(node_id, None)
+            outcome = _decode(reply, expected)
+            if isinstance(outcome, str):
+                failures[node_id] = outcome
+                _log.warning("site %s: %s failed: %s", node_id, action, outcome)
+            else:
+                answers[node_id] = outcome
+        return Replies(answers, failures)
+
+    def broadcast(
+        self,
+        action: str,
+        message: WireMessage,
+        node_ids: Iterable[int],
+        expected: type[WireMessage],
+        group_id: str,
+    ) -> Replies:
+        """Send the same message to every site."""
+        return self.send(
+            action, {n: message_to_record(message) for n in node_ids}, expected, group_id
+        )
+
+
+def _decode(reply: Message, expected: type[WireMessage]) -> WireMessage | str:
+    if reply.has_error():
+        return f"site error: {reply.error.reason}"
+    try:
+        return expect(reply.content, expected)
+    except DpmtvError as exc:
+        return str(exc)

@@ -1,0 +1,161 @@
+"""An in-process consortium: the real ServerApp logic meets real ``ClientApp`` sites.
+
+``InProcessGrid`` hands every message to a ``ClientApp`` object in this process, with no Ray,
+sockets or SuperLink (notes/flower.md §2.7): the simulated consortium of the demo, the
+benchmarks and the integration tests. It behaves like the wire where it matters:
+
+* every message and reply is deep-copied (the SecAgg+ workflow sends one ``RecordDict``
+  object to all nodes in stage 0 and ``secaggplus_mod`` pops keys from it);
+* each node has its own ``Context``, committed only when its ``ClientApp`` returns (as a
+  SuperNode keeps its state when a ClientApp raises);
+* an exception in the ``ClientApp`` becomes an error reply with Flower's reason format;
+* ``drops`` silences a node at chosen stages (a SecAgg+ stage name, or the message type for
+  other traffic): the message gets no reply, as when a site times out.
+
+Every reply is kept in ``replies`` as ``(node_id, stage, reply)`` for inspection.
+"""
+
+from __future__ import annotations
+
+import copy
+import uuid
+from collections.abc import Collection, Iterable, Mapping, Sequence
+
+from flwr.app import Context, Error, Message, RecordDict
+from flwr.clientapp import ClientApp
+from flwr.common.constant import ErrorCode
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+from flwr.supercore.task_identity import TaskIdentity
+
+RUN_ID = 1
+SERVER_NODE_ID = 0
+FIRST_NODE_ID = 1000
+
+
+def set_task_identity() -> None:
+    """Set the process identity ``Message(...)`` needs outside a Flower process."""
+    TaskIdentity.run_id, TaskIdentity.node_id, TaskIdentity.task_id = RUN_ID, SERVER_NODE_ID, 1
+
+
+def make_server_context(
+    run_config: Mapping[str, bool | float | int | str] | None = None,
+) -> Context:
+    """Return a ServerApp ``Context`` for ``RUN_ID``."""
+    return Context(
+        run_id=RUN_ID,
+        node_id=SERVER_NODE_ID,
+        node_config={},
+        state=RecordDict(),
+        run_config=dict(run_config or {}),
+    )
+
+
+class InProcessGrid(Grid):
+    """A ``Grid`` whose nodes are one in-process ``ClientApp`` with per-node contexts."""
+
+    def __init__(
+        self,
+        client_app: ClientApp,
+        *,
+        num_nodes: int,
+        run_config: Mapping[str, bool | float | int | str] | None = None,
+        drops: Mapping[int, Collection[str]] | None = None,
+        node_configs: Sequence[Mapping[str, bool | float | int | str]] | None = None,
+    ) -> None:
+        """Create ``num_nodes`` sites; ``node_configs[i]`` adds to site i's node config."""
+        set_task_identity()
+        self._run = Run.create_empty(run_id=RUN_ID)
+        self.client_app = client_app
+        self.node_ids = [FIRST_NODE_ID + index for index in range(num_nodes)]
+        self.contexts = {
+            node_id: Context(
+                run_id=RUN_ID,
+                node_id=node_id,
+                node_config={
+                    "partition-id": index,
+                    "num-partitions": num_nodes,
+                    **(node_configs[index] if node_configs else {}),
+                },
+                state=RecordDict(),
+                run_config=dict(run_config or {}),
+            )
+            for index, node_id in enumerate(self.node_ids)
+        }
+        self.drops: dict[int, set[str]] = {k: set(v) for k, v in (drops or {}).items()}
+        self.replies: list[tuple[int, str, Message]] = []
+
+    def set_run(self, run: Run) -> None:
+        """Replace the run this grid reports."""
+        self._run = run
+
+    @property
+    def run(self) -> Run:
+        """The (empty) run all messages belong to."""
+        return self._run
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        """Create an instruction message from the server node."""
+        return Message(
+            content, dst_node_id=dst_node_id, message_type=message_type, group_id=group_id, ttl=ttl
+        )
+
+    def get_node_ids(self) -> list[int]:
+        """Return every node id, dropped or not."""
+        return list(self.node_ids)
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Not supported: use ``send_and_receive``."""
+        raise NotImplementedError("LoopbackGrid only implements send_and_receive")
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """Not supported: use ``send_and_receive``."""
+        raise NotImplementedError("LoopbackGrid only implements send_and_receive")
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> list[Message]:
+        """Deliver each message in turn; return the replies of the nodes that did not drop."""
+        replies = []
+        for message in messages:
+            reply = self._deliver(message)
+            if reply is not None:
+                replies.append(reply)
+        return replies
+
+    def _deliver(self, message: Message) -> Message | None:
+        sent = copy.deepcopy(message)
+        sent.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # the SuperLink's job
+        node_id = sent.metadata.dst_node_id
+        stage = _stage_of(sent)
+        if stage in self.drops.get(node_id, set()):
+            return None
+        context = copy.deepcopy(self.contexts[node_id])
+        try:
+            reply = self.client_app(sent, context)
+        except Exception as exc:  # what a SuperNode does with any ClientApp error
+            reason = f"{type(exc)}:<'{exc}'>"
+            reply = Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=sent)
+        else:
+            self.contexts[node_id] = context
+        received = copy.deepcopy(reply)
+        self.replies.append((node_id, stage, received))
+        return copy.deepcopy(received)
+
+
+def _stage_of(message: Message) -> str:
+    configs = message.content.config_records.get(RECORD_KEY_CONFIGS)
+    if configs is not None and Key.STAGE in configs:
+        return str(configs[Key.STAGE])
+    return message.metadata.message_type
+
+
+__all__ = ["FIRST_NODE_ID", "InProcessGrid", "make_server_context", "set_task_identity"]

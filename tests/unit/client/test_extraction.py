@@ -1,0 +1,174 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw
+
+from client.chunking import Chunk, make_chunks
+from client.data import SiteDataset, load_dataset, write_jsonl_dataset
+from client.extraction import (
+    batched,
+    chunk_prompt,
+    extract_clipped_sum,
+    forward_last_token_heads,
+    select_heads,
+    zero_shot_prompt,
+)
+from client.models import LoadedModel
+from dpmtv_common.errors import ConfigError
+from dpmtv_common.heads import HeadSet
+from dpmtv_common.privacy.mechanisms import clip_per_layer
+
+COLOURS = ("red", "blue", "green", "yellow")
+SUBSET = HeadSet.of([(0, 1), (0, 3), (1, 0), (1, 2)])
+TINY_CLIP = 0.01  # far below every tiny model's per-layer norm (about 0.1 to 0.7): clipping binds
+
+
+def write_site(root: Path, count: int) -> SiteDataset:
+    rows = []
+    for i in range(count):
+        colour = COLOURS[i % len(COLOURS)]
+        image = Image.new("RGB", (56 + 7 * (i % 3), 56), "white")
+        ImageDraw.Draw(image).ellipse((6, 8, 40, 44), fill=colour)
+        image.save(root / f"img{i}.png")
+        question = "What colour is the shape?"
+        rows.append({"id": f"r{i}", "image": f"img{i}.png", "question": question, "answer": colour})
+    write_jsonl_dataset(root, rows, task="shapes")
+    return load_dataset(root)
+
+
+@pytest.fixture(scope="module")
+def chunks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Chunk, ...]:
+    site = write_site(tmp_path_factory.mktemp("extraction-site"), 12)
+    return make_chunks(site, shots=2, seed=7).chunks  # 4 chunks of 2 shots + 1 query
+
+
+@pytest.fixture
+def loaded(tiny) -> LoadedModel:
+    return LoadedModel(tiny.model, tiny.processor, tiny.adapter, f"sha256:test-{tiny.arch}")
+
+
+def hand_clipped_sum(loaded, chunks, heads, clip_norm) -> np.ndarray:
+    """The reference: one chunk a forward pass, clipped per layer with the public helper."""
+    total = np.zeros((len(heads), 16))
+    for chunk in chunks:
+        acts = forward_last_token_heads(loaded, [chunk_prompt(chunk)], instruction=None)
+        rows = acts[0, heads.to_array()[:, 0], heads.to_array()[:, 1]].double().numpy()
+        total += clip_per_layer(rows, row_layers=heads.row_layers(), clip_norm=clip_norm)
+    return total
+
+
+def layer_norms(rows: np.ndarray, heads: HeadSet) -> list[float]:
+    return [float(np.linalg.norm(rows[heads.row_layers() == layer])) for layer in heads.layers]
+
+
+@pytest.mark.parametrize("clip_norm", [TINY_CLIP, 1e3], ids=["binding", "loose"])
+def test_clipped_sum_equals_the_sum_of_each_chunk_clipped_by_hand(loaded, chunks, clip_norm):
+    # Arrange
+    expected = hand_clipped_sum(loaded, chunks, SUBSET, clip_norm)
+
+    # Act
+    summed = extract_clipped_sum(
+        loaded, chunks, heads=SUBSET, clip_norm=clip_norm, batch_size=1, progress=False
+    )
+
+    # Assert
+    assert summed.heads == SUBSET
+    assert summed.total.dtype == np.float64
+    assert summed.total.shape == (len(SUBSET), 16)
+    np.testing.assert_allclose(summed.total, expected, rtol=0, atol=1e-5)
+
+
+def test_each_chunk_moves_the_sum_by_at_most_the_clip_norm_per_layer(loaded, chunks):
+    # Arrange
+    heads = HeadSet.all_heads(num_layers=2, num_heads=4)
+
+    # Act
+    singles = [
+        extract_clipped_sum(loaded, [c], heads=heads, clip_norm=TINY_CLIP, progress=False)
+        for c in chunks
+    ]
+
+    # Assert: the bound binds, so every layer of every chunk sits exactly on it
+    for single in singles:
+        norms = layer_norms(single.total, heads)
+        assert max(norms) <= TINY_CLIP * (1 + 1e-6)
+        assert norms == pytest.approx([TINY_CLIP] * len(heads.layers), rel=1e-6)
+
+
+def test_batch_size_does_not_change_the_clipped_sum(loaded, chunks):
+    # Arrange
+    kwargs = {"heads": SUBSET, "clip_norm": 0.2, "progress": False}
+
+    # Act
+    one_at_a_time = extract_clipped_sum(loaded, chunks, batch_size=1, **kwargs)
+    three_at_a_time = extract_clipped_sum(loaded, chunks, batch_size=3, **kwargs)
+
+    # Assert
+    np.testing.assert_allclose(one_at_a_time.total, three_at_a_time.total, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("count", [1, 3, 4])
+def test_num_chunks_counts_the_summed_chunks(loaded, chunks, count):
+    # Act
+    summed = extract_clipped_sum(
+        loaded, chunks[:count], heads=SUBSET, clip_norm=1.0, batch_size=3, progress=False
+    )
+
+    # Assert
+    assert summed.num_chunks == count
+
+
+@pytest.mark.parametrize("batch_size", [0, -2])
+def test_a_batch_size_below_one_is_a_config_error(loaded, chunks, batch_size):
+    # Act / Assert
+    with pytest.raises(ConfigError, match="batch_size"):
+        extract_clipped_sum(
+            loaded, chunks, heads=SUBSET, clip_norm=1.0, batch_size=batch_size, progress=False
+        )
+
+
+def test_batched_yields_consecutive_slices_of_at_most_size(chunks):
+    # Act
+    slices = list(batched(chunks, 3))
+
+    # Assert
+    assert [len(s) for s in slices] == [3, 1]
+    assert tuple(c for s in slices for c in s) == chunks
+
+
+def test_select_heads_takes_the_rows_of_the_head_set_as_float64(loaded, chunks):
+    # Arrange
+    acts = forward_last_token_heads(loaded, [chunk_prompt(c) for c in chunks[:2]], instruction=None)
+
+    # Act
+    rows = select_heads(acts, SUBSET)
+
+    # Assert
+    assert acts.shape == (2, 2, 4, 16)
+    assert rows.shape == (2, len(SUBSET), 16)
+    assert rows.dtype == np.float64
+    np.testing.assert_array_equal(rows[1, 2], acts[1, 1, 0].double().numpy())
+
+
+def test_chunk_prompt_shows_the_demonstrations_and_withholds_the_query_answer(chunks):
+    # Act
+    prompt = chunk_prompt(chunks[0])
+
+    # Assert
+    assert [d.answer for d in prompt.demonstrations] == [
+        r.answer for r in chunks[0].demonstrations
+    ]
+    assert prompt.query.answer is None
+    assert prompt.query.question == chunks[0].query.question
+
+
+def test_zero_shot_prompt_has_no_demonstrations_and_no_answer(chunks):
+    # Act
+    prompt = zero_shot_prompt(chunks[0].query)
+
+    # Assert
+    assert prompt.demonstrations == ()
+    assert prompt.query.answer is None

@@ -1,0 +1,326 @@
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import pytest
+from PIL import Image, ImageDraw
+
+from client.chunking import Chunk, make_chunks
+from client.data import SiteDataset, load_dataset, write_jsonl_dataset
+from client.models import LoadedModel
+import client.release
+import protocol.release
+from client.release import LocalSums, run_single_holder_release
+from dpmtv_common.artifact import load_artifact
+from dpmtv_common.crypto import SigningKey, TrustedKeys
+from dpmtv_common.errors import ConfigError, ModelMismatchError, PrivacyBudgetExceededError
+from dpmtv_common.heads import HeadSet
+from dpmtv_common.privacy.accounting import epsilon_bound
+from dpmtv_common.privacy.budget import PrivacyBudget
+from dpmtv_common.privacy.calibration import ReleaseCalibration
+from dpmtv_common.privacy.ledger import PrivacyLedger, ReleaseState
+from dpmtv_common.privacy.testing import SeededNoise
+from protocol import PROTOCOL_VERSION, ReleaseOrder, ReleasePlan, SelectionMode
+
+# One architecture is enough here: the per-architecture behaviour is covered by the
+# extraction and scoring tests; this module checks the release flow and the ledger.
+pytestmark = pytest.mark.parametrize("tiny", ["llava"], indirect=True)
+
+COLOURS = ("red", "blue", "green", "yellow")
+DELTA = 1e-5
+PUBLIC_HEADS = ((0, 1), (1, 2), (1, 3))
+ALL_HEADS = HeadSet.all_heads(num_layers=2, num_heads=4)
+EPSILON = 0.5  # calibrates in about a second; larger epsilons take the accountant far longer
+
+_real_plan_calibration = protocol.release.plan_calibration
+_calibrations: dict[tuple[object, ...], ReleaseCalibration] = {}
+
+
+def plan_calibration(plan: ReleasePlan) -> ReleaseCalibration:
+    """The real calibration, computed once per distinct privacy setting of the plan."""
+    key = (plan.epsilon, plan.delta, plan.selection, plan.num_selected_heads, plan.selection_share)
+    if key not in _calibrations:
+        _calibrations[key] = _real_plan_calibration(plan)
+    return _calibrations[key]
+
+
+@pytest.fixture(autouse=True)
+def calibrate_each_setting_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    # The accountant's bisection costs about a second a call and a release calls it twice;
+    # the accountant has its own tests, and this module tests the release flow around it.
+    monkeypatch.setattr(client.release, "plan_calibration", plan_calibration)
+    monkeypatch.setattr(protocol.release, "plan_calibration", plan_calibration)
+
+
+def write_site(root: Path, count: int) -> SiteDataset:
+    rows = []
+    for i in range(count):
+        colour = COLOURS[i % len(COLOURS)]
+        image = Image.new("RGB", (56, 56 + 7 * (i % 3)), "white")
+        ImageDraw.Draw(image).ellipse((6, 8, 40, 44), fill=colour)
+        image.save(root / f"img{i}.png")
+        question = "What colour is the shape?"
+        rows.append({"id": f"r{i}", "image": f"img{i}.png", "question": question, "answer": colour})
+    write_jsonl_dataset(root, rows, task="shapes")
+    return load_dataset(root)
+
+
+@pytest.fixture(scope="module")
+def chunks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Chunk, ...]:
+    site = write_site(tmp_path_factory.mktemp("release-site"), 12)
+    return make_chunks(site, shots=2, seed=5).chunks  # 4 chunks
+
+
+@pytest.fixture
+def loaded(tiny) -> LoadedModel:
+    return LoadedModel(tiny.model, tiny.processor, tiny.adapter, f"sha256:test-{tiny.arch}")
+
+
+@pytest.fixture(scope="module")
+def key() -> SigningKey:
+    return SigningKey.generate()
+
+
+@pytest.fixture
+def ledger(tmp_path: Path):
+    with PrivacyLedger.open(tmp_path / "ledger.sqlite", PrivacyBudget(10.0, DELTA)) as opened:
+        yield opened
+
+
+def make_plan(loaded: LoadedModel, selection=SelectionMode.PRIVATE, order=None, **overrides):
+    fields = {
+        "protocol_version": PROTOCOL_VERSION,
+        "release_id": "r1",
+        "task": "shapes",
+        "model_fingerprint": loaded.fingerprint,
+        "epsilon": EPSILON,
+        "delta": DELTA,
+        "shots": 2,
+        "clip_norm": 0.5,
+        "selection": selection,
+        "order": order or ReleaseOrder.SELECT_FIRST,
+        "num_selected_heads": 3,
+        "public_heads": PUBLIC_HEADS if selection is SelectionMode.PUBLIC else None,
+        "selection_share": 0.3,
+        "score_top_r": 2,
+        "min_sites": 1,
+        "max_chunks_per_site": None,
+        "created": "2026-11-29T00:00:00+00:00",
+    }
+    fields.update(overrides)
+    return ReleasePlan(**fields)
+
+
+@dataclass
+class SpySums(LocalSums):
+    """LocalSums that records its calls and can fail in one of them."""
+
+    calls: list[str] = field(default_factory=list)
+    fail_in: str | None = None
+
+    def activation_sum(self, heads):
+        self.calls.append("activations")
+        if self.fail_in == "activations":
+            raise RuntimeError("activation sum failed")
+        return super().activation_sum(heads)
+
+    def vote_sum(self, reference):
+        self.calls.append("votes")
+        if self.fail_in == "votes":
+            raise RuntimeError("vote sum failed")
+        return super().vote_sum(reference)
+
+
+def spy(loaded, chunks, plan, fail_in=None) -> SpySums:
+    return SpySums(loaded, chunks, plan, progress=False, fail_in=fail_in)
+
+
+def release(plan, sums, ledger, key, output):
+    return run_single_holder_release(
+        plan, sums=sums, ledger=ledger, signing_key=key, output=output, noise=SeededNoise(0)
+    )
+
+
+def only_entry(ledger: PrivacyLedger):
+    (entry,) = ledger.releases()
+    return entry
+
+
+def test_release_writes_a_verifiable_artifact_and_commits_its_cost(
+    loaded, chunks, ledger, key, tmp_path
+):
+    # Arrange
+    plan = make_plan(loaded)
+    calibration = plan_calibration(plan)
+
+    # Act
+    result = release(plan, spy(loaded, chunks, plan), ledger, key, tmp_path / "artifact")
+
+    # Assert: the artifact verifies with the signer's key for this model
+    artifact = load_artifact(
+        result.artifact,
+        trusted_keys=TrustedKeys([key.verify_key]),
+        expected_model_fingerprint=loaded.fingerprint,
+    )
+    assert artifact.heads == result.outcome.heads
+    np.testing.assert_array_equal(artifact.values, result.outcome.values.astype(np.float32))
+    assert artifact.manifest.release_id == "r1"
+    assert artifact.manifest.num_chunks == len(chunks)
+    assert artifact.manifest.epsilon == pytest.approx(calibration.bound.epsilon)
+    # Assert: the ledger holds one committed release costing the calibrated event
+    entry = only_entry(ledger)
+    assert entry.release_id == "r1"
+    assert entry.state is ReleaseState.COMMITTED
+    spent = ledger.spent()
+    assert spent is not None
+    assert spent.epsilon == pytest.approx(epsilon_bound([calibration.event], delta=DELTA).epsilon)
+    assert spent.epsilon <= plan.epsilon * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("order", list(ReleaseOrder))
+@pytest.mark.parametrize("selection", list(SelectionMode))
+def test_every_selection_mode_and_order_releases_its_head_count(
+    loaded, chunks, ledger, key, tmp_path, selection, order
+):
+    # Arrange
+    plan = make_plan(loaded, selection, order)
+    sums = spy(loaded, chunks, plan)
+
+    # Act
+    result = release(plan, sums, ledger, key, tmp_path / "artifact")
+
+    # Assert
+    heads = result.outcome.heads
+    if selection is SelectionMode.ALL:
+        assert heads == ALL_HEADS
+    else:
+        assert len(heads) == plan.num_selected_heads
+        assert set(heads.heads) <= set(ALL_HEADS.heads)
+    if selection is SelectionMode.PUBLIC:
+        assert heads.heads == PUBLIC_HEADS
+    assert result.manifest.num_heads == len(heads)
+    assert result.outcome.values.shape == (len(heads), 16)
+    assert sums.calls.count("activations") == 1
+    assert sums.calls.count("votes") == (selection is SelectionMode.PRIVATE)
+    assert only_entry(ledger).state is ReleaseState.COMMITTED
+
+
+def test_a_plan_for_another_model_is_refused_before_anything_is_reserved(
+    loaded, chunks, ledger, key, tmp_path
+):
+    # Arrange
+    plan = make_plan(loaded, model_fingerprint="sha256:another-model")
+    sums = spy(loaded, chunks, plan)
+
+    # Act / Assert
+    with pytest.raises(ModelMismatchError, match="fingerprint"):
+        release(plan, sums, ledger, key, tmp_path / "artifact")
+    assert ledger.releases() == []
+    assert sums.calls == []
+
+
+@pytest.mark.parametrize(
+    ("selection", "order", "fail_in"),
+    [
+        (SelectionMode.PRIVATE, ReleaseOrder.SELECT_FIRST, "votes"),
+        (SelectionMode.ALL, ReleaseOrder.SELECT_FIRST, "activations"),
+        (SelectionMode.PUBLIC, ReleaseOrder.RELEASE_FIRST, "activations"),
+        (SelectionMode.PRIVATE, ReleaseOrder.RELEASE_FIRST, "activations"),
+    ],
+)
+def test_a_failure_before_the_first_noisy_output_aborts_the_reservation(
+    loaded, chunks, ledger, key, tmp_path, selection, order, fail_in
+):
+    # Arrange
+    plan = make_plan(loaded, selection, order)
+    output = tmp_path / "artifact"
+
+    # Act
+    with pytest.raises(RuntimeError, match=f"{fail_in[:4]}.* sum failed"):
+        release(plan, spy(loaded, chunks, plan, fail_in=fail_in), ledger, key, output)
+
+    # Assert: refunded
+    entry = only_entry(ledger)
+    assert entry.state is ReleaseState.ABORTED
+    assert "sum failed" in entry.note
+    assert ledger.spent() is None
+    assert not output.exists()
+
+
+def test_a_failure_after_the_noisy_release_keeps_the_cost_spent(
+    loaded, chunks, ledger, key, tmp_path
+):
+    # Arrange: release-first private draws the Gaussian before it asks for votes
+    plan = make_plan(loaded, SelectionMode.PRIVATE, ReleaseOrder.RELEASE_FIRST)
+
+    # Act
+    with pytest.raises(RuntimeError, match="vote sum failed"):
+        release(plan, spy(loaded, chunks, plan, fail_in="votes"), ledger, key, tmp_path / "a")
+
+    # Assert
+    assert only_entry(ledger).state is ReleaseState.COMMITTED
+    assert ledger.spent() is not None
+
+
+def test_a_failed_artifact_write_keeps_the_cost_spent(loaded, chunks, ledger, key, tmp_path):
+    # Arrange: the output directory exists and is not empty, so write_artifact refuses it
+    plan = make_plan(loaded)
+    output = tmp_path / "occupied"
+    output.mkdir()
+    (output / "notes.txt").write_text("mine")
+
+    # Act
+    with pytest.raises(ConfigError, match="must not exist"):
+        release(plan, spy(loaded, chunks, plan), ledger, key, output)
+
+    # Assert: noise was drawn, so the release counts (fail closed)
+    assert only_entry(ledger).state is ReleaseState.COMMITTED
+    spent = ledger.spent()
+    assert spent is not None
+    event = plan_calibration(plan).event
+    assert spent.epsilon == pytest.approx(epsilon_bound([event], delta=DELTA).epsilon)
+    assert (output / "notes.txt").read_text() == "mine"
+
+
+def test_a_release_over_budget_is_refused_before_any_extraction(loaded, chunks, key, tmp_path):
+    # Arrange
+    plan = make_plan(loaded)
+    sums = spy(loaded, chunks, plan)
+    budget = PrivacyBudget(EPSILON / 2, DELTA)
+
+    # Act / Assert
+    with PrivacyLedger.open(tmp_path / "small.sqlite", budget) as ledger:
+        with pytest.raises(PrivacyBudgetExceededError):
+            release(plan, sums, ledger, key, tmp_path / "artifact")
+        assert ledger.releases() == []
+    assert sums.calls == []
+    assert not (tmp_path / "artifact").exists()
+
+
+def test_a_release_without_chunks_is_a_config_error_and_reserves_nothing(
+    loaded, ledger, key, tmp_path
+):
+    # Arrange
+    plan = make_plan(loaded)
+
+    # Act / Assert
+    with pytest.raises(ConfigError, match="chunk"):
+        release(plan, spy(loaded, (), plan), ledger, key, tmp_path / "artifact")
+    assert ledger.releases() == []
+
+
+def test_local_votes_switch_to_attribution_against_a_reference(loaded, chunks):
+    # Arrange
+    plan = make_plan(loaded)
+    sums = LocalSums(loaded, chunks, plan, progress=False)
+    reference = np.zeros((2, 4, 16))
+
+    # Act
+    shift = sums.vote_sum(None)
+    attribution = sums.vote_sum(reference)
+
+    # Assert: both are top-r votes of every chunk
+    assert shift.num_chunks == attribution.num_chunks == len(chunks)
+    assert shift.total.sum() == attribution.total.sum() == len(chunks) * plan.score_top_r

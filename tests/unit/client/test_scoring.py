@@ -1,0 +1,227 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from PIL import Image, ImageDraw
+
+from client.chunking import Chunk, make_chunks
+from client.data import SiteDataset, load_dataset, write_jsonl_dataset
+from client.extraction import chunk_prompt, forward_last_token_heads, zero_shot_prompt
+from client.hooks import registered_pre_hooks
+from client.models import LoadedModel
+from client.scoring import (
+    ScoreMethod,
+    answer_token_ids,
+    chunk_head_votes,
+    last_token_attribution,
+    top_r_votes,
+)
+from dpmtv_common.errors import ConfigError
+
+COLOURS = ("red", "blue", "green", "yellow")
+LAYERS, HEADS, DIM = 2, 4, 16
+
+
+def write_site(root: Path, count: int) -> SiteDataset:
+    rows = []
+    for i in range(count):
+        colour = COLOURS[i % len(COLOURS)]
+        image = Image.new("RGB", (56 + 7 * (i % 3), 56), "white")
+        ImageDraw.Draw(image).rectangle((6, 8, 40, 44), fill=colour)
+        image.save(root / f"img{i}.png")
+        question = "What colour is the shape?"
+        rows.append({"id": f"r{i}", "image": f"img{i}.png", "question": question, "answer": colour})
+    write_jsonl_dataset(root, rows, task="shapes")
+    return load_dataset(root)
+
+
+@pytest.fixture(scope="module")
+def chunks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Chunk, ...]:
+    site = write_site(tmp_path_factory.mktemp("scoring-site"), 9)
+    return make_chunks(site, shots=2, seed=3).chunks  # 3 chunks
+
+
+@pytest.fixture
+def loaded(tiny) -> LoadedModel:
+    return LoadedModel(tiny.model, tiny.processor, tiny.adapter, f"sha256:test-{tiny.arch}")
+
+
+# ---------------------------------------------------------------- top-r votes
+
+
+@pytest.mark.parametrize("top_r", [1, 3, 8])
+def test_top_r_votes_gives_each_row_exactly_r_ones_on_its_largest_scores(top_r):
+    # Arrange
+    scores = np.random.default_rng(0).normal(size=(5, 8))
+
+    # Act
+    votes = top_r_votes(scores, top_r)
+
+    # Assert
+    assert set(np.unique(votes)) <= {0.0, 1.0}
+    np.testing.assert_array_equal(votes.sum(axis=1), top_r)
+    for row, vote in zip(scores, votes, strict=True):
+        assert row[vote == 1].min() >= row[vote == 0].max(initial=-np.inf)
+
+
+def test_top_r_votes_breaks_ties_to_exactly_r_ones():
+    # Act
+    votes = top_r_votes(np.zeros((3, 6)), 2)
+
+    # Assert
+    np.testing.assert_array_equal(votes.sum(axis=1), 2)
+
+
+def test_replacing_one_chunk_moves_every_head_vote_sum_by_at_most_one():
+    # Arrange: neighbouring score matrices differ in one chunk's row
+    rng = np.random.default_rng(1)
+    for trial in range(50):
+        scores = rng.normal(size=(6, 8))
+        neighbour = scores.copy()
+        neighbour[trial % 6] = rng.normal(size=8)
+
+        # Act
+        difference = top_r_votes(scores, 3).sum(axis=0) - top_r_votes(neighbour, 3).sum(axis=0)
+
+        # Assert: Δ∞ = 1 per head
+        assert np.abs(difference).max() <= 1.0
+
+
+@pytest.mark.parametrize("top_r", [0, 9])
+def test_top_r_outside_one_to_the_head_count_is_a_config_error(top_r):
+    # Act / Assert
+    with pytest.raises(ConfigError, match="top_r"):
+        top_r_votes(np.zeros((2, 8)), top_r)
+
+
+# ---------------------------------------------------------------- chunk votes
+
+
+@pytest.mark.parametrize("method", list(ScoreMethod))
+def test_chunk_votes_total_lies_in_zero_to_m_and_sums_to_m_times_r(loaded, chunks, method):
+    # Act
+    votes = chunk_head_votes(
+        loaded, chunks, top_r=3, method=method, batch_size=2, progress=False
+    )
+
+    # Assert
+    m = len(chunks)
+    assert votes.num_chunks == m
+    assert votes.total.shape == (LAYERS * HEADS,)
+    assert votes.total.min() >= 0
+    assert votes.total.max() <= m
+    assert votes.total.sum() == m * 3
+
+
+def test_shift_votes_go_to_the_heads_the_demonstrations_move_most(loaded, chunks):
+    # Arrange: the shift score of one chunk, by hand
+    expected = np.zeros(LAYERS * HEADS)
+    for chunk in chunks:
+        shots = forward_last_token_heads(loaded, [chunk_prompt(chunk)], instruction=None)
+        plain = forward_last_token_heads(loaded, [zero_shot_prompt(chunk.query)], instruction=None)
+        expected += top_r_votes((shots - plain).norm(dim=-1).reshape(1, -1).numpy(), 2)[0]
+
+    # Act
+    votes = chunk_head_votes(loaded, chunks, top_r=2, batch_size=1, progress=False)
+
+    # Assert
+    np.testing.assert_array_equal(votes.total, expected)
+
+
+def test_attribution_votes_score_against_a_layer_head_dim_reference(loaded, chunks):
+    # Arrange: a fixed reference (L, H, D), as the release-first order passes the noisy vector
+    reference = np.random.default_rng(2).normal(scale=0.1, size=(LAYERS, HEADS, DIM))
+    expected = np.zeros(LAYERS * HEADS)
+    for chunk in chunks:
+        acts, grads = last_token_attribution(
+            loaded, [zero_shot_prompt(chunk.query)], [chunk.query.answer], instruction=None
+        )
+        gain = ((torch.as_tensor(reference, dtype=torch.float32) - acts) * grads).sum(dim=-1)
+        expected += top_r_votes(gain.reshape(1, -1).double().numpy(), 2)[0]
+
+    # Act
+    votes = chunk_head_votes(
+        loaded,
+        chunks,
+        top_r=2,
+        method=ScoreMethod.ATTRIBUTION,
+        reference=reference,
+        batch_size=1,
+        progress=False,
+    )
+
+    # Assert
+    np.testing.assert_array_equal(votes.total, expected)
+    assert votes.total.sum() == len(chunks) * 2
+
+
+# ---------------------------------------------------------------- attribution gradients
+
+
+def log_p_with_offset(loaded, inputs, target, *, row, layer, coordinate, offset) -> float:
+    """log p(target) of batch row ``row`` with one o_proj input coordinate moved by ``offset``."""
+
+    def hook(module, args):
+        hidden = args[0].clone()
+        hidden[row, -1, coordinate] += offset
+        return (hidden, *args[1:])
+
+    projection = loaded.adapter.output_projections(loaded.model)[layer]
+    with torch.no_grad(), registered_pre_hooks([(projection, hook)]):
+        logits = loaded.model(**inputs).logits[row, -1].double()
+    return float(logits.log_softmax(-1)[target])
+
+
+def test_attribution_gradient_matches_a_central_finite_difference(loaded, chunks):
+    # Arrange: two prompts of different lengths, so row 1 sits behind left padding
+    prompts = [chunk_prompt(chunks[0]), zero_shot_prompt(chunks[1].query)]
+    answers = [chunks[0].query.answer, chunks[1].query.answer]
+    inputs = loaded.adapter.build_batch_inputs(loaded.processor, prompts, instruction=None)
+    target = int(answer_token_ids(loaded, answers)[1])
+
+    # Act
+    acts, grads = last_token_attribution(loaded, prompts, answers, instruction=None)
+
+    # Assert: the steepest coordinate of row 1 against (f(x + h) - f(x - h)) / 2h
+    assert acts.shape == grads.shape == (2, LAYERS, HEADS, DIM)
+    layer, head, dim = np.unravel_index(int(grads[1].abs().argmax()), (LAYERS, HEADS, DIM))
+    where = {"row": 1, "layer": int(layer), "coordinate": int(head) * DIM + int(dim)}
+    step = 1e-2
+    up = log_p_with_offset(loaded, inputs, target, offset=step, **where)
+    down = log_p_with_offset(loaded, inputs, target, offset=-step, **where)
+    assert float(grads[1, layer, head, dim]) == pytest.approx((up - down) / (2 * step), rel=1e-3)
+
+
+def test_attribution_activations_are_the_captured_last_token_heads(loaded, chunks):
+    # Arrange
+    prompts = [zero_shot_prompt(chunks[0].query)]
+
+    # Act
+    acts, _ = last_token_attribution(loaded, prompts, ["red"], instruction=None)
+
+    # Assert
+    captured = forward_last_token_heads(loaded, prompts, instruction=None)
+    torch.testing.assert_close(acts, captured, rtol=0, atol=1e-6)
+
+
+def test_attribution_leaves_parameter_flags_and_hooks_as_they_were(loaded, chunks):
+    # Arrange
+    flags = [p.requires_grad for p in loaded.model.parameters()]
+    projections = loaded.adapter.output_projections(loaded.model)
+
+    # Act
+    last_token_attribution(loaded, [zero_shot_prompt(chunks[0].query)], ["red"], instruction=None)
+
+    # Assert
+    assert [p.requires_grad for p in loaded.model.parameters()] == flags
+    assert all(p.grad is None for p in loaded.model.parameters())
+    assert all(not p._forward_pre_hooks for p in projections)
+
+
+def test_an_answer_without_tokens_is_a_config_error(loaded):
+    # Act / Assert
+    with pytest.raises(ConfigError, match="answer"):
+        answer_token_ids(loaded, ["red", ""])
