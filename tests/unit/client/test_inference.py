@@ -19,6 +19,8 @@ from dpmtv_common.heads import HeadSet
 
 COLOURS = ("red", "blue", "green", "yellow", "purple", "orange")
 ALL_HEADS = HeadSet.all_heads(num_layers=2, num_heads=4)
+# Checks that do not depend on the architecture run on one of them.
+ONE_ARCH = pytest.mark.parametrize("tiny", ["llava"], indirect=True)
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +86,9 @@ def test_unpatched_answers_are_greedy_generate_cut_at_the_first_span(loaded, rec
         output = loaded.model.generate(
             **inputs, max_new_tokens=6, do_sample=False, pad_token_id=tokenizer.pad_token_id
         )
-    texts = tokenizer.batch_decode(output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    texts = tokenizer.batch_decode(
+        output[:, inputs["input_ids"].shape[1] :], skip_special_tokens=True
+    )
     expected = [first_answer_span(t) for t in texts]
 
     # Act
@@ -120,6 +124,7 @@ def test_patching_every_head_with_other_values_changes_the_answer(loaded, record
     assert patched != plain
 
 
+@ONE_ARCH
 @pytest.mark.parametrize(
     ("option", "value"), [("max_new_tokens", 0), ("batch_size", 0), ("batch_size", -1)]
 )
@@ -177,6 +182,7 @@ def test_icl_shots_outside_one_to_the_support_size_are_config_errors(records, sh
         icl_prompts(records[:1], records[2:], shots=shots, seed=0)
 
 
+@ONE_ARCH
 def test_evaluate_accuracy_is_the_mean_vqa_accuracy_of_the_queries(loaded, records):
     # Arrange: references built from the model's own answers, so scores are 1, 2/3 and 0
     queries = records[:3]
@@ -198,6 +204,7 @@ def test_evaluate_accuracy_is_the_mean_vqa_accuracy_of_the_queries(loaded, recor
     assert result.scores[0] == 1.0
 
 
+@ONE_ARCH
 def test_evaluate_icl_answers_the_drawn_k_shot_prompts(loaded, records):
     # Arrange
     queries, support = records[:2], records[2:]
@@ -212,6 +219,7 @@ def test_evaluate_icl_answers_the_drawn_k_shot_prompts(loaded, records):
     assert list(result.predictions) == generate_answers(loaded, prompts, max_new_tokens=4)
 
 
+@ONE_ARCH
 def test_evaluate_artifact_mode_answers_with_the_patch(loaded, records):
     # Arrange
     query = records[0]
@@ -226,9 +234,14 @@ def test_evaluate_artifact_mode_answers_with_the_patch(loaded, records):
     assert list(result.predictions) == expected
 
 
+@ONE_ARCH
 @pytest.mark.parametrize(
     ("mode", "with_patch"),
-    [(EvaluationMode.ARTIFACT, False), (EvaluationMode.ZERO_SHOT, True), (EvaluationMode.ICL, True)],
+    [
+        (EvaluationMode.ARTIFACT, False),
+        (EvaluationMode.ZERO_SHOT, True),
+        (EvaluationMode.ICL, True),
+    ],
 )
 def test_a_patch_outside_artifact_mode_or_none_in_it_is_a_config_error(
     loaded, records, mode, with_patch
@@ -241,8 +254,8 @@ def test_a_patch_outside_artifact_mode_or_none_in_it_is_a_config_error(
         evaluate(loaded, records[:1], mode=mode, support=records[2:], shots=2, patch=patch)
 
 
+@ONE_ARCH
 def test_evaluate_without_queries_is_a_config_error(loaded):
     # Act / Assert
     with pytest.raises(ConfigError, match="queries"):
         evaluate(loaded, [], mode=EvaluationMode.ZERO_SHOT)
-

@@ -10,8 +10,6 @@ from PIL import Image, ImageDraw
 from client.chunking import Chunk, make_chunks
 from client.data import SiteDataset, load_dataset, write_jsonl_dataset
 from client.models import LoadedModel
-import client.release
-import protocol.release
 from client.release import LocalSums, run_single_holder_release
 from dpmtv_common.artifact import load_artifact
 from dpmtv_common.crypto import SigningKey, TrustedKeys
@@ -19,10 +17,15 @@ from dpmtv_common.errors import ConfigError, ModelMismatchError, PrivacyBudgetEx
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.accounting import epsilon_bound
 from dpmtv_common.privacy.budget import PrivacyBudget
-from dpmtv_common.privacy.calibration import ReleaseCalibration
 from dpmtv_common.privacy.ledger import PrivacyLedger, ReleaseState
 from dpmtv_common.privacy.testing import SeededNoise
-from protocol import PROTOCOL_VERSION, ReleaseOrder, ReleasePlan, SelectionMode
+from protocol import (
+    PROTOCOL_VERSION,
+    ReleaseOrder,
+    ReleasePlan,
+    SelectionMode,
+    plan_calibration,
+)
 
 # One architecture is enough here: the per-architecture behaviour is covered by the
 # extraction and scoring tests; this module checks the release flow and the ledger.
@@ -32,26 +35,7 @@ COLOURS = ("red", "blue", "green", "yellow")
 DELTA = 1e-5
 PUBLIC_HEADS = ((0, 1), (1, 2), (1, 3))
 ALL_HEADS = HeadSet.all_heads(num_layers=2, num_heads=4)
-EPSILON = 0.5  # calibrates in about a second; larger epsilons take the accountant far longer
-
-_real_plan_calibration = protocol.release.plan_calibration
-_calibrations: dict[tuple[object, ...], ReleaseCalibration] = {}
-
-
-def plan_calibration(plan: ReleasePlan) -> ReleaseCalibration:
-    """The real calibration, computed once per distinct privacy setting of the plan."""
-    key = (plan.epsilon, plan.delta, plan.selection, plan.num_selected_heads, plan.selection_share)
-    if key not in _calibrations:
-        _calibrations[key] = _real_plan_calibration(plan)
-    return _calibrations[key]
-
-
-@pytest.fixture(autouse=True)
-def calibrate_each_setting_once(monkeypatch: pytest.MonkeyPatch) -> None:
-    # The accountant's bisection costs about a second a call and a release calls it twice;
-    # the accountant has its own tests, and this module tests the release flow around it.
-    monkeypatch.setattr(client.release, "plan_calibration", plan_calibration)
-    monkeypatch.setattr(protocol.release, "plan_calibration", plan_calibration)
+EPSILON = 0.5  # calibrates in about a second; larger epsilons take the accountant longer
 
 
 def write_site(root: Path, count: int) -> SiteDataset:

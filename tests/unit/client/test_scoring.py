@@ -23,6 +23,8 @@ from dpmtv_common.errors import ConfigError
 
 COLOURS = ("red", "blue", "green", "yellow")
 LAYERS, HEADS, DIM = 2, 4, 16
+# Checks that do not depend on the architecture run on one of them.
+ONE_ARCH = pytest.mark.parametrize("tiny", ["llava"], indirect=True)
 
 
 def write_site(root: Path, count: int) -> SiteDataset:
@@ -103,9 +105,7 @@ def test_top_r_outside_one_to_the_head_count_is_a_config_error(top_r):
 @pytest.mark.parametrize("method", list(ScoreMethod))
 def test_chunk_votes_total_lies_in_zero_to_m_and_sums_to_m_times_r(loaded, chunks, method):
     # Act
-    votes = chunk_head_votes(
-        loaded, chunks, top_r=3, method=method, batch_size=2, progress=False
-    )
+    votes = chunk_head_votes(loaded, chunks, top_r=3, method=method, batch_size=2, progress=False)
 
     # Assert
     m = len(chunks)
@@ -221,6 +221,7 @@ def test_attribution_leaves_parameter_flags_and_hooks_as_they_were(loaded, chunk
     assert all(not p._forward_pre_hooks for p in projections)
 
 
+@ONE_ARCH
 def test_an_answer_without_tokens_is_a_config_error(loaded):
     # Act / Assert
     with pytest.raises(ConfigError, match="answer"):

@@ -1,0 +1,357 @@
+"""``dpmtv-site`` end to end on a tiny model: public selection, two releases, use, ledger."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from PIL import Image, ImageDraw
+
+from client.cli import main
+from client.data import write_jsonl_dataset
+from dpmtv_common.artifact import load_artifact
+from dpmtv_common.crypto import TrustedKeys, VerifyKey
+from dpmtv_common.heads import HeadSet
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
+
+REPO_ROOT = Path(__file__).resolve().parents[2]
+COLOURS = ("red", "blue", "green", "yellow", "purple")
+SHAPES = ("circle", "square")
+QUESTION = "What colour is the shape?"
+
+
+@dataclass(frozen=True)
+class Workspace:
+    root: Path
+    model: Path
+    other_model: Path
+    signing_key: Path
+    public_key: Path
+    stranger_key: Path
+    private: Path
+    public: Path
+    test: Path
+    artifact: Path  # a release made by the fixture, for the error cases
+
+    def model_args(self, model: Path | None = None) -> list[str]:
+        return ["--model", str(model or self.model), "--device", "cpu", "--batch-size", "4"]
+
+
+def write_shapes(root: Path, count: int, *, offset: int = 0) -> Path:
+    """``count`` drawn coloured shapes answered by their colour."""
+    root.mkdir(parents=True)
+    rows = []
+    for i in range(offset, offset + count):
+        colour, shape = COLOURS[i % len(COLOURS)], SHAPES[(i // len(COLOURS)) % 2]
+        image = Image.new("RGB", (56 + 4 * (i % 3), 56), "white")
+        box = (6, 8, 44, 46)
+        canvas = ImageDraw.Draw(image)
+        (canvas.ellipse if shape == "circle" else canvas.rectangle)(box, fill=colour)
+        image.save(root / f"{i:03d}.png")
+        rows.append(
+            {"id": f"x{i}", "image": f"{i:03d}.png", "question": QUESTION, "answer": colour}
+        )
+    return write_jsonl_dataset(root, rows, task="shapes")
+
+
+def clean_site_env(mp: pytest.MonkeyPatch, root: Path) -> None:
+    """Offline, no DPMTV_CLIENT_* from the caller's shell, no stray .env: only our flags count."""
+    mp.setenv("HF_HUB_OFFLINE", "1")
+    for name in list(os.environ):
+        if name.startswith("DPMTV_CLIENT_"):
+            mp.delenv(name)
+    mp.chdir(root)
+
+
+def run_ok(argv: list[str]) -> None:
+    assert main(argv) == 0, f"dpmtv-site {' '.join(argv)} failed"
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Workspace]:
+    root = tmp_path_factory.mktemp("site")
+    with pytest.MonkeyPatch.context() as mp:
+        clean_site_env(mp, root)
+        run_ok(["make-tiny-model", "llava", str(root / "model"), "--seed", "0"])
+        run_ok(["make-tiny-model", "llava", str(root / "other-model"), "--seed", "1"])
+        run_ok(["keygen", "--out-dir", str(root / "keys"), "--name", "site"])
+        run_ok(["keygen", "--out-dir", str(root / "keys"), "--name", "stranger"])
+        space = Workspace(
+            root=root,
+            model=root / "model",
+            other_model=root / "other-model",
+            signing_key=root / "keys" / "site.key",
+            public_key=root / "keys" / "site.pub",
+            stranger_key=root / "keys" / "stranger.pub",
+            private=write_shapes(root / "private", 30),
+            public=write_shapes(root / "public", 15, offset=100),
+            test=write_shapes(root / "test", 6, offset=200),
+            artifact=root / "fixture-artifact",
+        )
+        run_ok(
+            [
+                "release",
+                *space.model_args(),
+                "--data", str(space.private),
+                "--out", str(space.artifact),
+                "--selection", "all",
+                "--clip-norm", "1.0",
+                "--shots", "2",
+                "--ledger", str(root / "fixture-ledger.sqlite"),
+                "--signing-key", str(space.signing_key),
+                "--quiet",
+            ]
+        )  # fmt: skip
+        yield space
+
+
+@pytest.fixture(autouse=True)
+def site_env(workspace: Workspace, monkeypatch: pytest.MonkeyPatch) -> None:
+    clean_site_env(monkeypatch, workspace.root)
+
+
+def number_after(label: str, text: str) -> float:
+    match = re.search(rf"{re.escape(label)}\s*([-+0-9.eE]+)", text)
+    assert match is not None, f"{label!r} not in {text!r}"
+    return float(match.group(1))
+
+
+def test_site_commands_select_release_infer_evaluate_and_show_the_ledger(workspace, capsys):
+    # Arrange
+    ws, out = workspace, workspace.root / "run"
+    ledger = out / "ledger.sqlite"
+    heads_file = out / "heads.json"
+    out.mkdir()
+
+    # Act: select heads on the public set
+    code = main(
+        [
+            "select-heads", *ws.model_args(),
+            "--data", str(ws.public), "--out", str(heads_file),
+            "--k", "3", "--shots", "2", "--queries", "4",
+        ]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+
+    # Assert
+    assert code == 0
+    selected = json.loads(heads_file.read_text())
+    clip = selected["clip_norm_suggestion"]
+    assert len(selected["heads"]) == 3
+    assert selected["public_chunks"] == 5
+    assert clip > 0
+    assert (
+        f"3 heads over {HeadSet.of(map(tuple, selected['heads'])).num_layers_in_scope}" in printed
+    )
+    assert number_after("suggested clip norm C =", printed) == pytest.approx(clip, rel=1e-3)
+
+    # Act: a private, select-first release with the suggested clip norm
+    common = ["--data", str(ws.private), "--shots", "2", "--epsilon", "0.5", "--quiet"]
+    keys = ["--ledger", str(ledger), "--signing-key", str(ws.signing_key)]
+    private_artifact, public_artifact = out / "private-artifact", out / "public-artifact"
+    code = main(
+        [
+            "release", *ws.model_args(), *common, *keys,
+            "--out", str(private_artifact), "--release-id", "private-1",
+            "--selection", "private", "--order", "select-first", "--heads", "3",
+            "--clip-norm", f"{clip:.6g}",
+        ]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+
+    # Assert: 30 records in chunks of 3 give m = 10
+    assert code == 0
+    assert (private_artifact / "manifest.json").is_file()
+    assert "released 3 heads" in printed
+    assert "m=10 chunks (K=2" in printed
+    assert "0 records unused" in printed
+    assert 0.4 < number_after("epsilon=", printed) <= 0.5 * (1 + 1e-6)
+    assert str(private_artifact) in printed
+
+    # Act: a public, release-first release with the selected heads (C from the heads file)
+    code = main(
+        [
+            "release", *ws.model_args(), *common, *keys,
+            "--out", str(public_artifact), "--release-id", "public-1",
+            "--selection", "public", "--order", "release-first",
+            "--public-heads", str(heads_file),
+        ]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+
+    # Assert
+    assert code == 0
+    assert "released 3 heads" in printed
+    assert f"C={clip:g}" in printed
+    released = load_artifact(
+        public_artifact,
+        trusted_keys=TrustedKeys([VerifyKey.load(ws.public_key)]),
+        expected_model_fingerprint=None,
+    )
+    assert [list(h) for h in released.heads.heads] == selected["heads"]
+    assert released.manifest.num_chunks == 10
+
+    # Act: answer one query with the private artifact
+    trust = ["--trusted-key", str(ws.public_key), "--max-new-tokens", "4"]
+    image = ws.test / "200.png"
+    code = main(
+        [
+            "infer", *ws.model_args(), *trust, "--artifact", str(private_artifact),
+            "--image", str(image), "--question", QUESTION,
+        ]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+
+    # Assert: one answer line
+    assert code == 0
+    assert printed.count("\n") == 1
+
+    # Act: answer a batch file with the public artifact
+    batch = ws.test / "queries.jsonl"
+    batch.write_text(
+        "".join(json.dumps({"image": f"{i}.png", "question": QUESTION}) + "\n" for i in (201, 202))
+    )
+    code = main(
+        [
+            "infer",
+            *ws.model_args(),
+            *trust,
+            "--artifact",
+            str(public_artifact),
+            "--batch",
+            str(batch),
+        ]
+    )
+    printed = capsys.readouterr().out
+
+    # Assert: one JSON line a query, in order
+    assert code == 0
+    answers = [json.loads(line) for line in printed.splitlines()]
+    assert [Path(a["image"]).name for a in answers] == ["201.png", "202.png"]
+    assert all(a["question"] == QUESTION and isinstance(a["answer"], str) for a in answers)
+
+    # Act: evaluate zero-shot, ICL and the artifact on the test set
+    evaluate = ["evaluate", *ws.model_args(), "--data", str(ws.test), "--max-new-tokens", "4"]
+    results = {}
+    for mode, extra in [
+        ("zero-shot", []),
+        ("icl", ["--support", str(ws.public), "--shots", "2", "--limit", "3"]),
+        ("artifact", ["--artifact", str(public_artifact), "--trusted-key", str(ws.public_key)]),
+    ]:
+        code = main([*evaluate, "--mode", mode, *extra])
+        results[mode] = (code, capsys.readouterr().out)
+
+    # Assert
+    for mode, queries in [("zero-shot", 6), ("icl", 3), ("artifact", 6)]:
+        code, printed = results[mode]
+        assert code == 0
+        assert f"over {queries} queries" in printed
+        assert 0.0 <= number_after(f"{mode}: accuracy", printed) <= 1.0
+
+    # Act: show the ledger
+    code = main(["ledger", "--ledger", str(ledger)])
+    printed = capsys.readouterr().out
+
+    # Assert: both releases committed; two releases of epsilon 0.5 compose to at most 1
+    assert code == 0
+    lines = printed.splitlines()
+    assert [line.split()[:2] for line in lines[:2]] == [
+        ["private-1", "committed"],
+        ["public-1", "committed"],
+    ]
+    assert 0.5 < number_after("spent: epsilon=", printed) <= 1.0 + 1e-6
+
+
+def infer_argv(ws: Workspace, *, model: Path | None = None, key: Path | None = None) -> list[str]:
+    return [
+        "infer", *ws.model_args(model), "--artifact", str(ws.artifact),
+        "--trusted-key", str(key or ws.public_key),
+        "--image", str(ws.test / "200.png"), "--question", QUESTION, "--max-new-tokens", "2",
+    ]  # fmt: skip
+
+
+def test_infer_with_an_artifact_made_for_another_model_exits_2(workspace, capsys):
+    # Act
+    code = main(infer_argv(workspace, model=workspace.other_model))
+
+    # Assert
+    captured = capsys.readouterr()
+    assert code == 2
+    assert "model_fingerprint" in captured.err
+    assert "another model" in captured.err
+    assert captured.out == ""
+
+
+def test_infer_with_an_untrusted_signer_exits_2(workspace, capsys):
+    # Act
+    code = main(infer_argv(workspace, key=workspace.stranger_key))
+
+    # Assert
+    captured = capsys.readouterr()
+    assert code == 2
+    assert "trusted keys" in captured.err
+    assert captured.out == ""
+
+
+def test_a_private_release_without_clip_norm_exits_2_and_says_how_to_choose_it(workspace, capsys):
+    # Arrange
+    out = workspace.root / "no-clip"
+    ledger = workspace.root / "no-clip.sqlite"
+
+    # Act
+    code = main(
+        [
+            "release", *workspace.model_args(), "--data", str(workspace.private),
+            "--out", str(out), "--shots", "2", "--selection", "private",
+            "--ledger", str(ledger), "--signing-key", str(workspace.signing_key), "--quiet",
+        ]
+    )  # fmt: skip
+
+    # Assert
+    captured = capsys.readouterr()
+    assert code == 2
+    assert "--clip-norm is required" in captured.err
+    assert "public data" in captured.err
+    assert not out.exists()
+    assert not ledger.exists()
+
+
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (
+            ["--help"],
+            ["keygen", "make-tiny-model", "select-heads", "release", "infer", "evaluate", "ledger"],
+        ),
+        (["release", "--help"], ["--clip-norm", "--selection", "--order", "--ledger", "--quiet"]),
+    ],
+    ids=["top", "release"],
+)
+def test_help_runs_as_a_real_process_and_lists_what_there_is(argv, expected):
+    # Arrange
+    env = {**os.environ, "HF_HUB_OFFLINE": "1"}
+
+    # Act
+    done = subprocess.run(
+        [sys.executable, "-m", "client.cli.main", *argv],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+
+    # Assert
+    assert done.returncode == 0, done.stderr
+    assert "usage: dpmtv-site" in done.stdout
+    for word in expected:
+        assert word in done.stdout
