@@ -12,7 +12,7 @@ import uuid
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from dpmtv_common.errors import ConfigError
@@ -62,7 +62,21 @@ class RunConfig(BaseModel):
         unknown = sorted(set(run_config) - known)
         if unknown:
             raise ConfigError(f"run config keys must be among {sorted(known)}, got {unknown}.")
-        return cls.model_validate(run_config)
+        try:
+            return cls.model_validate(run_config)
+        except ValidationError as exc:
+            raise ConfigError(f"run config must be valid: {exc}") from exc
+
+    @field_validator("model_fingerprint")
+    @classmethod
+    def _fingerprint_given(cls, value: str) -> str:
+        if not value.strip():
+            raise ValueError(
+                "model-fingerprint must name the consortium's model, got ''. Compute it with "
+                "dpmtv_common.fingerprint_model_dir(<model dir>) and pass --run-config "
+                "'model-fingerprint=\"sha256:...\"'."
+            )
+        return value
 
     def heads(self) -> HeadSet | None:
         """``public-heads`` ("layer:head,layer:head") as a head set, or None."""

@@ -58,7 +58,7 @@ class ReleaseCalibration:
             if private_picks
             else 0.0
         )
-        return _calibrated(cls, epsilon, delta, private_picks, per_pick)
+        return _calibrated(epsilon, delta, private_picks, per_pick)
 
     @property
     def event(self) -> ReleaseEvent:
@@ -81,11 +81,11 @@ class ReleaseCalibration:
 
 
 @lru_cache(maxsize=64)
-def _calibrated(
-    cls: type[ReleaseCalibration], epsilon: float, delta: float, picks: int, per_pick: float
-) -> ReleaseCalibration:
+def _calibrated(epsilon: float, delta: float, picks: int, per_pick: float) -> ReleaseCalibration:
     # PLD calibration takes seconds and every stage of a release asks for the same one.
     result = calibrate_noise_multiplier(
         epsilon=epsilon, delta=delta, picks=picks, epsilon_per_pick=per_pick
     )
-    return cls(epsilon, delta, picks, per_pick, result.noise_multiplier, result.bound)
+    return ReleaseCalibration(
+        epsilon, delta, picks, per_pick, result.noise_multiplier, result.bound
+    )
