@@ -38,8 +38,8 @@ class SecureSumSettings:
         modulus_range: Mask modulus M, a power of two with Q < M <= 2^62.
         timeout: Seconds to wait for replies at each of the four stages (finite, > 0).
         max_sites: Largest number of sites a sum may include (sizes the wrap check).
-        num_shares: Neighbourhood size: an int >= 3, or a fraction in (0, 1] of the sites
-            (1.0 = everyone is everyone's neighbour, classic SecAgg).
+        num_shares: Neighbourhood size, the site included: an odd int >= 3, or a fraction
+            in (0, 1] of the sites (1.0 = everyone is everyone's neighbour, classic SecAgg).
         reconstruction_threshold: Shares needed to rebuild a secret: an int >= 2, or a
             fraction in (0, 1] of ``num_shares``.
         allow_weak_mask_prg: Permit Flower's 32-bit-seeded MT19937 mask expansion (flwr
@@ -151,6 +151,13 @@ def _check_fraction_or_int(name: str, value: object, minimum: int) -> None:
 def _check_shares(num_shares: object, threshold: object) -> None:
     _check_fraction_or_int("num_shares", num_shares, 3)
     _check_fraction_or_int("reconstruction_threshold", threshold, 2)
+    if _is_int(num_shares) and num_shares % 2 == 0:
+        # flwr 1.42 widens an even neighbourhood by one at the coordinator only: every site
+        # then holds one share too few and fails at share-keys (IndexError), so no sum.
+        raise ConfigError(
+            f"num_shares as an int must be odd (flwr 1.42 fails on an even size below the "
+            f"number of sites), got {num_shares!r}. Use {num_shares + 1}."
+        )
     if _is_int(num_shares) and _is_int(threshold) and threshold >= num_shares:
         raise ConfigError(
             f"reconstruction_threshold must be < num_shares={num_shares}, got {threshold!r}."

@@ -60,6 +60,10 @@ class RobustSecAggPlusWorkflow(SecAggPlusWorkflow):
 
     def _forget_dropped_sites(self, state: WorkflowState) -> bool:
         alive = set(state.active_node_ids)
+        if len(alive) < 2:
+            # Halt: a one-site sum is public, and with no site left Flower's threshold check
+            # passes vacuously, so it would run on and crash at unmask (IndexError).
+            return False
         state.sampled_node_ids = alive
         state.nid_to_neighbours = {
             node_id: neighbours & alive

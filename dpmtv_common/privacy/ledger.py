@@ -34,6 +34,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+from pathlib import Path
 import sqlite3
 from dataclasses import dataclass
 from types import TracebackType
@@ -103,6 +104,8 @@ class PrivacyLedger:
             LedgerError: if the file is not a readable ledger of this schema version.
         """
         where = os.fspath(path)
+        # A site's first release creates its ledger: make the folder, not just the file.
+        Path(where).parent.mkdir(parents=True, exist_ok=True)
         conn = schema.connect(where)
         ledger = cls(conn, budget, where)
         try:

@@ -289,3 +289,10 @@ def test_run_owned_reservation_survives_its_process_and_still_counts(tmp_path: P
     assert entries[0].state is ReleaseState.RESERVED
     assert entries[0].pid == 0
     assert spent is not None
+
+
+def test_open_creates_missing_parent_folders(tmp_path: Path) -> None:
+    path = tmp_path / "site" / "ledgers" / "ledger.sqlite"
+    with PrivacyLedger.open(path, PrivacyBudget(1.0, 1e-5)) as ledger:
+        assert ledger.spent() is None
+    assert path.is_file()

@@ -103,3 +103,9 @@ def test_settings_that_could_wrap_around_are_refused_with_the_fix():
         )
     assert "Lower quantization_range to 536870912" in str(info.value)
     assert "raise modulus_range to 8589934592" in str(info.value)
+
+
+def test_even_integer_neighbourhood_is_refused_with_the_odd_fix() -> None:
+    # flwr 1.42 widens even neighbourhoods on the coordinator only; every site would fail.
+    with pytest.raises(ConfigError, match="must be odd.*Use 17"):
+        SecureSumSettings(**VALID, num_shares=16, reconstruction_threshold=10)
