@@ -165,7 +165,8 @@ def _validated_values(
                 f"heads must lie within {shape.num_layers} layers x {shape.num_heads} heads, "
                 f"got {(layer, head)!r}."
             )
-    tensor = torch.as_tensor(values, dtype=torch.float32)
+    # A copy: released artifacts are read-only arrays, which torch cannot wrap safely.
+    tensor = torch.tensor(np.asarray(values), dtype=torch.float32)
     expected = (len(heads), shape.head_dim)
     if tuple(tensor.shape) != expected:
         raise ConfigError(

@@ -144,8 +144,8 @@ def write_task_datasets(
     """Write ``site-0`` … ``site-{sites-1}``, ``public`` and ``test`` under ``root``."""
     if task not in TASKS:
         raise ConfigError(f"task must be one of {list(TASKS)}, got {task!r}.")
-    if sites < 1 or per_site < 1:
-        raise ConfigError(f"sites and per_site must be >= 1, got {sites!r} and {per_site!r}.")
+    if sites < 0 or (sites > 0 and per_site < 1):
+        raise ConfigError(f"sites must be >= 0 and per_site >= 1, got {sites!r} and {per_site!r}.")
     rng = make_rng(seed)
     folders = {f"site-{i}": per_site for i in range(sites)} | {"public": public, "test": test}
     written = {}

@@ -27,11 +27,14 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 from client.app import app as client_app
+from client.chunking import make_chunks
 from client.cli._artifact import artifact_patch
 from client.data import load_dataset
 from client.evaluation import EvaluationMode, evaluate
 from client.hooks import PatchPolicy
 from client.models import load_model, save_tiny_model
+from client.models.embedded import EMBEDDED_MODEL_DIR
+from client.public_selection import public_activations
 from client.synthetic import TASKS, write_task_datasets
 from dpmtv_common.crypto import SigningKey, TrustedKeys
 from dpmtv_common.fingerprint import fingerprint_model_dir
@@ -48,11 +51,14 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--workdir", type=Path, default=REPO / "demo-run")
     parser.add_argument("--task", choices=TASKS, default="colour")
     parser.add_argument("--sites", type=int, default=3)
-    parser.add_argument("--per-site", type=int, default=150)
+    parser.add_argument("--per-site", type=int, default=400)
     parser.add_argument("--epsilon", type=float, default=1.0)
     parser.add_argument("--shots", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--clip-norm", type=float, default=1.0)
+    parser.add_argument("--clip-norm", type=float, help="default: median layer norm on public data")
+    parser.add_argument(
+        "--tiny-random-model", action="store_true", help="use a tiny random LLaVA instead"
+    )
     parser.add_argument("--test", type=int, default=40)
     return parser.parse_args()
 
@@ -71,8 +77,10 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path]:
         test=args.test,
         seed=0,
     )
-    model = work / "model"
-    save_tiny_model("llava", model, seed=0)
+    model = EMBEDDED_MODEL_DIR
+    if args.tiny_random_model:
+        model = work / "model"
+        save_tiny_model("llava", model, seed=0)
     key = SigningKey.generate()
     key.save(work / "coordinator.key")
     key.verify_key.save(work / "coordinator.pub")
@@ -91,6 +99,14 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path]:
         }
     )
     return work, model
+
+
+def public_clip_norm(work: Path, model: Path, shots: int) -> float:
+    """C from PUBLIC data only: the median per-layer norm of all heads (no privacy cost)."""
+    loaded = load_model(model)
+    chunks = make_chunks(load_dataset(work / "data" / "public"), shots=shots, seed=0).chunks
+    activations = public_activations(loaded, chunks, progress=False)
+    return float(activations.flatten(2).norm(dim=-1).median())
 
 
 def federated_release(args: argparse.Namespace, model: Path):
@@ -143,9 +159,14 @@ def main() -> int:
     args = parse_args()
     started = time.monotonic()
     work, model = prepare(args)
+    if args.clip_norm is None:
+        args.clip_norm = public_clip_norm(work, model, args.shots)
     print(f"[1/3] data, model and keys ready in {work} ({time.monotonic() - started:.1f} s)")
-    print("      model: a TINY RANDOM LLaVA (the embedded pretrained model is not shipped yet),")
-    print("      so accuracies below show the pipeline, not utility.")
+    if args.tiny_random_model:
+        print("      model: a TINY RANDOM LLaVA: accuracies show the pipeline, not utility.")
+    else:
+        print(f"      model: the embedded shapes VLM ({model}); task {args.task!r};")
+    print(f"      clip norm C = {args.clip_norm:.3g} (median layer norm on public data)")
     report = federated_release(args, model)
     outcome = report.outcome
     bound = outcome.calibration.bound

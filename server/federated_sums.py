@@ -8,6 +8,7 @@ one secure sum is left out of the later ones; fewer survivors than the plan's mi
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -59,10 +60,13 @@ class FederatedSums:
         # A site's sum of m_i clipped chunks reaches m_i * C per coordinate; votes and the
         # count reach m_i. The range covers both, so SecAgg+ never clips silently.
         m_max = max(self.sites.values())
+        shares, threshold = _neighbourhood(len(self.sites))
         return SecureSumSettings.for_plan(
             max_abs_coordinate=float(m_max) * max(self.plan.clip_norm, 1.0),
             max_sites=len(self.sites),
             timeout=self.stage_timeout,
+            num_shares=shares,
+            reconstruction_threshold=threshold,
         )
 
     def _secure_sum(self, request: SecureSumRequest) -> tuple[list[Float64Array], int]:
@@ -129,3 +133,17 @@ class FederatedSums:
                 f"sites holding the noisy vector must number at least {self.plan.min_sites}, "
                 f"got {len(self.sites)}."
             )
+
+
+def _neighbourhood(sites: int) -> tuple[int | float, int | float]:
+    """SecAgg+ neighbourhood size and threshold for ``sites`` sites.
+
+    Up to 10 sites everyone is everyone's neighbour (classic SecAgg, threshold 2/3). Beyond,
+    a neighbourhood of about 3·log2(n) sites (odd, as flwr 1.42 needs) keeps the cost
+    logarithmic (Bell et al. 2020); two thirds of it rebuild a secret.
+    """
+    if sites <= 10:
+        return 1.0, 0.67
+    size = min(sites, math.ceil(3 * math.log2(sites)))
+    size += 1 - size % 2  # odd
+    return size, math.ceil(2 * size / 3)

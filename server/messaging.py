@@ -45,10 +45,15 @@ class Exchange:
             for node_id, content in contents.items()
         ]
         replies = self.grid.send_and_receive(messages, timeout=self.timeout)
+        # An error the SuperLink makes for a lost site (node unavailable) comes from the
+        # SuperLink's own node id: name the site by the message it answers instead.
+        sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
         answers: dict[int, WireMessage] = {}
         failures = {node_id: "no reply before the timeout" for node_id in contents}
         for reply in replies:
             node_id = reply.metadata.src_node_id
+            if node_id not in contents:
+                node_id = sent_to.get(reply.metadata.reply_to_message_id, node_id)
             failures.pop(node_id, None)
             outcome = _decode(reply, expected)
             if isinstance(outcome, str):

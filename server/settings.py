@@ -42,7 +42,7 @@ class RunConfig(BaseModel):
     shots: int = 4
     clip_norm: float
     selection: str = "private"
-    order: str = "select-first"
+    order: str = "release-first"
     num_selected_heads: int = 8
     public_heads: str = ""
     selection_share: float = 0.3

@@ -48,7 +48,12 @@ def register(sub: Any) -> None:
         "never from the private data",
     )
     parser.add_argument("--selection", choices=[m.value for m in SelectionMode], default="private")
-    parser.add_argument("--order", choices=[o.value for o in ReleaseOrder], default="select-first")
+    parser.add_argument(
+        "--order",
+        choices=[o.value for o in ReleaseOrder],
+        default="release-first",
+        help="release-first (default; best in docs/benchmarks.md) or select-first",
+    )
     parser.add_argument("--heads", type=int, default=8, help="k heads to select privately")
     parser.add_argument("--public-heads", type=Path, help="head list from select-heads")
     parser.add_argument("--selection-share", type=float, default=0.3, help="share of epsilon")

@@ -34,9 +34,9 @@ from __future__ import annotations
 import logging
 import math
 import os
-from pathlib import Path
 import sqlite3
 from dataclasses import dataclass
+from pathlib import Path
 from types import TracebackType
 
 from dpmtv_common.errors import ConfigError, LedgerError, PrivacyBudgetExceededError

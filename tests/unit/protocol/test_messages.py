@@ -221,8 +221,13 @@ def test_messages_are_frozen_and_strict() -> None:
         msg.reason = "other"  # type: ignore[misc]
     with pytest.raises(ValidationError):
         PlanAccept(
-            release_id="r", site_name="a", num_chunks="3", num_layers=2, num_heads=4, head_dim=16
-        )  # type: ignore[arg-type]
+            release_id="r",
+            site_name="a",
+            num_chunks="3",  # type: ignore[arg-type]
+            num_layers=2,
+            num_heads=4,
+            head_dim=16,
+        )
 
 
 def test_release_request_bytes_travel_as_base64_in_json() -> None:

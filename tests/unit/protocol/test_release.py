@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import pytest
@@ -22,7 +23,7 @@ LAYERS, HEADS, DIM = 3, 4, 2
 
 
 def make_plan(selection: SelectionMode, order: ReleaseOrder, **overrides) -> ReleasePlan:
-    fields = {
+    fields: dict[str, Any] = {
         "protocol_version": PROTOCOL_VERSION,
         "release_id": "r1",
         "task": "shapes",

@@ -107,5 +107,5 @@ def test_settings_that_could_wrap_around_are_refused_with_the_fix():
 
 def test_even_integer_neighbourhood_is_refused_with_the_odd_fix() -> None:
     # flwr 1.42 widens even neighbourhoods on the coordinator only; every site would fail.
-    with pytest.raises(ConfigError, match="must be odd.*Use 17"):
+    with pytest.raises(ConfigError, match=r"must be odd.*Use 17"):
         SecureSumSettings(**VALID, num_shares=16, reconstruction_threshold=10)

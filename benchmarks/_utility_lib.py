@@ -1,0 +1,88 @@
+"""Building blocks of the utility benchmark: cached sums, fast accuracy, one DP release."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+
+from client.models import LoadedModel
+from client.release import LocalSums
+from dpmtv_common.heads import HeadSet
+from dpmtv_common.privacy.noise import NoiseSource
+from protocol import (
+    PROTOCOL_VERSION,
+    ActivationSum,
+    ReleaseOrder,
+    ReleaseOutcome,
+    ReleasePlan,
+    SelectionMode,
+    VoteSum,
+    run_release,
+)
+
+
+@dataclass
+class CachedSums:
+    """LocalSums whose noise-free sums are computed once (only the noise differs per draw)."""
+
+    inner: LocalSums
+    activations: dict[HeadSet, ActivationSum] = field(default_factory=dict)
+    votes: VoteSum | None = None
+
+    def activation_sum(self, heads: HeadSet) -> ActivationSum:
+        if heads not in self.activations:
+            self.activations[heads] = self.inner.activation_sum(heads)
+        return self.activations[heads]
+
+    def vote_sum(self, reference):
+        if reference is not None:  # scored against this draw's noisy vector: not cacheable
+            return self.inner.vote_sum(reference)
+        if self.votes is None:
+            self.votes = self.inner.vote_sum(None)
+        return self.votes
+
+
+def make_plan(
+    *,
+    epsilon: float,
+    selection: SelectionMode,
+    order: ReleaseOrder,
+    shots: int,
+    clip_norm: float,
+    heads: int,
+    public_heads: HeadSet | None,
+    fingerprint: str,
+    share: float = 0.3,
+) -> ReleasePlan:
+    public = public_heads.heads if selection is SelectionMode.PUBLIC and public_heads else None
+    return ReleasePlan(
+        protocol_version=PROTOCOL_VERSION,
+        release_id="benchmark",
+        task="benchmark",
+        model_fingerprint=fingerprint,
+        epsilon=epsilon,
+        delta=1e-5,
+        shots=shots,
+        clip_norm=clip_norm,
+        selection=selection,
+        order=order,
+        num_selected_heads=len(public) if public else heads,
+        public_heads=public,
+        selection_share=share,
+        score_top_r=heads,
+        min_sites=1,
+        max_chunks_per_site=None,
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
+
+
+def release(plan: ReleasePlan, sums, loaded: LoadedModel, noise: NoiseSource) -> ReleaseOutcome:
+    shape = loaded.adapter.head_shape(loaded.model)
+    return run_release(
+        plan,
+        sums=sums,
+        num_layers=shape.num_layers,
+        num_heads=shape.num_heads,
+        noise=noise,
+        on_first_noise=lambda: None,
+    )

@@ -1,0 +1,234 @@
+"""The real deployment: a TLS SuperLink and authenticated SuperNodes as separate processes.
+
+Everything runs on 127.0.0.1 through ``scripts/local_consortium.py``: test-made certificates,
+one registered EC key a site, ``flwr run`` of this very project (a FAB built from the
+checkout), 3 sites of 30 records of a tiny random LLaVA. A release takes about two minutes on
+two cores: each Flower message starts a fresh ``flwr-clientapp`` process (torch import and
+model load) and the SuperNodes poll every 3 s (notes/flower.md §6.9).
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import re
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from cryptography import x509
+from cryptography.hazmat.primitives.serialization import load_ssh_private_key
+from cryptography.x509.verification import PolicyBuilder, Store
+
+from dpmtv_common.artifact import MANIFEST_FILE, TENSORS_FILE, load_artifact
+from dpmtv_common.crypto import TrustedKeys
+from dpmtv_common.privacy.budget import PrivacyBudget
+from dpmtv_common.privacy.ledger import PrivacyLedger, ReleaseState
+from scripts.local_consortium import (
+    Consortium,
+    ConsortiumFiles,
+    Credentials,
+    RunResult,
+    make_credentials,
+    prepare_consortium,
+    stage_timings,
+)
+
+pytestmark = pytest.mark.integration
+
+SITES = 3
+PER_SITE = 30  # shots 2: floor(30 / (2 + 1)) = 10 chunks a site
+CHUNKS_PER_SITE = 10
+BUDGET = PrivacyBudget(10.0, 1e-5)  # the ledgers' default budget
+INTRUDER = "intruder"
+
+
+def run_config(
+    files: ConsortiumFiles, release_id: str, *, stage_timeout: float
+) -> dict[str, object]:
+    return {
+        "task": "colour",
+        "model-fingerprint": files.fingerprint,
+        "selection": "all",
+        "shots": 2,
+        "epsilon": 1.0,
+        "expected-sites": SITES,
+        "min-sites": 2,
+        "node-wait-timeout": 60.0,
+        "stage-timeout": stage_timeout,
+        "release-id": release_id,
+    }
+
+
+def start_sites(consortium: Consortium, files: ConsortiumFiles) -> None:
+    consortium.start_superlink()
+    for site in files.sites:
+        consortium.register(site.name)
+        consortium.start_supernode(site)
+
+
+def states(ledger: Path) -> dict[str, ReleaseState]:
+    with PrivacyLedger.open(ledger, BUDGET) as opened:
+        return {entry.release_id: entry.state for entry in opened.releases()}
+
+
+def artifact_bytes(directory: Path) -> tuple[bytes, bytes]:
+    return (directory / MANIFEST_FILE).read_bytes(), (directory / TENSORS_FILE).read_bytes()
+
+
+def explain(result: RunResult, consortium: Consortium) -> str:
+    return f"run {result.run_id} ended {result.status!r}; logs in {consortium.workdir / 'logs'}"
+
+
+@pytest.fixture(scope="module")
+def files(tmp_path_factory: pytest.TempPathFactory) -> ConsortiumFiles:
+    return prepare_consortium(tmp_path_factory.mktemp("deployed"), sites=SITES, per_site=PER_SITE)
+
+
+@pytest.fixture(scope="module")
+def credentials(files: ConsortiumFiles) -> Credentials:
+    names = [site.name for site in files.sites]
+    return make_credentials(files.root / "credentials", [*names, INTRUDER])
+
+
+@pytest.fixture(scope="module")
+def deployment(files: ConsortiumFiles, credentials: Credentials) -> Iterator[Consortium]:
+    with Consortium(files.root, credentials, coordinator_env=files.coordinator_env()) as running:
+        start_sites(running, files)
+        yield running
+    assert running.leftover_pids() == [], "a process outlived the consortium's teardown"
+
+
+def test_the_credentials_are_a_server_chain_for_loopback_and_ssh_keys_per_site(
+    tmp_path: Path,
+) -> None:
+    # Act
+    creds = make_credentials(tmp_path, ["site-0"], hosts=["127.0.0.1", "localhost", "superlink"])
+    # Assert: the server certificate verifies under the CA for every name a client may dial.
+    ca = x509.load_pem_x509_certificate(creds.ca_cert.read_bytes())
+    server = x509.load_pem_x509_certificate(creds.server_cert.read_bytes())
+    verifier = PolicyBuilder().store(Store([ca])).build_server_verifier
+    for name in (x509.IPAddress(ipaddress.ip_address("127.0.0.1")), x509.DNSName("superlink")):
+        verifier(name).verify(server, [])
+    # Assert: the site key is EC P-384 in OpenSSH format, private files are owner-only.
+    key = load_ssh_private_key(creds.private_key("site-0").read_bytes(), password=None)
+    assert key.curve.name == "secp384r1"  # type: ignore[union-attr]
+    assert creds.public_key("site-0").read_text().startswith("ecdsa-sha2-nistp384 ")
+    assert creds.private_key("site-0").stat().st_mode & 0o077 == 0
+    assert creds.server_key.stat().st_mode & 0o077 == 0
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(900)
+def test_a_tls_deployment_with_authenticated_sites_makes_one_signed_release(
+    deployment: Consortium, files: ConsortiumFiles
+) -> None:
+    # Arrange
+    release_id = "deployed-release"
+    keys = TrustedKeys.from_files([files.verify_key])
+    # Act
+    result = deployment.wait_run(
+        deployment.submit(run_config(files, release_id, stage_timeout=180.0)), timeout=780
+    )
+    # Assert: Flower reports success, and the coordinator's summary reached the stream
+    # (so the ServerApp saw the DPMTV_SERVER_* variables given to the SuperLink).
+    assert result.completed, explain(result, deployment)
+    assert re.search(rf"released \d+ heads \(m={SITES * CHUNKS_PER_SITE} chunks", result.log)
+    assert set(stage_timings(result.log)) == {"wait", "plan", "sums+noise", "broadcast"}
+    assert [node["status"] for node in deployment.supernodes()] == ["online"] * SITES
+    # Assert: every site holds the same signed artifact, which verifies against the key and
+    # the model, and is the coordinator's own copy.
+    coordinator_copy = artifact_bytes(files.coordinator_artifacts / release_id)
+    for site in files.sites:
+        directory = site.artifacts_dir / release_id
+        artifact = load_artifact(
+            directory, trusted_keys=keys, expected_model_fingerprint=files.fingerprint
+        )
+        assert artifact.manifest.num_chunks == SITES * CHUNKS_PER_SITE
+        assert artifact_bytes(directory) == coordinator_copy
+        assert states(site.ledger_path) == {release_id: ReleaseState.COMMITTED}
+    assert states(files.consortium_ledger) == {release_id: ReleaseState.COMMITTED}
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_the_superlink_refuses_unregistered_insecure_and_keyless_supernodes(
+    deployment: Consortium, files: ConsortiumFiles, credentials: Credentials
+) -> None:
+    # Arrange: a well-formed key nobody registered; plain HTTP against the TLS port; TLS
+    # without any key while SuperNode authentication is on.
+    site = files.sites[0]
+    retries = ["--max-retries", "2"]  # a lost connection must end, not retry forever
+    attempts = {
+        "intruder": deployment.start_supernode(
+            site, key=credentials.private_key(INTRUDER), name="intruder", extra_args=retries
+        ),
+        "insecure": deployment.start_supernode(
+            site, insecure=True, authenticate=False, name="insecure", extra_args=retries
+        ),
+        "keyless": deployment.start_supernode(
+            site, authenticate=False, name="keyless", extra_args=retries
+        ),
+    }
+    # Act
+    codes = {name: managed.wait(timeout=120) for name, managed in attempts.items()}
+    # Assert: each SuperNode gave up with Flower's exit code 305 for the reason expected,
+    # and the SuperLink still knows only the three registered sites.
+    logs = {name: managed.text() for name, managed in attempts.items()}
+    assert all(code != 0 for code in codes.values()), codes
+    assert all("Exit Code: 305" in log for log in logs.values()), logs
+    assert "[code: 2004] Failed to activate SuperNode" in logs["intruder"]
+    assert "Server disconnected without sending a response" in logs["insecure"]
+    assert "[code: 2001] SuperNode authentication is enabled" in logs["keyless"]
+    assert len(deployment.supernodes()) == SITES
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(300)
+def test_an_insecure_supernode_with_an_auth_key_refuses_to_start(
+    deployment: Consortium, files: ConsortiumFiles
+) -> None:
+    # Act: Flower refuses this combination locally, before any connection (exit code 303).
+    managed = deployment.start_supernode(files.sites[0], insecure=True, name="insecure-with-key")
+    code = managed.wait(timeout=120)
+    # Assert
+    assert code != 0
+    assert "Exit Code: 303" in managed.text()
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1200)
+def test_a_site_killed_during_the_activation_secure_sum_leaves_a_release_by_the_survivors(
+    tmp_path: Path,
+) -> None:
+    # Arrange: a fresh consortium whose secure-sum stages wait at most 60 s for a lost site.
+    files = prepare_consortium(tmp_path, sites=SITES, per_site=PER_SITE)
+    creds = make_credentials(tmp_path / "credentials", [site.name for site in files.sites])
+    release_id = "survivors-release"
+    victim, survivors = files.sites[-1], files.sites[:-1]
+    with Consortium(tmp_path, creds, coordinator_env=files.coordinator_env()) as consortium:
+        start_sites(consortium, files)
+        run = consortium.submit(run_config(files, release_id, stage_timeout=60.0))
+        # Act: the first `train` message is SecAgg+'s setup of the activation secure sum
+        # (selection "all" has no vote sum); the victim dies as it receives it.
+        consortium.wait_for_line(victim.name, r"Receiving: train message", timeout=400)
+        consortium.kill(victim.name)
+        result = consortium.wait_run(run, timeout=900)
+    # Assert: the release went on with the two survivors; m counts their chunks only.
+    assert consortium.leftover_pids() == []
+    assert result.completed, explain(result, consortium)
+    # SecAgg+ reports the loss at whichever of its four stages noticed it first.
+    assert re.search(r"aggregate_fit: received 2 results and [01] failures", result.log)
+    keys = TrustedKeys.from_files([files.verify_key])
+    for site in survivors:
+        artifact = load_artifact(
+            site.artifacts_dir / release_id,
+            trusted_keys=keys,
+            expected_model_fingerprint=files.fingerprint,
+        )
+        assert artifact.manifest.num_chunks == len(survivors) * CHUNKS_PER_SITE
+        assert states(site.ledger_path) == {release_id: ReleaseState.COMMITTED}
+    assert not (victim.artifacts_dir / release_id).exists()
+    # The victim reserved the cost at the plan stage and never heard back: its reservation
+    # stays counted (fail closed) until its operator resolves it.
+    assert states(victim.ledger_path) == {release_id: ReleaseState.RESERVED}
+    assert states(files.consortium_ledger) == {release_id: ReleaseState.COMMITTED}
