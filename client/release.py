@@ -35,9 +35,8 @@ from protocol import (
     ReleaseOutcome,
     ReleasePlan,
     VoteSum,
-    plan_calibration,
-    plan_hash,
     release_description,
+    reserve_plan,
     run_release,
 )
 
@@ -112,15 +111,7 @@ def run_single_holder_release(
         )
     if not sums.chunks:
         raise ConfigError("chunks must hold at least one chunk, got none.")
-    calibration = plan_calibration(plan)
-    ledger.reserve(
-        release_id=plan.release_id,
-        plan_hash=plan_hash(plan),
-        event=calibration.event,
-        epsilon=calibration.bound.epsilon,
-        delta=plan.delta,
-        accountant=calibration.bound.accountant,
-    )
+    reserve_plan(ledger, plan)
     exposed = False
 
     def mark_exposed() -> None:

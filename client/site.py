@@ -43,8 +43,7 @@ from protocol import (
     ReleaseRequest,
     SecureSumRequest,
     check_compatible,
-    plan_calibration,
-    plan_hash,
+    reserve_plan,
 )
 
 __all__ = ["Site", "cached_model"]
@@ -91,17 +90,8 @@ class Site:
         chunks = min(available, plan.max_chunks_per_site or available)
         if chunks < 1:
             raise DataError(f"the site must hold at least K+1={plan.shots + 1} examples.")
-        calibration = plan_calibration(plan)
         with self.ledger() as ledger:
-            ledger.reserve(
-                release_id=plan.release_id,
-                plan_hash=plan_hash(plan),
-                event=calibration.event,
-                epsilon=calibration.bound.epsilon,
-                delta=plan.delta,
-                accountant=calibration.bound.accountant,
-                owned_by_run=True,
-            )
+            reserve_plan(ledger, plan, owned_by_run=True)
         shape = self.model().adapter.head_shape(self.model().model)
         return PlanAccept(
             release_id=plan.release_id,

@@ -52,6 +52,7 @@ from protocol.release import (
     ReleaseSums,
     VoteSum,
     release_description,
+    reserve_plan,
     run_release,
 )
 from protocol.stages import ALLOWED_TRANSITIONS, Stage, StageTracker
@@ -98,6 +99,7 @@ __all__ = [
     "plan_calibration",
     "plan_hash",
     "release_description",
+    "reserve_plan",
     "run_release",
     "secure_sum_request_from_config",
     "secure_sum_request_to_config",

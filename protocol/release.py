@@ -29,9 +29,10 @@ from dpmtv_common.artifact import ReleaseDescription
 from dpmtv_common.errors import ConfigError, InsufficientSharesError
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.calibration import ReleaseCalibration
+from dpmtv_common.privacy.ledger import PrivacyLedger
 from dpmtv_common.privacy.noise import NoiseSource
 from protocol.calibration import plan_calibration
-from protocol.plan import ReleaseOrder, ReleasePlan, SelectionMode
+from protocol.plan import ReleaseOrder, ReleasePlan, SelectionMode, plan_hash
 from protocol.version import PROTOCOL_VERSION
 
 __all__ = [
@@ -40,6 +41,7 @@ __all__ = [
     "ReleaseSums",
     "VoteSum",
     "release_description",
+    "reserve_plan",
     "run_release",
 ]
 
@@ -225,4 +227,18 @@ def release_description(plan: ReleasePlan, outcome: ReleaseOutcome) -> ReleaseDe
         shots=plan.shots,
         clip_norm=plan.clip_norm,
         noise_std=outcome.noise_std,
+    )
+
+
+def reserve_plan(ledger: PrivacyLedger, plan: ReleasePlan, *, owned_by_run: bool = False) -> None:
+    """Reserve the plan's calibrated cost in a ledger (refused with the numbers if over)."""
+    calibration = plan_calibration(plan)
+    ledger.reserve(
+        release_id=plan.release_id,
+        plan_hash=plan_hash(plan),
+        event=calibration.event,
+        epsilon=calibration.bound.epsilon,
+        delta=plan.delta,
+        accountant=calibration.bound.accountant,
+        owned_by_run=owned_by_run,
     )

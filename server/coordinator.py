@@ -38,9 +38,8 @@ from protocol import (
     ReleasePlan,
     ReleaseRequest,
     SelectionMode,
-    plan_calibration,
-    plan_hash,
     release_description,
+    reserve_plan,
     run_release,
 )
 from server.federated_sums import FederatedSums
@@ -205,18 +204,6 @@ class Coordinator:
         """Record how long ``stage`` took."""
         self.seconds[stage] = time.monotonic() - started
 
-    def reserve(self, plan: ReleasePlan, ledger: PrivacyLedger) -> None:
-        """Reserve the release's cost in the consortium ledger (refused with the numbers)."""
-        calibration = plan_calibration(plan)
-        ledger.reserve(
-            release_id=plan.release_id,
-            plan_hash=plan_hash(plan),
-            event=calibration.event,
-            epsilon=calibration.bound.epsilon,
-            delta=plan.delta,
-            accountant=calibration.bound.accountant,
-        )
-
 
 def run_coordinated_release(
     grid: Grid, context: Context, run: RunConfig, settings: CoordinatorSettings, noise: NoiseSource
@@ -228,7 +215,7 @@ def run_coordinated_release(
     nodes = coordinator.wait_for_sites()
     coordinator.timed("wait", started)
     with PrivacyLedger.open(settings.ledger_path, settings.budget) as ledger:
-        coordinator.reserve(plan, ledger)
+        reserve_plan(ledger, plan)
         try:
             started = time.monotonic()
             coordinator.plan_stage(plan, nodes)

@@ -82,3 +82,11 @@ def saved_tiny(tiny: Tiny, tmp_path_factory: pytest.TempPathFactory) -> Path:
     directory = tmp_path_factory.mktemp(f"tiny-{tiny.arch}")
     save_tiny_model(tiny.arch, directory, seed=tiny.seed)
     return directory
+
+
+@pytest.fixture
+def loaded(tiny):
+    """The tiny model as a ``LoadedModel`` with a made-up fingerprint."""
+    from client.models import LoadedModel
+
+    return LoadedModel(tiny.model, tiny.processor, tiny.adapter, f"sha256:test-{tiny.arch}")

@@ -1,13 +1,9 @@
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
-from PIL import Image, ImageDraw
 
 from client.chunking import Chunk, make_chunks
-from client.data import SiteDataset, load_dataset, write_jsonl_dataset
 from client.extraction import (
     batched,
     chunk_prompt,
@@ -16,40 +12,21 @@ from client.extraction import (
     select_heads,
     zero_shot_prompt,
 )
-from client.models import LoadedModel
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.mechanisms import clip_per_layer
+from tests.site_data import write_site
 
-COLOURS = ("red", "blue", "green", "yellow")
 SUBSET = HeadSet.of([(0, 1), (0, 3), (1, 0), (1, 2)])
 # Checks that do not depend on the architecture run on one of them.
 ONE_ARCH = pytest.mark.parametrize("tiny", ["llava"], indirect=True)
 TINY_CLIP = 0.01  # far below every tiny model's per-layer norm (about 0.1 to 0.7): clipping binds
 
 
-def write_site(root: Path, count: int) -> SiteDataset:
-    rows = []
-    for i in range(count):
-        colour = COLOURS[i % len(COLOURS)]
-        image = Image.new("RGB", (56 + 7 * (i % 3), 56), "white")
-        ImageDraw.Draw(image).ellipse((6, 8, 40, 44), fill=colour)
-        image.save(root / f"img{i}.png")
-        question = "What colour is the shape?"
-        rows.append({"id": f"r{i}", "image": f"img{i}.png", "question": question, "answer": colour})
-    write_jsonl_dataset(root, rows, task="shapes")
-    return load_dataset(root)
-
-
 @pytest.fixture(scope="module")
 def chunks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Chunk, ...]:
     site = write_site(tmp_path_factory.mktemp("extraction-site"), 12)
     return make_chunks(site, shots=2, seed=7).chunks  # 4 chunks of 2 shots + 1 query
-
-
-@pytest.fixture
-def loaded(tiny) -> LoadedModel:
-    return LoadedModel(tiny.model, tiny.processor, tiny.adapter, f"sha256:test-{tiny.arch}")
 
 
 def hand_clipped_sum(loaded, chunks, heads, clip_norm) -> np.ndarray:

@@ -13,7 +13,6 @@ from client.evaluation.run import EvaluationMode, evaluate, icl_prompts
 from client.extraction import forward_last_token_heads, zero_shot_prompt
 from client.hooks import PatchPolicy
 from client.inference import TaskVectorPatch, first_answer_span, generate_answers
-from client.models import LoadedModel
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
 
@@ -35,11 +34,6 @@ def records(tmp_path_factory: pytest.TempPathFactory) -> tuple[Record, ...]:
         question = "What colour is the shape?" if i % 2 else "Which colour?"
         made.append(Record(f"r{i}", root / f"img{i}.png", question, (f"{colour} {i}",)))
     return tuple(made)
-
-
-@pytest.fixture
-def loaded(tiny) -> LoadedModel:
-    return LoadedModel(tiny.model, tiny.processor, tiny.adapter, f"sha256:test-{tiny.arch}")
 
 
 def own_patch(loaded, prompt) -> TaskVectorPatch:

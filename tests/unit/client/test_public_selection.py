@@ -1,16 +1,11 @@
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageDraw
 
 from client.chunking import Chunk, make_chunks
-from client.data import SiteDataset, load_dataset, write_jsonl_dataset
 from client.extraction import chunk_prompt, forward_last_token_heads, zero_shot_prompt
-from client.models import LoadedModel
 from client.public_selection import (
     ReinforceSettings,
     public_activations,
@@ -21,35 +16,17 @@ from client.public_selection import (
 from client.scoring import last_token_attribution
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
+from tests.site_data import write_site
 
-COLOURS = ("red", "blue", "green", "yellow")
 # Checks that do not depend on the architecture run on one of them.
 ONE_ARCH = pytest.mark.parametrize("tiny", ["llava"], indirect=True)
 TINY_REINFORCE = ReinforceSettings(steps=3, samples=4, final_draws=2, final_queries=2, seed=1)
-
-
-def write_site(root: Path, count: int) -> SiteDataset:
-    rows = []
-    for i in range(count):
-        colour = COLOURS[i % len(COLOURS)]
-        image = Image.new("RGB", (56 + 7 * (i % 2), 56), "white")
-        ImageDraw.Draw(image).rectangle((8, 8, 44, 40), fill=colour)
-        image.save(root / f"img{i}.png")
-        question = "What colour is the shape?"
-        rows.append({"id": f"p{i}", "image": f"img{i}.png", "question": question, "answer": colour})
-    write_jsonl_dataset(root, rows, task="shapes")
-    return load_dataset(root)
 
 
 @pytest.fixture(scope="module")
 def chunks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Chunk, ...]:
     site = write_site(tmp_path_factory.mktemp("public-site"), 9)
     return make_chunks(site, shots=2, seed=0).chunks  # 3 chunks
-
-
-@pytest.fixture
-def loaded(tiny) -> LoadedModel:
-    return LoadedModel(tiny.model, tiny.processor, tiny.adapter, f"sha256:test-{tiny.arch}")
 
 
 @pytest.fixture

@@ -5,10 +5,8 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from PIL import Image, ImageDraw
 
 from client.chunking import Chunk, make_chunks
-from client.data import SiteDataset, load_dataset, write_jsonl_dataset
 from client.models import LoadedModel
 from client.release import LocalSums, run_single_holder_release
 from dpmtv_common.artifact import load_artifact
@@ -26,40 +24,22 @@ from protocol import (
     SelectionMode,
     plan_calibration,
 )
+from tests.site_data import write_site
 
 # One architecture is enough here: the per-architecture behaviour is covered by the
 # extraction and scoring tests; this module checks the release flow and the ledger.
 pytestmark = pytest.mark.parametrize("tiny", ["llava"], indirect=True)
 
-COLOURS = ("red", "blue", "green", "yellow")
 DELTA = 1e-5
 PUBLIC_HEADS = ((0, 1), (1, 2), (1, 3))
 ALL_HEADS = HeadSet.all_heads(num_layers=2, num_heads=4)
 EPSILON = 0.5  # calibrates in about a second; larger epsilons take the accountant longer
 
 
-def write_site(root: Path, count: int) -> SiteDataset:
-    rows = []
-    for i in range(count):
-        colour = COLOURS[i % len(COLOURS)]
-        image = Image.new("RGB", (56, 56 + 7 * (i % 3)), "white")
-        ImageDraw.Draw(image).ellipse((6, 8, 40, 44), fill=colour)
-        image.save(root / f"img{i}.png")
-        question = "What colour is the shape?"
-        rows.append({"id": f"r{i}", "image": f"img{i}.png", "question": question, "answer": colour})
-    write_jsonl_dataset(root, rows, task="shapes")
-    return load_dataset(root)
-
-
 @pytest.fixture(scope="module")
 def chunks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Chunk, ...]:
     site = write_site(tmp_path_factory.mktemp("release-site"), 12)
     return make_chunks(site, shots=2, seed=5).chunks  # 4 chunks
-
-
-@pytest.fixture
-def loaded(tiny) -> LoadedModel:
-    return LoadedModel(tiny.model, tiny.processor, tiny.adapter, f"sha256:test-{tiny.arch}")
 
 
 @pytest.fixture(scope="module")

@@ -1,17 +1,12 @@
 from __future__ import annotations
 
-from pathlib import Path
-
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageDraw
 
 from client.chunking import Chunk, make_chunks
-from client.data import SiteDataset, load_dataset, write_jsonl_dataset
 from client.extraction import chunk_prompt, forward_last_token_heads, zero_shot_prompt
 from client.hooks import registered_pre_hooks
-from client.models import LoadedModel
 from client.scoring import (
     ScoreMethod,
     answer_token_ids,
@@ -20,35 +15,17 @@ from client.scoring import (
     top_r_votes,
 )
 from dpmtv_common.errors import ConfigError
+from tests.site_data import write_site
 
-COLOURS = ("red", "blue", "green", "yellow")
 LAYERS, HEADS, DIM = 2, 4, 16
 # Checks that do not depend on the architecture run on one of them.
 ONE_ARCH = pytest.mark.parametrize("tiny", ["llava"], indirect=True)
-
-
-def write_site(root: Path, count: int) -> SiteDataset:
-    rows = []
-    for i in range(count):
-        colour = COLOURS[i % len(COLOURS)]
-        image = Image.new("RGB", (56 + 7 * (i % 3), 56), "white")
-        ImageDraw.Draw(image).rectangle((6, 8, 40, 44), fill=colour)
-        image.save(root / f"img{i}.png")
-        question = "What colour is the shape?"
-        rows.append({"id": f"r{i}", "image": f"img{i}.png", "question": question, "answer": colour})
-    write_jsonl_dataset(root, rows, task="shapes")
-    return load_dataset(root)
 
 
 @pytest.fixture(scope="module")
 def chunks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Chunk, ...]:
     site = write_site(tmp_path_factory.mktemp("scoring-site"), 9)
     return make_chunks(site, shots=2, seed=3).chunks  # 3 chunks
-
-
-@pytest.fixture
-def loaded(tiny) -> LoadedModel:
-    return LoadedModel(tiny.model, tiny.processor, tiny.adapter, f"sha256:test-{tiny.arch}")
 
 
 # ---------------------------------------------------------------- top-r votes
