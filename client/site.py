@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from client.chunking import ChunkPlan, make_chunks, num_chunks
+from client.chunking import make_chunks, num_chunks
 from client.data import SiteDataset, load_dataset
 from client.models import LoadedModel, load_model
 from client.release import LocalSums
@@ -102,12 +102,6 @@ class Site:
             head_dim=shape.head_dim,
         )
 
-    def chunks(self, plan: ReleasePlan, seed: int) -> ChunkPlan:
-        """The site's disjoint chunks, cut with its secret seed (same in every stage)."""
-        return make_chunks(
-            self.dataset(), shots=plan.shots, seed=seed, max_chunks=plan.max_chunks_per_site
-        )
-
     def contribution(
         self,
         plan: ReleasePlan,
@@ -122,14 +116,16 @@ class Site:
                 f"secure sum release_id must be {plan.release_id!r}, got {request.release_id!r}."
             )
         loaded = self.model()
-        chunk_plan = self.chunks(plan, seed)
-        dataset_instruction = self.dataset().instruction
+        dataset = self.dataset()  # read and verified once per message, not per use
+        chunk_plan = make_chunks(
+            dataset, shots=plan.shots, seed=seed, max_chunks=plan.max_chunks_per_site
+        )
         sums = LocalSums(
             loaded,
             chunk_plan.chunks,
             plan,
             batch_size=self.settings.batch_size,
-            instruction=dataset_instruction,
+            instruction=dataset.instruction,
             progress=False,
         )
         if request.stage == "extract":

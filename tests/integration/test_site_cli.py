@@ -341,7 +341,7 @@ def test_help_runs_as_a_real_process_and_lists_what_there_is(argv, expected):
 
     # Act
     done = subprocess.run(
-        [sys.executable, "-m", "client.cli.main", *argv],
+        [sys.executable, "-m", "client.cli", *argv],
         cwd=REPO_ROOT,
         env=env,
         capture_output=True,
