@@ -55,6 +55,12 @@ def register_make_tiny(sub: Subparsers) -> None:
 def _show_ledger(args: argparse.Namespace) -> int:
     budget = PrivacyBudget(args.budget_epsilon, args.budget_delta)
     with PrivacyLedger.open(args.ledger_path, budget) as ledger:
+        if args.commit:
+            ledger.commit(args.commit)
+            print(f"{args.commit}: committed (counted as spent)")
+        if args.abort:
+            ledger.abort(args.abort, args.reason or "resolved by the site admin")
+            print(f"{args.abort}: aborted (refunded)")
         for entry in ledger.releases():
             print(
                 f"{entry.release_id}  {entry.state.value:9}  eps={entry.epsilon:.4g} "
@@ -68,10 +74,20 @@ def _show_ledger(args: argparse.Namespace) -> int:
 
 def register_ledger(sub: Subparsers) -> None:
     """``ledger``: list the releases of this site's ledger and the budget spent."""
-    parser = sub.add_parser("ledger", help="show the privacy ledger")
+    parser = sub.add_parser(
+        "ledger",
+        help="show the privacy ledger, or resolve a release a lost run left reserved",
+        description="Lists every release and the budget spent. A federated run that never "
+        "finished (coordinator lost) leaves its reservation counted; once you know whether its "
+        "noise was drawn, --commit it (spent) or --abort it (refund: only if NO noisy output "
+        "was ever produced).",
+    )
     parser.add_argument("--ledger", dest="ledger_path", type=Path, required=True)
-    parser.add_argument("--budget-epsilon", type=float, default=10.0)
-    parser.add_argument("--budget-delta", type=float, default=1e-5)
+    parser.add_argument("--budget-epsilon", type=float, default=10.0, help="as at creation")
+    parser.add_argument("--budget-delta", type=float, default=1e-5, help="as at creation")
+    parser.add_argument("--commit", metavar="RELEASE_ID", help="count a reserved release as spent")
+    parser.add_argument("--abort", metavar="RELEASE_ID", help="refund a reserved release")
+    parser.add_argument("--reason", help="why, kept in the ledger (with --abort)")
     parser.set_defaults(handler=_show_ledger)
 
 

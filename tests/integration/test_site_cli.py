@@ -355,3 +355,34 @@ def test_help_runs_as_a_real_process_and_lists_what_there_is(argv, expected):
     assert "usage: dpmtv-site" in done.stdout
     for word in expected:
         assert word in done.stdout
+
+
+def test_ledger_command_resolves_a_reservation_left_by_a_lost_run(tmp_path, capsys):
+    # Arrange: a site reservation owned by a federated run that never finished.
+    from dpmtv_common.privacy.budget import PrivacyBudget
+    from dpmtv_common.privacy.events import ReleaseEvent
+    from dpmtv_common.privacy.ledger import PrivacyLedger
+
+    path = tmp_path / "site.sqlite"
+    with PrivacyLedger.open(path, PrivacyBudget(10.0, 1e-5)) as ledger:
+        for release_id in ("lost-1", "lost-2"):
+            ledger.reserve(
+                release_id=release_id,
+                plan_hash="h",
+                event=ReleaseEvent(4.0),
+                epsilon=1.0,
+                delta=1e-5,
+                accountant="analytic",
+                owned_by_run=True,
+            )
+    # Act
+    code = main(["ledger", "--ledger", str(path), "--abort", "lost-1", "--reason", "no noise"])
+    code2 = main(["ledger", "--ledger", str(path), "--commit", "lost-2"])
+    # Assert
+    out = capsys.readouterr().out
+    assert (code, code2) == (0, 0)
+    assert "lost-1: aborted" in out
+    assert "lost-2: committed" in out
+    with PrivacyLedger.open(path, PrivacyBudget(10.0, 1e-5)) as ledger:
+        states = {e.release_id: e.state.value for e in ledger.releases()}
+    assert states == {"lost-1": "aborted", "lost-2": "committed"}
