@@ -35,6 +35,8 @@ class SiteSettings(BaseSettings):
         device: ``cpu``, ``cuda``...; default CUDA when available.
         dtype: ``float32``, ``bfloat16``...; default bf16 on GPU, float32 on CPU.
         batch_size: Prompts per forward pass.
+        cache_dir: Where weight-file digests are remembered, so a deployed site (one process
+            per message) does not re-hash its weights every time; None disables it.
     """
 
     model_config = SettingsConfigDict(
@@ -53,6 +55,7 @@ class SiteSettings(BaseSettings):
     device: str | None = None
     dtype: str | None = None
     batch_size: int = Field(default=4, ge=1)
+    cache_dir: Path | None = None
 
     @field_validator("trusted_keys", mode="before")
     @classmethod

@@ -50,9 +50,11 @@ __all__ = ["Site", "cached_model"]
 
 
 @lru_cache(maxsize=2)
-def cached_model(path: Path, device: str | None, dtype: str | None) -> LoadedModel:
+def cached_model(
+    path: Path, device: str | None, dtype: str | None, cache_dir: Path | None
+) -> LoadedModel:
     """Load once per process (simulation and in-process grids reuse one process)."""
-    return load_model(path, device=device, dtype=dtype)
+    return load_model(path, device=device, dtype=dtype, fingerprint_cache=cache_dir)
 
 
 @dataclass
@@ -65,7 +67,10 @@ class Site:
         """The site's model (loaded once per process)."""
         if self.settings.model_path is None:
             raise ConfigError("the site needs model-path (node config) or DPMTV_CLIENT_MODEL_PATH.")
-        return cached_model(self.settings.model_path, self.settings.device, self.settings.dtype)
+        settings = self.settings
+        return cached_model(
+            settings.model_path, settings.device, settings.dtype, settings.cache_dir
+        )
 
     def dataset(self) -> SiteDataset:
         """The site's private dataset."""

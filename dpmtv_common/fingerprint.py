@@ -6,12 +6,20 @@ full bytes of every weight file. Only the top level of the directory is walked, 
 ``from_pretrained`` does, so caches (``.cache/``) and extra copies (``original/``) that one
 site downloaded and another did not leave the fingerprint alone. Symbolic links are followed,
 so a Hugging Face cache snapshot (links into ``blobs/``) fingerprints like a plain copy.
+
+Hashing multi-GB weights on every load is slow, and a deployed site loads its model for every
+Flower message. With ``cache_dir``, each weight file's digest is remembered under its
+(device, inode, size, modification time in ns); any rewrite of the file changes that key. The
+cache guards against honest mistakes (the wrong model), like the fingerprint itself: whoever
+can rewrite a site's weights while keeping size and timestamps can also change its code.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import tempfile
 from pathlib import Path
 
 from dpmtv_common.errors import ConfigError
@@ -58,12 +66,52 @@ def _fingerprinted_files(directory: Path) -> list[Path]:
     )
 
 
-def fingerprint_model_dir(path: str | os.PathLike[str]) -> str:
+_CACHE_FILE = "fingerprint-digests.json"
+
+
+def _stat_key(path: Path) -> str:
+    stat = path.stat()
+    return f"{stat.st_dev}:{stat.st_ino}:{stat.st_size}:{stat.st_mtime_ns}"
+
+
+def _read_cache(cache_dir: Path) -> dict[str, str]:
+    try:
+        data = json.loads((cache_dir / _CACHE_FILE).read_text())
+    except (OSError, ValueError):
+        return {}  # no cache yet, or a damaged one: recompute
+    return data if isinstance(data, dict) else {}
+
+
+def _write_cache(cache_dir: Path, cache: dict[str, str]) -> None:
+    try:
+        cache_dir.mkdir(parents=True, exist_ok=True)
+        handle, temporary = tempfile.mkstemp(dir=cache_dir, prefix=".digests-")
+        with os.fdopen(handle, "w") as out:
+            json.dump(cache, out)
+        os.replace(temporary, cache_dir / _CACHE_FILE)
+    except OSError:
+        pass  # a read-only cache only costs time, never correctness
+
+
+def _cached_hash(entry: Path, cache: dict[str, str]) -> tuple[int, bytes]:
+    key = f"{entry.resolve()}|{_stat_key(entry)}"
+    if key in cache:
+        size_text, digest_hex = cache[key].split(":")
+        return int(size_text), bytes.fromhex(digest_hex)
+    size, digest = _hash_file(entry)
+    cache[key] = f"{size}:{digest.hex()}"
+    return size, digest
+
+
+def fingerprint_model_dir(
+    path: str | os.PathLike[str], *, cache_dir: str | os.PathLike[str] | None = None
+) -> str:
     """Return ``"sha256:<hex>"`` over a model directory's configs and weights.
 
     Each file is framed as (name relative to the directory, size, SHA-256 of its content),
     in byte order of the names, so renaming, adding, removing or changing any covered file
-    changes the fingerprint. Files are read in 1 MiB blocks.
+    changes the fingerprint. Files are read in 1 MiB blocks; with ``cache_dir``, the digests
+    of unchanged weight files are reused (see the module docstring).
 
     Raises:
         ConfigError: ``path`` is not a directory, holds no ``config.json``, or a covered file
@@ -77,8 +125,14 @@ def fingerprint_model_dir(path: str | os.PathLike[str]) -> str:
             f"model directory must hold config.json, got {str(directory)!r} without one. "
             "Point it at the folder save_pretrained wrote (or a Hugging Face snapshot)."
         )
+    cache = _read_cache(Path(cache_dir)) if cache_dir is not None else None
     outer = hashlib.sha256(_DOMAIN)
     for entry in _fingerprinted_files(directory):
-        size, digest = _hash_file(entry)
+        if cache is None or entry.suffix == ".json":
+            size, digest = _hash_file(entry)
+        else:
+            size, digest = _cached_hash(entry, cache)
         outer.update(_frame(entry.name, size, digest))
+    if cache is not None and cache_dir is not None:
+        _write_cache(Path(cache_dir), cache)
     return f"sha256:{outer.hexdigest()}"

@@ -124,7 +124,11 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 
 def load_model(
-    path: str | os.PathLike[str], *, device: str | None = None, dtype: str | None = None
+    path: str | os.PathLike[str],
+    *,
+    device: str | None = None,
+    dtype: str | None = None,
+    fingerprint_cache: str | os.PathLike[str] | None = None,
 ) -> LoadedModel:
     """Load the model, processor and adapter saved in directory ``path``.
 
@@ -133,6 +137,8 @@ def load_model(
         device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default CUDA when available.
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``; default bfloat16 on GPU,
             float32 on CPU.
+        fingerprint_cache: Folder that remembers weight-file digests between loads (see
+            ``dpmtv_common.fingerprint``); None hashes every weight file each time.
 
     Raises:
         ConfigError: ``path``, ``device`` or ``dtype`` is unusable.
@@ -158,4 +164,5 @@ def load_model(
         raise ModelError(f"path must hold a saved model and processor, got {str(path)!r}.") from exc
     cast(nn.Module, model).to(torch_device).eval()  # in place; the typed .to() is mis-annotated
     adapter.head_shape(model)  # validates the hook sites now, not at the first forward
-    return LoadedModel(model, processor, adapter, fingerprint_model_dir(directory))
+    fingerprint = fingerprint_model_dir(directory, cache_dir=fingerprint_cache)
+    return LoadedModel(model, processor, adapter, fingerprint)

@@ -1,3 +1,4 @@
+import os
 import re
 from collections.abc import Callable
 from pathlib import Path
@@ -119,3 +120,36 @@ def test_directory_without_config_is_refused_with_its_path(tmp_path: Path) -> No
     # Act / Assert
     with pytest.raises(ConfigError, match=r"config\.json, got .*weights_only"):
         fingerprint_model_dir(model)
+
+
+def test_cached_fingerprint_equals_the_uncached_one_and_follows_rewrites(tmp_path: Path) -> None:
+    # Arrange
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text('{"model_type": "llava"}')
+    weights = model / "model.safetensors"
+    weights.write_bytes(b"\x01" * 4096)
+    cache = tmp_path / "cache"
+    # Act
+    plain = fingerprint_model_dir(model)
+    first = fingerprint_model_dir(model, cache_dir=cache)
+    second = fingerprint_model_dir(model, cache_dir=cache)
+    weights.write_bytes(b"\x02" * 4096)  # same size: the modification time must invalidate it
+    os.utime(weights, ns=(weights.stat().st_atime_ns, weights.stat().st_mtime_ns + 10**9))
+    rewritten = fingerprint_model_dir(model, cache_dir=cache)
+    # Assert
+    assert plain == first == second
+    assert (cache / "fingerprint-digests.json").is_file()
+    assert rewritten == fingerprint_model_dir(model)
+    assert rewritten != plain
+
+
+def test_a_damaged_cache_is_ignored(tmp_path: Path) -> None:
+    model = tmp_path / "model"
+    model.mkdir()
+    (model / "config.json").write_text("{}")
+    (model / "w.bin").write_bytes(b"abc")
+    cache = tmp_path / "cache"
+    cache.mkdir()
+    (cache / "fingerprint-digests.json").write_text("not json")
+    assert fingerprint_model_dir(model, cache_dir=cache) == fingerprint_model_dir(model)
