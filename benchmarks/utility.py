@@ -36,6 +36,7 @@ from client.data import SiteDataset, load_dataset
 from client.evaluation.first_token import QuerySet
 from client.evaluation.run import icl_prompts
 from client.extraction import extract_clipped_sum, zero_shot_prompt
+from client.inference import rescale_heads
 from client.models import LoadedModel, load_model
 from client.models.embedded import embedded_model_path
 from client.public_selection import public_activations, select_heads_attribution
@@ -67,6 +68,7 @@ class Bench:
     draws: int
     public_heads: HeadSet
     clip_norm: float
+    head_norm: float  # median per-head norm on public data (the rescaling target)
     queries: QuerySet
     sites: dict[str, SiteDataset]
     public: SiteDataset
@@ -121,6 +123,7 @@ def dp_row(
     shots: int | None = None,
     clip: float | None = None,
     name: str | None = None,
+    rescale: bool = False,
 ) -> Row:
     plan = make_plan(
         epsilon=epsilon,
@@ -136,7 +139,10 @@ def dp_row(
     accuracies, snrs = [], []
     for _ in range(bench.draws):
         outcome = release(plan, sums, bench.loaded, noise)
-        accuracies.append(bench.queries.accuracy(bench.loaded, (outcome.heads, outcome.values)))
+        values = outcome.values
+        if rescale:  # post-processing to the public typical norm: no privacy cost
+            values = rescale_heads(values, target_norm=bench.head_norm)
+        accuracies.append(bench.queries.accuracy(bench.loaded, (outcome.heads, values)))
         snrs.append(outcome.signal_to_noise)
     figures = figures_of(outcome, plan) | {"SNR": f"{statistics.mean(snrs):.2f}"}
     label = name or f"DP-MTV eps={epsilon:g} {selection.value} {order.value}"
@@ -209,9 +215,20 @@ def setup(args, root: Path, task: str) -> tuple[Bench, list, list]:
     )
     # C from public data: median per-layer norm over all heads of the public chunks.
     clip = float(acts.flatten(2).norm(dim=-1).median())
+    head_norm = float(acts.norm(dim=-1).median())
     queries = QuerySet.build(loaded, [zero_shot_prompt(r) for r in test], [r.answer for r in test])
     bench = Bench(
-        loaded, task, args.shots, args.heads, args.draws, public_heads, clip, queries, sites, public
+        loaded,
+        task,
+        args.shots,
+        args.heads,
+        args.draws,
+        public_heads,
+        clip,
+        head_norm,
+        queries,
+        sites,
+        public,
     )
     return bench, test, list(public.records)
 
@@ -253,17 +270,20 @@ def sweeps(bench: Bench, args) -> tuple[list[Row], list[Row]]:
     for factor in args.c_sweep:
         clip = bench.clip_norm * factor
         sums = local_sums(bench, data, bench.shots, clip)
-        c_rows.append(
-            dp_row(
-                bench,
-                sums,
-                epsilon=1.0,
-                selection=SelectionMode.PRIVATE,
-                order=ReleaseOrder(args.order),
-                clip=clip,
-                name=f"C={clip:.3g}",
+        for rescale in (False, True):
+            c_rows.append(
+                dp_row(
+                    bench,
+                    sums,
+                    epsilon=1.0,
+                    selection=SelectionMode.PRIVATE,
+                    order=ReleaseOrder(args.order),
+                    clip=clip,
+                    name=f"C={clip:.3g}" + (" + rescale to public head norm" if rescale else ""),
+                    rescale=rescale,
+                )
             )
-        )
+            log(f"{c_rows[-1].name}: {c_rows[-1].accuracy:.3f} +- {c_rows[-1].spread:.3f}")
     return k_rows, c_rows
 
 

@@ -7,11 +7,14 @@ sentence end, as MTV's evaluation does.
 
 from __future__ import annotations
 
+import math
 import re
 from collections.abc import Iterator, Sequence
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 
+import numpy as np
+import numpy.typing as npt
 import torch
 from tqdm import tqdm
 
@@ -20,7 +23,7 @@ from client.models import LoadedModel, Prompt
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
 
-__all__ = ["TaskVectorPatch", "first_answer_span", "generate_answers"]
+__all__ = ["TaskVectorPatch", "first_answer_span", "generate_answers", "rescale_heads"]
 
 
 def first_answer_span(text: str) -> str:
@@ -32,6 +35,20 @@ def first_answer_span(text: str) -> str:
     line = text.strip().split("\n", 1)[0]
     match = re.search(r"\.(?!\d)", line)
     return (line[: match.start()] if match else line).strip()
+
+
+def rescale_heads(values: npt.ArrayLike, *, target_norm: float) -> npt.NDArray[np.float64]:
+    """Scale every head's released vector to L2 norm ``target_norm`` (zero rows stay zero).
+
+    Clipping below the typical norm shrinks the released mean, and noise changes its length;
+    restoring each head to a typical norm measured on PUBLIC data is post-processing of the
+    released vector, so it costs no privacy (design §1, "signal against noise").
+    """
+    if not (math.isfinite(target_norm) and target_norm > 0):
+        raise ConfigError(f"target_norm must be finite and > 0, got {target_norm!r}.")
+    rows = np.array(values, dtype=np.float64)
+    norms = np.linalg.norm(rows, axis=-1, keepdims=True)
+    return np.where(norms > 0, rows * (target_norm / np.where(norms > 0, norms, 1.0)), rows)
 
 
 @dataclass(frozen=True)

@@ -37,6 +37,12 @@ def register(sub: Any) -> None:
         "--policy", choices=[p.value for p in PatchPolicy], default="prompt-last-token"
     )
     parser.add_argument("--max-new-tokens", type=int, default=10)
+    parser.add_argument(
+        "--rescale-norm",
+        type=float,
+        help="set each released head to this L2 norm (a typical norm on PUBLIC data; "
+        "post-processing, no privacy cost)",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -55,7 +61,11 @@ def run(args: argparse.Namespace) -> int:
             raise ConfigError("--mode artifact needs --artifact DIR.")
         keys = trusted_keys(settings)
         patch = artifact_patch(
-            args.artifact, loaded=loaded, keys=keys, policy=PatchPolicy(args.policy)
+            args.artifact,
+            loaded=loaded,
+            keys=keys,
+            policy=PatchPolicy(args.policy),
+            rescale_norm=args.rescale_norm,
         )
     if mode is EvaluationMode.ICL:
         if args.support is None:

@@ -39,6 +39,12 @@ def register(sub: Any) -> None:
         "--policy", choices=[p.value for p in PatchPolicy], default="prompt-last-token"
     )
     parser.add_argument("--max-new-tokens", type=int, default=10)
+    parser.add_argument(
+        "--rescale-norm",
+        type=float,
+        help="set each released head to this L2 norm (a typical norm on PUBLIC data; "
+        "post-processing, no privacy cost)",
+    )
     parser.set_defaults(handler=run)
 
 
@@ -71,7 +77,11 @@ def run(args: argparse.Namespace) -> int:
     queries = _queries(args)
     loaded = load_site_model(settings)
     patch = artifact_patch(
-        args.artifact, loaded=loaded, keys=trusted_keys(settings), policy=PatchPolicy(args.policy)
+        args.artifact,
+        loaded=loaded,
+        keys=trusted_keys(settings),
+        policy=PatchPolicy(args.policy),
+        rescale_norm=args.rescale_norm,
     )
     prompts = [Prompt.of([], Example(_load_image(i), q)) for i, q in queries]
     answers = generate_answers(

@@ -253,3 +253,20 @@ def test_evaluate_without_queries_is_a_config_error(loaded):
     # Act / Assert
     with pytest.raises(ConfigError, match="queries"):
         evaluate(loaded, [], mode=EvaluationMode.ZERO_SHOT)
+
+
+def test_rescale_heads_sets_every_nonzero_head_to_the_target_norm():
+    from client.inference import rescale_heads
+
+    values = np.array([[3.0, 4.0], [0.0, 0.0], [0.6, 0.8]])
+    rescaled = rescale_heads(values, target_norm=2.0)
+    np.testing.assert_allclose(np.linalg.norm(rescaled, axis=1), [2.0, 0.0, 2.0])
+    np.testing.assert_allclose(rescaled[0], [1.2, 1.6])
+
+
+@pytest.mark.parametrize("target", [0.0, -1.0, float("nan")])
+def test_rescale_heads_refuses_a_bad_target(target):
+    from client.inference import rescale_heads
+
+    with pytest.raises(ConfigError, match="target_norm"):
+        rescale_heads(np.ones((1, 2)), target_norm=target)
