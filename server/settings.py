@@ -47,7 +47,7 @@ class RunConfig(BaseModel):
     public_heads: str = ""
     selection_share: float = 0.3
     score_top_r: int = 0
-    min_sites: int = 2
+    min_sites: int = Field(default=2, ge=2)  # a secure sum of one site is that site's vector
     expected_sites: int = 3
     max_chunks_per_site: int = 0
     noise_mode: str = "central"
