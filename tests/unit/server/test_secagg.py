@@ -109,10 +109,3 @@ def test_even_integer_neighbourhood_is_refused_with_the_odd_fix() -> None:
     # flwr 1.42 widens even neighbourhoods on the coordinator only; every site would fail.
     with pytest.raises(ConfigError, match=r"must be odd.*Use 17"):
         SecureSumSettings(**VALID, num_shares=16, reconstruction_threshold=10)
-
-
-def test_run_config_refuses_a_federation_of_one() -> None:
-    from server.settings import RunConfig
-
-    with pytest.raises(ConfigError, match="min-sites"):
-        RunConfig.from_context({"model-fingerprint": "sha256:x", "clip-norm": 1.0, "min-sites": 1})

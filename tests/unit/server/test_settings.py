@@ -1,0 +1,36 @@
+import pytest
+
+from dpmtv_common.errors import ConfigError
+from server.settings import CoordinatorSettings, RunConfig
+
+VALID = {"model-fingerprint": "sha256:x", "clip-norm": 1.0}
+
+
+def test_run_config_refuses_a_federation_of_one():
+    with pytest.raises(ConfigError, match="min-sites"):
+        RunConfig.from_context({**VALID, "min-sites": 1})
+
+
+def test_run_config_refuses_unknown_keys_and_lists_the_known_ones():
+    with pytest.raises(ConfigError, match="among"):
+        RunConfig.from_context({**VALID, "epsilom": 1.0})
+
+
+def test_run_config_needs_the_model_fingerprint():
+    with pytest.raises(ConfigError, match="model-fingerprint"):
+        RunConfig.from_context({"clip-norm": 1.0, "model-fingerprint": ""})
+
+
+def test_public_heads_parse_and_refuse_garbage():
+    config = RunConfig.from_context({**VALID, "public-heads": "1:2,0:3"})
+    heads = config.heads()
+    assert heads is not None
+    assert heads.heads == ((0, 3), (1, 2))
+    with pytest.raises(ConfigError, match="public-heads"):
+        RunConfig.from_context({**VALID, "public-heads": "one:two"}).heads()
+
+
+def test_coordinator_signing_key_must_exist(tmp_path, monkeypatch):
+    monkeypatch.setenv("DPMTV_SERVER_SIGNING_KEY", str(tmp_path / "missing.key"))
+    with pytest.raises(ValueError, match="signing_key"):
+        CoordinatorSettings()
