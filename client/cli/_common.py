@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 from typing import Any
 
+from client.hooks import PatchPolicy
 from client.models import LoadedModel, load_model
 from client.settings import SiteSettings
 from dpmtv_common.crypto import TrustedKeys
@@ -15,6 +16,7 @@ from dpmtv_common.heads import HeadSet
 
 __all__ = [
     "add_model_options",
+    "add_patch_options",
     "load_heads_file",
     "load_site_model",
     "settings_from",
@@ -29,6 +31,20 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: CUDA if available)")
     parser.add_argument("--dtype", help="float32, bfloat16, float16 (default: bf16 on GPU)")
     parser.add_argument("--batch-size", type=int, help="prompts per forward pass (default 4)")
+
+
+def add_patch_options(parser: argparse.ArgumentParser) -> None:
+    """--policy, --max-new-tokens, --rescale-norm: how an artifact answers queries."""
+    parser.add_argument(
+        "--policy", choices=[p.value for p in PatchPolicy], default="prompt-last-token"
+    )
+    parser.add_argument("--max-new-tokens", type=int, default=10)
+    parser.add_argument(
+        "--rescale-norm",
+        type=float,
+        help="set each released head to this L2 norm (a typical norm on PUBLIC data; "
+        "post-processing, no privacy cost)",
+    )
 
 
 def settings_from(args: argparse.Namespace, **mapping: str) -> SiteSettings:

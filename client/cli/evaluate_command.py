@@ -7,7 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from client.cli._artifact import artifact_patch
-from client.cli._common import add_model_options, load_site_model, settings_from, trusted_keys
+from client.cli._common import (
+    add_model_options,
+    add_patch_options,
+    load_site_model,
+    settings_from,
+    trusted_keys,
+)
 from client.data import load_dataset
 from client.evaluation import EvaluationMode, evaluate
 from client.hooks import PatchPolicy
@@ -33,16 +39,7 @@ def register(sub: Any) -> None:
     parser.add_argument("--shots", type=int, default=4)
     parser.add_argument("--limit", type=int, help="evaluate the first N records only")
     parser.add_argument("--seed", type=int, default=0, help="demonstration draw (icl)")
-    parser.add_argument(
-        "--policy", choices=[p.value for p in PatchPolicy], default="prompt-last-token"
-    )
-    parser.add_argument("--max-new-tokens", type=int, default=10)
-    parser.add_argument(
-        "--rescale-norm",
-        type=float,
-        help="set each released head to this L2 norm (a typical norm on PUBLIC data; "
-        "post-processing, no privacy cost)",
-    )
+    add_patch_options(parser)
     parser.set_defaults(handler=run)
 
 

@@ -10,7 +10,13 @@ from typing import Any
 from PIL import Image
 
 from client.cli._artifact import artifact_patch
-from client.cli._common import add_model_options, load_site_model, settings_from, trusted_keys
+from client.cli._common import (
+    add_model_options,
+    add_patch_options,
+    load_site_model,
+    settings_from,
+    trusted_keys,
+)
 from client.hooks import PatchPolicy
 from client.inference import generate_answers
 from client.models import Example, Prompt
@@ -35,16 +41,7 @@ def register(sub: Any) -> None:
     parser.add_argument("--image", type=Path)
     parser.add_argument("--question")
     parser.add_argument("--batch", type=Path, help="JSONL file of {image, question}")
-    parser.add_argument(
-        "--policy", choices=[p.value for p in PatchPolicy], default="prompt-last-token"
-    )
-    parser.add_argument("--max-new-tokens", type=int, default=10)
-    parser.add_argument(
-        "--rescale-norm",
-        type=float,
-        help="set each released head to this L2 norm (a typical norm on PUBLIC data; "
-        "post-processing, no privacy cost)",
-    )
+    add_patch_options(parser)
     parser.set_defaults(handler=run)
 
 
