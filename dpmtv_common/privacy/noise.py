@@ -17,6 +17,7 @@ Gumbel-max trick sampled exactly (opendp issue #1176).
 from __future__ import annotations
 
 import math
+import os
 from collections.abc import Sequence
 from typing import Any, Protocol, runtime_checkable
 
@@ -151,3 +152,16 @@ def require_cryptographic(noise: NoiseSource) -> None:
             f"a production release needs a cryptographic noise source, got {type(noise).__name__}."
             " Seeded sources exist for tests only; use dpmtv_common.secure_noise()."
         )
+
+
+def secure_uniform(size: int) -> Float64Array:
+    """Return ``size`` uniform draws on the grid {k/2^53 : 0 <= k < 2^53} from the OS CSPRNG.
+
+    Used for the randomised rounding of the distributed-noise mode
+    (:mod:`dpmtv_common.privacy.distributed`). Every draw is an exact float64: the top 53
+    bits of 64 urandom bits, scaled by 2^-53 (a power of two, so no rounding).
+    """
+    if size < 0:
+        raise ConfigError(f"size must be >= 0, got {size!r}.")
+    words = np.frombuffer(os.urandom(8 * size), dtype=np.uint64)
+    return (words >> np.uint64(11)).astype(np.float64) * 2.0**-53

@@ -1,0 +1,121 @@
+"""Distributed noise: each site adds its own discrete-Gaussian share inside SecAgg+'s sum.
+
+In ``distributed`` noise mode nobody, the coordinator included, ever holds an un-noised sum:
+every site scales its clipped sum by a public power of two γ, rounds it to integers
+(randomised rounding from the CSPRNG), adds a share N_Z(0, σ_l²)^d from OpenDP's exact
+discrete Gaussian, and hands the integers to Flower's SecAgg+ as float64 values on a grid of
+step 1 (exact in Flower's quantiser, verified in tests); the coordinator divides the sum by γ.
+
+API (what the lead's site service and coordinator call)::
+
+    # both sides, from the plan (identical numbers everywhere)
+    cal = calibrate_distributed(epsilon=ε, delta=δ, selection_share=s_or_None)
+    act = activation_noise(                  # -> SecAgg+ c, Q, M; or SecAggRangeError
+        clip_norm=C, num_layers_in_scope=L, dimension=d, max_chunks_per_site=m_max,
+        noise_multiplier=cal.activation_noise_multiplier, min_honest=t, max_sites=n_max)
+    votes = vote_noise(
+        top_r=r, num_heads=H, max_chunks_per_site=m_max,
+        noise_multiplier=cal.selection_noise_multiplier, min_honest=t, max_sites=n_max)
+    # site, inside the SecAgg+ handler (c = act.clipping_range, Q = act.quantization_range)
+    y = encode_site_share(site_sum, params=act, noise=secure_noise())
+    # coordinator, on the sum SecAgg+ returns for n survivors
+    noisy_sum = decode_noisy_sum(secure_sum, params=act, num_sites=n)
+    heads = top_k_from_noisy_votes(decode_noisy_sum(vote_sum, params=votes, num_sites=n), k=k)
+    # manifest: ε for the noise actually present (survivors, minus any assumed fakes)
+    bound = release_epsilon(act, votes, honest_shares=n_h, delta=δ)
+
+Mechanism: discrete Gaussian, not Skellam. Both are accounted by the same KLS21/AKL21-style
+zCDP bound at the σ_l used here (≫ 1 grid unit: τ < 1e-15, and Skellam's extra terms are
+equally negligible), but only the discrete Gaussian has an exact, CSPRNG-backed sampler on
+PyPI (OpenDP's CKS20 sampler over OpenSSL); Skellam would need a Poisson sampler, and the
+ones available are inexact or seeded from a clock (TF Privacy). No random rotation: KLS21 use
+one to bound every coordinate with few bits; Flower gives 30 bits per site, enough to bound
+the worst coordinate of an un-rotated site sum (|x_j| ≤ m_max·C), see ``_grid``.
+
+Privacy unit: one example (or group); relation: replace-one (a chunk changes); Δ₂ = 2·C·√L_scope
+for activations, √(2r) for top-r votes, inflated to Δ̃ = γΔ₂ + √d by rounding (votes are not
+rounded). The share std σ_l = z·Δ̃/√t is sized for t = ``min_honest`` honest shares (t ≥ 2 by
+default; t = 1: a site protects itself alone). Dropouts: a site lost after adding its share
+removes it from the sum; the coordinator aborts below ``min_sites`` survivors, and the
+guarantee the site chose holds while at least t honest shares land (a site should require
+t ≤ min_sites − assumed fakes). :func:`release_epsilon` gives the ε for any number of honest
+shares, the one the manifest states. Accounting: KLS21 Thm 1 as zCDP, composed in RDP (see
+``_accounting`` for why no PLD is claimed). Overflow: a share beyond Flower's ±c aborts the
+round (probability ≤ p = ``overflow_probability`` per sum, added to δ).
+"""
+
+from __future__ import annotations
+
+from dpmtv_common.errors import ConfigError
+from dpmtv_common.privacy.accounting import EpsilonBound
+from dpmtv_common.privacy.distributed._accounting import (
+    XI_RESERVE,
+    DistributedCalibration,
+    DistributedGaussianEvent,
+    calibrate_distributed,
+    distributed_epsilon_bound,
+    kls21_tau,
+    kls21_tau_upper_bound,
+)
+from dpmtv_common.privacy.distributed._grid import (
+    MAX_MODULUS_RANGE,
+    MAX_QUANTIZATION_RANGE,
+    DistributedNoise,
+    SecAggRangeError,
+    activation_noise,
+    decode_noisy_sum,
+    distributed_noise_for,
+    encode_site_share,
+    top_k_from_noisy_votes,
+    vote_noise,
+)
+
+__all__ = [
+    "MAX_MODULUS_RANGE",
+    "MAX_QUANTIZATION_RANGE",
+    "XI_RESERVE",
+    "DistributedCalibration",
+    "DistributedGaussianEvent",
+    "DistributedNoise",
+    "SecAggRangeError",
+    "activation_noise",
+    "calibrate_distributed",
+    "decode_noisy_sum",
+    "distributed_epsilon_bound",
+    "distributed_noise_for",
+    "encode_site_share",
+    "kls21_tau",
+    "kls21_tau_upper_bound",
+    "release_epsilon",
+    "top_k_from_noisy_votes",
+    "vote_noise",
+]
+
+
+def release_epsilon(
+    activations: DistributedNoise,
+    votes: DistributedNoise | None,
+    *,
+    honest_shares: int,
+    delta: float,
+) -> EpsilonBound:
+    """ε at total ``delta`` for the noise actually present: ``honest_shares`` shares per sum.
+
+    The mechanisms get ``delta`` minus every sum's overflow probability. Call it with the
+    number of survivors for the manifest's "all survivors honest" figure, and with the
+    survivors minus any assumed fakes (at least t) for the guarantee a site relies on.
+
+    Raises:
+        ConfigError: if the overflow probabilities leave no δ for the mechanisms.
+    """
+    sums = [activations] if votes is None else [activations, votes]
+    overflow = sum(params.overflow_probability for params in sums)
+    if not (0.0 < overflow < delta < 1.0):
+        raise ConfigError(
+            f"delta must lie in ({overflow!r}, 1) (above the sums' overflow probability), "
+            f"got {delta!r}."
+        )
+    bound = distributed_epsilon_bound(
+        [params.event(honest_shares) for params in sums], delta=delta - overflow
+    )
+    return EpsilonBound(bound.epsilon, delta, bound.accountant, dict(bound.by_accountant))

@@ -1,0 +1,421 @@
+"""SecAgg+'s integer grid for distributed noise: scale, round, add a share, headroom, decode.
+
+Mechanism (KLS21, arXiv 2102.06387 §4, without rotation). A site holds its float sum X of
+chunk contributions (activations: each chunk per-layer clipped to C; votes: 0/1 per head).
+It encodes ``Y = R(γ·X) + Z``: γ is a public power of two, R rounds every coordinate to an
+adjacent integer, rounding up with probability equal to the fractional part
+(``R(a) = ⌈a − U⌉``, U uniform from the CSPRNG), and Z ~ N_Z(0, σ_l²)^d is its noise share.
+Flower's SecAgg+ sums the survivors' Y exactly; the coordinator divides by γ.
+
+Sensitivity. Replacing one chunk moves X by v with ‖v‖₂ ≤ Δ₂ (2·C·√L_scope for activations,
+√(2r) for top-r votes). Couple the two worlds' rounding through the same U: then
+|R(a) − R(b) − (a − b)| < 1 per coordinate, so ‖R(γX) − R(γX')‖₂ ≤ γΔ₂ + √d. Rényi divergence
+is jointly quasi-convex, so the mechanism is as private as the discrete Gaussian with
+Δ̃ = γΔ₂ + √d·(1 + 2⁻²⁰) (the margin absorbs float64 error in γ·X, below 2⁻²³ per
+coordinate for |γX| < 2²⁹). Integral inputs (votes) are not rounded: Δ̃ = Δ₂, γ = 1.
+Conditional rounding (KLS21's β) would shrink √d, but it bounds the norm of a vector the
+site rounds, and here one unit's change hides inside a site's sum of many chunks; with
+Flower's 2³⁰ grid the √d term costs < 0.1 % noise in the settings measured, so it is not used.
+No random rotation: headroom is bounded for the worst coordinate (|X_j| ≤ m_max·C, since a
+coordinate never exceeds its clipped block's norm), so nothing needs flattening.
+
+Headroom. A discrete Gaussian is σ_l-subgaussian (Canonne, Kamath & Steinke 2020), so
+P(|Z_j| > T·σ_l) ≤ 2·exp(−T²/2); with T = √(2·ln(2·n_max·d/p)) no coordinate of any site
+exceeds T·σ_l except with probability p. A site's |Y_j| is then at most
+B = γ·m_max·C + 1 + T·σ_l, and Flower's clipping range is c = Q/2 ≥ B, so a site never gets
+clipped; if one would be, it refuses and the round aborts (probability ≤ p, which is added to
+δ). Each quantised site value lies in [0, Q], so the sum of n_max sites lies in [0, n_max·Q]
+and M > n_max·Q never wraps; Flower dequantises in float64, so n_max·Q ≤ 2⁵² keeps it exact.
+
+Why integers fed as float64 (step 1): with c = Q/2 Flower's quantiser computes
+``(y + c)·Q/(2c) = y + c``, exact for integers |y| ≤ 2²⁹, whose ceil is itself, so its
+stochastic rounding (``np.random``, not a CSPRNG) never fires. Every random bit that matters
+comes from our CSPRNG; Flower only adds integers.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import numpy.typing as npt
+
+from dpmtv_common.aliases import Float64Array
+from dpmtv_common.errors import ConfigError, IntegrityError
+from dpmtv_common.privacy.distributed._accounting import (
+    XI_RESERVE,
+    DistributedGaussianEvent,
+    kls21_tau_upper_bound,
+)
+from dpmtv_common.privacy.noise import NoiseSource, secure_uniform
+
+__all__ = [
+    "MAX_MODULUS_RANGE",
+    "MAX_QUANTIZATION_RANGE",
+    "DistributedNoise",
+    "SecAggRangeError",
+    "activation_noise",
+    "decode_noisy_sum",
+    "distributed_noise_for",
+    "encode_site_share",
+    "top_k_from_noisy_votes",
+    "vote_noise",
+]
+
+MAX_QUANTIZATION_RANGE = 2**30  # flwr's stochastic rounding casts to int32
+MAX_MODULUS_RANGE = 2**62  # int64 masks (server._secagg_settings uses the same cap)
+_MAX_EXACT_SUM = 2**52  # flwr dequantises the modular sum in float64
+_ROUNDING_MARGIN = 2.0**-20
+_DECODE_TOLERANCE = 0.25  # a correct sum is within ~1e-6 of an integer; anything else is corrupt
+
+
+class SecAggRangeError(ConfigError):
+    """The distributed sum cannot fit SecAgg+'s integer range (Q ≤ 2³⁰, M ≤ 2⁶²)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class DistributedNoise:
+    """Public parameters of one distributed-noise secure sum (identical at every party).
+
+    Privacy unit: one example (or group); relation: replace-one (one chunk changes).
+    Sensitivity: ``l2_sensitivity`` Δ₂ in real units, ``grid_l2_sensitivity`` Δ̃ = γΔ₂ + √d
+    after rounding (Δ₂ for integral inputs). Noise: each site adds N_Z(0, σ_l²)^d with
+    σ_l = z·Δ̃/√t grid units; n_h honest shares give std σ_l·√n_h, i.e. σ_l·√n_h/γ real.
+
+    Attributes:
+        scale: γ, a power of two; real value = grid value / γ.
+        l2_sensitivity: Δ₂ in real units.
+        grid_l2_sensitivity: Δ̃ in grid units.
+        noise_multiplier: z = (std of t shares) / Δ̃.
+        min_honest: t, the honest shares every share is sized for (t = 1: a site alone).
+        dimension: d, coordinates per site vector.
+        max_abs_site_coordinate: bound on |X_j| of a site's un-noised sum (m_max·C or m_max).
+        max_sites: most sites whose shares a sum may hold.
+        overflow_probability: p, chance that any share coordinate leaves ±c (counted in δ).
+        clipping_range: c = Q/2, Flower's per-coordinate clipping range.
+        quantization_range: Q, a power of two ≤ 2³⁰ (grid step 2c/Q = 1).
+        modulus_range: M, the smallest power of two > max_sites·Q.
+        integral: True when inputs are integers already (votes): no scaling, no rounding.
+    """
+
+    scale: float
+    l2_sensitivity: float
+    grid_l2_sensitivity: float
+    noise_multiplier: float
+    min_honest: int
+    dimension: int
+    max_abs_site_coordinate: float
+    max_sites: int
+    overflow_probability: float
+    clipping_range: float
+    quantization_range: int
+    modulus_range: int
+    integral: bool
+
+    @property
+    def share_noise_std(self) -> float:
+        """σ_l = z·Δ̃/√t in grid units: what each site draws."""
+        return self.noise_multiplier * self.grid_l2_sensitivity / math.sqrt(self.min_honest)
+
+    @property
+    def modulus_bits(self) -> int:
+        """log2 M."""
+        return self.modulus_range.bit_length() - 1
+
+    def released_noise_std(self, honest_shares: int) -> float:
+        """Std of the decoded (real-unit) sum's noise when ``honest_shares`` shares are in it."""
+        return self.share_noise_std * math.sqrt(honest_shares) / self.scale
+
+    def effective_noise_multiplier(self, honest_shares: int) -> float:
+        """Released noise std over the real Δ₂: z·(Δ̃/(γΔ₂))·√(n_h/t), rounding included."""
+        return self.released_noise_std(honest_shares) / self.l2_sensitivity
+
+    def event(self, honest_shares: int) -> DistributedGaussianEvent:
+        """The accounting event when ``honest_shares`` honest shares land in the sum."""
+        return DistributedGaussianEvent(
+            noise_multiplier=self.noise_multiplier,
+            min_honest=self.min_honest,
+            honest_shares=honest_shares,
+            share_noise_std=self.share_noise_std,
+            dimension=self.dimension,
+        )
+
+
+def _positive(name: str, value: float) -> None:
+    if not (math.isfinite(value) and value > 0):
+        raise ConfigError(f"{name} must be finite and > 0, got {value!r}.")
+
+
+def _positive_int(name: str, value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ConfigError(f"{name} must be an int >= 1, got {value!r}.")
+
+
+def _tail_multiplier(max_sites: int, dimension: int, overflow_probability: float) -> float:
+    """T with max_sites·d·2·exp(−T²/2) = p (subgaussian tail, union bound)."""
+    return math.sqrt(2.0 * math.log(2.0 * max_sites * dimension / overflow_probability))
+
+
+def _largest_power_of_two_at_most(value: float) -> float:
+    _, exponent = math.frexp(value)
+    return math.ldexp(1.0, exponent - 1)
+
+
+def distributed_noise_for(
+    *,
+    l2_sensitivity: float,
+    max_abs_site_coordinate: float,
+    dimension: int,
+    noise_multiplier: float,
+    min_honest: int,
+    max_sites: int,
+    integral: bool = False,
+    overflow_probability: float = 1e-12,
+) -> DistributedNoise:
+    """Choose γ, c, Q and M so a distributed sum is exact and never wraps (module docstring).
+
+    γ is the largest power of two whose worst site value B fits c ≤ 2²⁹ (the finest grid,
+    the least rounding inflation); c is the smallest power of two ≥ B, Q = 2c, M the next
+    power of two above max_sites·Q.
+
+    Raises:
+        ConfigError: on an argument out of range.
+        SecAggRangeError: if no γ ≥ 2⁻⁶⁰ fits Q ≤ 2³⁰ (or the integral sum does not fit),
+            if max_sites·Q exceeds 2⁵², or if the shares are too small for the KLS21 τ.
+    """
+    for name, value in (
+        ("l2_sensitivity", l2_sensitivity),
+        ("max_abs_site_coordinate", max_abs_site_coordinate),
+        ("noise_multiplier", noise_multiplier),
+        ("overflow_probability", overflow_probability),
+    ):
+        _positive(name, value)
+    for name, count in (("dimension", dimension), ("min_honest", min_honest)):
+        _positive_int(name, count)
+    if not isinstance(max_sites, int) or max_sites < max(2, min_honest):
+        raise ConfigError(f"max_sites must be an int >= max(2, min_honest), got {max_sites!r}.")
+    tail = _tail_multiplier(max_sites, dimension, overflow_probability)
+    if integral:
+        scale, grid_sens = 1.0, l2_sensitivity
+    else:
+        scale = _finest_scale(
+            l2_sensitivity, max_abs_site_coordinate, dimension, noise_multiplier, min_honest, tail
+        )
+        grid_sens = scale * l2_sensitivity + math.sqrt(dimension) * (1.0 + _ROUNDING_MARGIN)
+    share_std = noise_multiplier * grid_sens / math.sqrt(min_honest)
+    bound = scale * max_abs_site_coordinate + (0.0 if integral else 1.0) + tail * share_std
+    clipping = 2.0 ** math.ceil(math.log2(max(bound, 1.0)))
+    quantization = int(2 * clipping)
+    _check_ranges(quantization, max_sites, bound)
+    _check_tau(share_std, max_sites, dimension)
+    return DistributedNoise(
+        scale=scale,
+        l2_sensitivity=l2_sensitivity,
+        grid_l2_sensitivity=grid_sens,
+        noise_multiplier=noise_multiplier,
+        min_honest=min_honest,
+        dimension=dimension,
+        max_abs_site_coordinate=max_abs_site_coordinate,
+        max_sites=max_sites,
+        overflow_probability=overflow_probability,
+        clipping_range=clipping,
+        quantization_range=quantization,
+        modulus_range=1 << (max_sites * quantization).bit_length(),
+        integral=integral,
+    )
+
+
+def _finest_scale(
+    sensitivity: float, max_abs: float, dimension: int, z: float, t: int, tail: float
+) -> float:
+    # B(γ) = γ·(max_abs + T·z·Δ₂/√t) + 1 + T·z·√d·(1 + margin)/√t must stay ≤ Q_max/2.
+    per_unit = max_abs + tail * z * sensitivity / math.sqrt(t)
+    fixed = 1.0 + tail * z * math.sqrt(dimension) * (1.0 + _ROUNDING_MARGIN) / math.sqrt(t)
+    room = MAX_QUANTIZATION_RANGE / 2 - fixed
+    if room <= 0 or room / per_unit < 2.0**-60:
+        raise SecAggRangeError(
+            f"the rounding noise alone must fit Flower's range ±2^29, got a worst site value of "
+            f"{fixed:.4g} grid units before any signal (d={dimension}, z={z!r}, t={t}); lower "
+            f"the dimension or the noise, or raise min_honest."
+        )
+    return _largest_power_of_two_at_most(room / per_unit)
+
+
+def _check_ranges(quantization: int, max_sites: int, bound: float) -> None:
+    if quantization > MAX_QUANTIZATION_RANGE:
+        raise SecAggRangeError(
+            f"a site's worst value must fit Flower's quantization range 2^30 (c = 2^29), got "
+            f"{bound:.6g} grid units: fewer chunks per site or less noise per share needed."
+        )
+    if max_sites * quantization > _MAX_EXACT_SUM:
+        raise SecAggRangeError(
+            f"max_sites * quantization_range must be <= 2^52 (Flower dequantises in float64), "
+            f"got {max_sites} * {quantization}."
+        )
+
+
+def _check_tau(share_std: float, max_sites: int, dimension: int) -> None:
+    xi = kls21_tau_upper_bound(share_noise_std=share_std, max_shares=max_sites) * dimension
+    if xi > XI_RESERVE:
+        raise SecAggRangeError(
+            f"the share std must make KLS21's tau*d <= {XI_RESERVE!r}, got {xi!r} at "
+            f"share std {share_std!r} grid units; raise the noise or the scale."
+        )
+
+
+def activation_noise(
+    *,
+    clip_norm: float,
+    num_layers_in_scope: int,
+    dimension: int,
+    max_chunks_per_site: int,
+    noise_multiplier: float,
+    min_honest: int,
+    max_sites: int,
+    overflow_probability: float = 1e-12,
+) -> DistributedNoise:
+    """Parameters of the activation sum: Δ₂ = 2·C·√L_scope, |X_j| ≤ m_max·C."""
+    _positive("clip_norm", clip_norm)
+    _positive_int("num_layers_in_scope", num_layers_in_scope)
+    _positive_int("max_chunks_per_site", max_chunks_per_site)
+    return distributed_noise_for(
+        l2_sensitivity=2.0 * clip_norm * math.sqrt(num_layers_in_scope),
+        max_abs_site_coordinate=max_chunks_per_site * clip_norm,
+        dimension=dimension,
+        noise_multiplier=noise_multiplier,
+        min_honest=min_honest,
+        max_sites=max_sites,
+        overflow_probability=overflow_probability,
+    )
+
+
+def vote_noise(
+    *,
+    top_r: int,
+    num_heads: int,
+    max_chunks_per_site: int,
+    noise_multiplier: float,
+    min_honest: int,
+    max_sites: int,
+    overflow_probability: float = 1e-12,
+) -> DistributedNoise:
+    """Parameters of the vote histogram: each chunk gives r ones, Δ₂ = √(2r), |X_j| ≤ m_max."""
+    _positive_int("top_r", top_r)
+    _positive_int("num_heads", num_heads)
+    _positive_int("max_chunks_per_site", max_chunks_per_site)
+    if top_r > num_heads:
+        raise ConfigError(f"top_r must be <= num_heads={num_heads}, got {top_r!r}.")
+    return distributed_noise_for(
+        l2_sensitivity=math.sqrt(2.0 * top_r),
+        max_abs_site_coordinate=float(max_chunks_per_site),
+        dimension=num_heads,
+        noise_multiplier=noise_multiplier,
+        min_honest=min_honest,
+        max_sites=max_sites,
+        integral=True,
+        overflow_probability=overflow_probability,
+    )
+
+
+def _randomised_round(values: Float64Array, uniform: Float64Array) -> Float64Array:
+    # R(a) = ⌈a − U⌉: up with probability frac(a); the shared-U coupling gives the √d bound.
+    return np.ceil(values - uniform)
+
+
+def encode_site_share(
+    site_sum: npt.ArrayLike,
+    *,
+    params: DistributedNoise,
+    noise: NoiseSource,
+    rounding: Callable[[int], Float64Array] = secure_uniform,
+) -> Float64Array:
+    """Scale, round and add this site's noise share; the result goes to SecAgg+ as float64.
+
+    Args:
+        site_sum: the site's un-noised sum, shape (d,) or any shape with d elements.
+        params: the sum's public parameters.
+        noise: where the share comes from; production passes ``secure_noise()`` (the caller
+            runs ``require_cryptographic``, as for the central mechanisms).
+        rounding: U ~ uniform[0, 1) per coordinate. Privacy does not depend on it (any U
+            keeps the coupling bound); unbiasedness does, so production keeps the CSPRNG.
+
+    Returns:
+        Integer-valued float64 of the input's shape, each |value| ≤ ``clipping_range``.
+
+    Raises:
+        ConfigError: if the input is not finite, has the wrong size, exceeds
+            ``max_abs_site_coordinate``, or is not integral when ``params.integral``.
+        SecAggRangeError: if the share took a value beyond ±c (probability ≤ p): abort.
+    """
+    values = np.array(site_sum, dtype=np.float64)
+    _check_site_sum(values, params)
+    flat = values.ravel() * params.scale  # a power of two: exact
+    if not params.integral:
+        flat = _randomised_round(flat, np.asarray(rounding(flat.size), dtype=np.float64))
+    share = noise.discrete_gaussian(flat.size, noise_std=params.share_noise_std)
+    encoded = flat + share.astype(np.float64)
+    if np.any(np.abs(encoded) > params.clipping_range):
+        # Sending it would let Flower clip it silently; the abort is the event counted in δ.
+        raise SecAggRangeError(
+            f"encoded share must lie within ±clipping_range={params.clipping_range}, got "
+            f"max |value| {float(np.max(np.abs(encoded)))}: abort this sum."
+        )
+    return encoded.reshape(values.shape)
+
+
+def _check_site_sum(values: Float64Array, params: DistributedNoise) -> None:
+    if values.size != params.dimension:
+        raise ConfigError(
+            f"site_sum must have dimension={params.dimension} elements, got {values.size}."
+        )
+    if not np.all(np.isfinite(values)):
+        raise ConfigError("site_sum must be finite, got NaN or infinity.")
+    peak = float(np.max(np.abs(values))) if values.size else 0.0
+    if peak > params.max_abs_site_coordinate:
+        raise ConfigError(
+            f"site_sum must satisfy |x| <= max_abs_site_coordinate="
+            f"{params.max_abs_site_coordinate}, got {peak!r}."
+        )
+    if params.integral and not np.array_equal(values, np.rint(values)):
+        raise ConfigError("site_sum must hold integers for an integral sum (votes), got fractions.")
+
+
+def decode_noisy_sum(
+    secure_sum: npt.ArrayLike, *, params: DistributedNoise, num_sites: int
+) -> Float64Array:
+    """Coordinator: turn SecAgg+'s sum of ``num_sites`` encoded shares back into real units.
+
+    The secure sum of integers comes back from Flower's float64 average-times-n within ~1e-6
+    of an integer; it is rounded to that integer and divided by γ (exact: a power of two).
+
+    Raises:
+        IntegrityError: if a coordinate is not near an integer or beyond num_sites·c.
+    """
+    _positive_int("num_sites", num_sites)
+    values = np.asarray(secure_sum, dtype=np.float64)
+    integers = np.rint(values)
+    if not np.all(np.isfinite(values)) or np.any(np.abs(values - integers) > _DECODE_TOLERANCE):
+        raise IntegrityError(
+            "secure_sum must hold integers (a sum of encoded shares), got a coordinate "
+            f"{_DECODE_TOLERANCE} or more away from one: wrong SecAgg+ ranges or a wrapped sum."
+        )
+    if np.any(np.abs(integers) > num_sites * params.clipping_range):
+        raise IntegrityError(
+            f"secure_sum must satisfy |x| <= num_sites*c = {num_sites * params.clipping_range}, "
+            "got more: the modular sum wrapped."
+        )
+    return integers / params.scale
+
+
+def top_k_from_noisy_votes(noisy_votes: npt.ArrayLike, *, k: int) -> tuple[int, ...]:
+    """Indices of the k largest noisy vote counts, best first (post-processing; ties by index)."""
+    votes = np.asarray(noisy_votes, dtype=np.float64)
+    if votes.ndim != 1 or not np.all(np.isfinite(votes)):
+        raise ConfigError(f"noisy_votes must be a finite 1-d array, got shape {votes.shape!r}.")
+    _positive_int("k", k)
+    if k > votes.shape[0]:
+        raise ConfigError(f"k must be <= {votes.shape[0]}, got {k!r}.")
+    order = np.argsort(-votes, kind="stable")
+    return tuple(int(i) for i in order[:k])
