@@ -1,18 +1,29 @@
-"""Options and helpers shared by the ``dpmtv-site`` commands."""
+"""Options and helpers shared by the ``dpmtv-site`` commands.
+
+Nothing here imports torch or transformers at module level: commands that need no model
+(``keygen``, ``ledger``, ``--help``) must start in well under a second, so the model side is
+imported inside :func:`load_site_model`.
+"""
 
 from __future__ import annotations
 
 import argparse
 import json
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from client.hooks import PatchPolicy
-from client.models import LoadedModel, load_model
+from pydantic import ValidationError
+
+from client.cli._choices import DTYPES, PATCH_POLICIES
+from client.cli._errors import validation_line
+from client.cli._types import positive_float, positive_int
 from client.settings import SiteSettings
 from dpmtv_common.crypto import TrustedKeys
-from dpmtv_common.errors import ConfigError
+from dpmtv_common.errors import ConfigError, ModelError
 from dpmtv_common.heads import HeadSet
+
+if TYPE_CHECKING:
+    from client.models import LoadedModel
 
 __all__ = [
     "add_model_options",
@@ -24,24 +35,36 @@ __all__ = [
     "write_heads_file",
 ]
 
+# Settings fields and the flag that sets each, for error lines that name what to change.
+_OPTIONS = {
+    "model_path": "--model",
+    "data_path": "--data",
+    "ledger_path": "--ledger",
+    "budget_epsilon": "--budget-epsilon",
+    "budget_delta": "--budget-delta",
+    "signing_key": "--signing-key",
+    "trusted_keys": "--trusted-key",
+    "batch_size": "--batch-size",
+    "device": "--device",
+    "dtype": "--dtype",
+}
+
 
 def add_model_options(parser: argparse.ArgumentParser) -> None:
     """--model, --device, --dtype, --batch-size."""
     parser.add_argument("--model", type=Path, help="local model directory (save_pretrained)")
     parser.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: CUDA if available)")
-    parser.add_argument("--dtype", help="float32, bfloat16, float16 (default: bf16 on GPU)")
-    parser.add_argument("--batch-size", type=int, help="prompts per forward pass (default 4)")
+    parser.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on GPU, else float32")
+    parser.add_argument("--batch-size", type=positive_int, help="prompts per forward (default 4)")
 
 
 def add_patch_options(parser: argparse.ArgumentParser) -> None:
     """--policy, --max-new-tokens, --rescale-norm: how an artifact answers queries."""
-    parser.add_argument(
-        "--policy", choices=[p.value for p in PatchPolicy], default="prompt-last-token"
-    )
-    parser.add_argument("--max-new-tokens", type=int, default=10)
+    parser.add_argument("--policy", choices=PATCH_POLICIES, default="prompt-last-token")
+    parser.add_argument("--max-new-tokens", type=positive_int, default=10)
     parser.add_argument(
         "--rescale-norm",
-        type=float,
+        type=positive_float,
         help="set each released head to this L2 norm (a typical norm on PUBLIC data; "
         "post-processing, no privacy cost)",
     )
@@ -51,6 +74,10 @@ def settings_from(args: argparse.Namespace, **mapping: str) -> SiteSettings:
     """Site settings: flags given on the command line override environment and defaults.
 
     ``mapping`` maps settings fields to argument names where they differ.
+
+    Raises:
+        ConfigError: A value (from a flag or a ``DPMTV_CLIENT_*`` variable) is invalid; the
+            message names the flag and the variable.
     """
     names = {"model_path": "model", "data_path": "data", **mapping}
     given: dict[str, Any] = {}
@@ -58,14 +85,47 @@ def settings_from(args: argparse.Namespace, **mapping: str) -> SiteSettings:
         value = getattr(args, names.get(field, field), None)
         if value is not None and value != []:
             given[field] = tuple(value) if isinstance(value, list) else value
-    return SiteSettings(**given)
+    try:
+        return SiteSettings(**given)
+    except ValidationError as exc:
+        options = {
+            field: f"{flag} (or DPMTV_CLIENT_{field.upper()})" for field, flag in _OPTIONS.items()
+        }
+        raise ConfigError(validation_line(exc, options=options)) from exc
+
+
+def _damaged_weights(directory: Path) -> str:
+    """Name the first safetensors file in ``directory`` that cannot be opened."""
+    import safetensors
+
+    for file in sorted(directory.glob("*.safetensors")):
+        try:
+            with safetensors.safe_open(str(file), framework="numpy"):
+                pass
+        except (safetensors.SafetensorError, OSError) as exc:
+            return f"{str(file)!r} ({exc})"
+    return f"a weights file in {str(directory)!r}"
 
 
 def load_site_model(settings: SiteSettings) -> LoadedModel:
     """Load the settings' model, or say how to name one."""
-    if settings.model_path is None:
+    path = settings.model_path
+    if path is None:
         raise ConfigError("a model is needed: pass --model DIR or set DPMTV_CLIENT_MODEL_PATH.")
-    return load_model(settings.model_path, device=settings.device, dtype=settings.dtype)
+    if not path.is_dir():
+        raise ConfigError(f"--model must be an existing model directory, got {str(path)!r}.")
+    # Imported here, not at the top: torch and transformers take seconds to import.
+    import safetensors
+
+    from client.models import load_model
+
+    try:
+        return load_model(path, device=settings.device, dtype=settings.dtype)
+    except safetensors.SafetensorError as exc:
+        raise ModelError(
+            f"--model weights must be complete safetensors files, got a damaged or truncated "
+            f"{_damaged_weights(path)}."
+        ) from exc
 
 
 def trusted_keys(settings: SiteSettings) -> TrustedKeys:
@@ -86,13 +146,13 @@ def write_heads_file(path: Path, heads: HeadSet, **extra: Any) -> None:
 def load_heads_file(path: Path) -> tuple[HeadSet, dict[str, Any]]:
     """Read a head list written by ``select-heads``."""
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(path.read_text(encoding="utf-8"))
         heads = HeadSet.of((int(layer), int(head)) for layer, head in data["heads"])
     except (OSError, ValueError, KeyError, TypeError) as exc:
         raise ConfigError(
-            f"heads file must be JSON with a 'heads' list of [layer, head] pairs, got {str(path)!r}"
-            f" ({exc})."
+            f"--public-heads must be a JSON file with a 'heads' list of [layer, head] pairs, "
+            f"got {str(path)!r} ({exc})."
         ) from exc
     if not heads.heads:
-        raise ConfigError(f"heads file must list at least one head, got none in {str(path)!r}.")
+        raise ConfigError(f"--public-heads must list at least one head, got none in {str(path)!r}.")
     return heads, data

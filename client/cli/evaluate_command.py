@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from client.cli._artifact import artifact_patch
+from client.cli._choices import EVALUATION_MODES
 from client.cli._common import (
     add_model_options,
     add_patch_options,
@@ -14,9 +14,7 @@ from client.cli._common import (
     settings_from,
     trusted_keys,
 )
-from client.data import load_dataset
-from client.evaluation import EvaluationMode, evaluate
-from client.hooks import PatchPolicy
+from client.cli._types import non_negative_int, positive_int
 from dpmtv_common.errors import ConfigError
 
 __all__ = ["register"]
@@ -32,15 +30,25 @@ def register(sub: Any) -> None:
     )
     add_model_options(parser)
     parser.add_argument("--data", type=Path, help="labelled evaluation set")
-    parser.add_argument("--mode", choices=[m.value for m in EvaluationMode], required=True)
+    parser.add_argument("--mode", choices=EVALUATION_MODES, required=True)
     parser.add_argument("--artifact", type=Path, help="for --mode artifact")
     parser.add_argument("--trusted-key", dest="trusted_keys", type=Path, action="append")
     parser.add_argument("--support", type=Path, help="demonstration pool for --mode icl")
-    parser.add_argument("--shots", type=int, default=4)
-    parser.add_argument("--limit", type=int, help="evaluate the first N records only")
-    parser.add_argument("--seed", type=int, default=0, help="demonstration draw (icl)")
+    parser.add_argument("--shots", type=positive_int, default=4)
+    parser.add_argument(
+        "--limit", type=positive_int, help="evaluate the first N >= 1 records only (default all)"
+    )
+    parser.add_argument("--seed", type=non_negative_int, default=0, help="demonstrations (icl)")
     add_patch_options(parser)
     parser.set_defaults(handler=run)
+
+
+def _check_mode_options(args: argparse.Namespace) -> None:
+    """Each mode's own option, before the data and the model are read."""
+    if args.mode == "artifact" and args.artifact is None:
+        raise ConfigError("--mode artifact needs --artifact DIR.")
+    if args.mode == "icl" and args.support is None:
+        raise ConfigError("--mode icl needs --support DIR (demonstrations).")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -48,15 +56,22 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     if settings.data_path is None:
         raise ConfigError("evaluate needs --data DIR (a labelled set).")
+    _check_mode_options(args)
+    keys = trusted_keys(settings) if args.mode == "artifact" else None
+    # Imported here: the data and model side need PIL, torch and transformers.
+    from client.data import load_dataset
+    from client.evaluation import EvaluationMode, evaluate
+    from client.hooks import PatchPolicy
+
     mode = EvaluationMode(args.mode)
     dataset = load_dataset(settings.data_path)
-    queries = dataset.records[: args.limit] if args.limit else dataset.records
+    queries = dataset.records if args.limit is None else dataset.records[: args.limit]
+    support = load_dataset(args.support).records if mode is EvaluationMode.ICL else ()
     loaded = load_site_model(settings)
-    patch = support = None
-    if mode is EvaluationMode.ARTIFACT:
-        if args.artifact is None:
-            raise ConfigError("--mode artifact needs --artifact DIR.")
-        keys = trusted_keys(settings)
+    patch = None
+    if keys is not None:
+        from client.cli._artifact import artifact_patch
+
         patch = artifact_patch(
             args.artifact,
             loaded=loaded,
@@ -64,15 +79,11 @@ def run(args: argparse.Namespace) -> int:
             policy=PatchPolicy(args.policy),
             rescale_norm=args.rescale_norm,
         )
-    if mode is EvaluationMode.ICL:
-        if args.support is None:
-            raise ConfigError("--mode icl needs --support DIR (demonstrations).")
-        support = load_dataset(args.support).records
     result = evaluate(
         loaded,
         queries,
         mode=mode,
-        support=support or (),
+        support=support,
         shots=args.shots,
         patch=patch,
         instruction=dataset.instruction,

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import warnings
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from PIL import Image
-
-from client.cli._artifact import artifact_patch
 from client.cli._common import (
     add_model_options,
     add_patch_options,
@@ -17,10 +15,10 @@ from client.cli._common import (
     settings_from,
     trusted_keys,
 )
-from client.hooks import PatchPolicy
-from client.inference import generate_answers
-from client.models import Example, Prompt
 from dpmtv_common.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from PIL import Image
 
 __all__ = ["register"]
 
@@ -40,31 +38,57 @@ def register(sub: Any) -> None:
     parser.add_argument("--trusted-key", dest="trusted_keys", type=Path, action="append")
     parser.add_argument("--image", type=Path)
     parser.add_argument("--question")
-    parser.add_argument("--batch", type=Path, help="JSONL file of {image, question}")
+    parser.add_argument("--batch", type=Path, help="UTF-8 JSONL file of {image, question}")
     add_patch_options(parser)
     parser.set_defaults(handler=run)
 
 
+def _batch_lines(path: Path) -> list[str]:
+    try:
+        return path.read_text(encoding="utf-8").splitlines()
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"--batch must be a UTF-8 JSON-lines file, got undecodable bytes at byte "
+            f"{exc.start} of {str(path)!r}."
+        ) from exc
+    except OSError as exc:
+        raise DataError(f"--batch must be a readable file, got {str(path)!r} ({exc}).") from exc
+
+
 def _queries(args: argparse.Namespace) -> list[tuple[Path, str]]:
     if args.batch is not None:
-        lines = args.batch.read_text().splitlines()
+        lines = _batch_lines(args.batch)
         try:
             rows = [json.loads(line) for line in lines if line.strip()]
-            return [(args.batch.parent / row["image"], str(row["question"])) for row in rows]
+            queries = [(args.batch.parent / row["image"], str(row["question"])) for row in rows]
         except (ValueError, KeyError, TypeError) as exc:
             raise DataError(
                 f"--batch must be JSON lines with 'image' and 'question', got {args.batch}: {exc}"
             ) from exc
+        if not queries:
+            raise DataError(f"--batch must hold at least one query, got none in {args.batch}.")
+        return queries
     if args.image is None or args.question is None:
         raise ConfigError("give --image and --question, or --batch FILE.jsonl.")
     return [(args.image, args.question)]
 
 
 def _load_image(path: Path) -> Image.Image:
+    """Decode the whole image now, so a bad file fails before the model is loaded."""
+    from PIL import Image
+
     try:
-        with Image.open(path) as image:
-            return image.convert("RGB")
-    except OSError as exc:
+        # A header can claim any size: PIL warns past MAX_IMAGE_PIXELS and raises past twice
+        # that. Both are refusals here, never a warning that lets a huge decode go on.
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(path) as image:
+                return image.convert("RGB")
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise DataError(
+            f"image must have at most {Image.MAX_IMAGE_PIXELS} pixels, got {str(path)!r} ({exc})."
+        ) from exc
+    except (OSError, ValueError, SyntaxError) as exc:  # PIL raises all three for bad files
         raise DataError(f"image must be a readable picture, got {str(path)!r}: {exc}") from exc
 
 
@@ -72,15 +96,25 @@ def run(args: argparse.Namespace) -> int:
     """Answer the queries; one line (or JSON line) per query."""
     settings = settings_from(args)
     queries = _queries(args)
+    images = [_load_image(image) for image, _ in queries]
+    keys = trusted_keys(settings)
     loaded = load_site_model(settings)
+    # Imported here: the model side needs torch and transformers.
+    from client.cli._artifact import artifact_patch
+    from client.hooks import PatchPolicy
+    from client.inference import generate_answers
+    from client.models import Example, Prompt
+
     patch = artifact_patch(
         args.artifact,
         loaded=loaded,
-        keys=trusted_keys(settings),
+        keys=keys,
         policy=PatchPolicy(args.policy),
         rescale_norm=args.rescale_norm,
     )
-    prompts = [Prompt.of([], Example(_load_image(i), q)) for i, q in queries]
+    prompts = [
+        Prompt.of([], Example(image, q)) for image, (_, q) in zip(images, queries, strict=True)
+    ]
     answers = generate_answers(
         loaded,
         prompts,
@@ -88,9 +122,9 @@ def run(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         batch_size=settings.batch_size,
     )
-    for (image, question), answer in zip(queries, answers, strict=True):
+    for (image_path, question), answer in zip(queries, answers, strict=True):
         if args.batch is None:
             print(answer)
         else:
-            print(json.dumps({"image": str(image), "question": question, "answer": answer}))
+            print(json.dumps({"image": str(image_path), "question": question, "answer": answer}))
     return 0

@@ -1,14 +1,21 @@
-"""Entry point of ``dpmtv-site``: one sub-command per task, errors as one clear line."""
+"""Entry point of ``dpmtv-site``: one sub-command per task, errors as one clear line.
+
+Every failure ends as one line on stderr and an exit code: 2 for a usage or input error (a
+bad option value is caught by the parser, a bad file or setting by the command), 1 for
+anything else. ``-v`` adds the traceback. Importing this module and running the commands
+that need no model (``keygen``, ``ledger``, ``--help``) never imports torch.
+"""
 
 from __future__ import annotations
 
 import argparse
 import logging
 import sys
+import traceback
 from collections.abc import Sequence
 
 from client.cli import commands
-from dpmtv_common.errors import DpmtvError
+from client.cli._errors import describe
 
 __all__ = ["build_parser", "main"]
 
@@ -24,6 +31,7 @@ Site-side commands of dpmtv (federated, differentially private multimodal task v
   ledger          show this site's privacy ledger
 
 Options can also come from DPMTV_CLIENT_* environment variables (e.g. DPMTV_CLIENT_LEDGER_PATH).
+Exit codes: 0 done, 2 bad input (one line says which option or file), 1 anything else.
 """
 
 
@@ -34,27 +42,37 @@ def build_parser() -> argparse.ArgumentParser:
         description=_DESCRIPTION,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    parser.add_argument("-v", "--verbose", action="store_true", help="log debug details")
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug log and tracebacks")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for register in commands.REGISTRY:
         register(sub)
     return parser
 
 
+def _parse(argv: Sequence[str] | None) -> argparse.Namespace | int:
+    """The parsed arguments, or the exit code argparse chose (help: 0, bad option: 2)."""
+    try:
+        return build_parser().parse_args(argv)
+    except SystemExit as exc:  # argparse has already printed the help or its one-line error
+        return exc.code if isinstance(exc.code, int) else 2
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run one command; return the process exit code (0 ok, 2 usage/input error)."""
-    args = build_parser().parse_args(argv)
+    """Run one command; return the process exit code (0 ok, 2 usage/input error, 1 other)."""
+    args = _parse(argv)
+    if isinstance(args, int):
+        return args
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s"
     )
     try:
         return int(args.handler(args))
-    except DpmtvError as exc:
-        print(f"dpmtv-site {args.command}: error: {exc}", file=sys.stderr)
-        return 2
-    except OSError as exc:  # a file or device the user named could not be used
-        print(f"dpmtv-site {args.command}: error: {exc}", file=sys.stderr)
-        return 1
+    except Exception as exc:  # every failure becomes one line; see client.cli._errors
+        code, line = describe(exc)
+        print(f"dpmtv-site {args.command}: error: {line}", file=sys.stderr)
+        if args.verbose:
+            traceback.print_exc()
+        return code
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -1,26 +1,46 @@
-"""``dpmtv-site release``: a single-holder DP release on the site's own private data."""
+"""``dpmtv-site release``: a single-holder DP release on the site's own private data.
+
+Nothing is spent on a mistake the site could have caught: every check that can fail (option
+values, the output path, the signing key, the data, the model, heads and top-r against the
+model, the plan) runs before the ledger reserves the release's cost.
+"""
 
 from __future__ import annotations
 
 import argparse
+import secrets
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from client.chunking import make_chunks
+from pydantic import ValidationError
+
+from client.cli._choices import SCORE_METHODS
 from client.cli._common import add_model_options, load_heads_file, load_site_model, settings_from
-from client.data import load_dataset
-from client.release import LocalSums, run_single_holder_release
-from client.scoring import ScoreMethod
-from dpmtv_common.crypto import SigningKey
+from client.cli._errors import validation_line
+from client.cli._types import open_unit_float, positive_float, positive_int
+from dpmtv_common.artifact import MANIFEST_FILE, SIGNATURE_FILE, TENSORS_FILE
 from dpmtv_common.errors import ConfigError
-from dpmtv_common.privacy.ledger import PrivacyLedger
-from dpmtv_common.privacy.noise import require_cryptographic, secure_noise
-from dpmtv_common.rng import secret_seed
 from protocol import PROTOCOL_VERSION, ReleaseOrder, ReleasePlan, SelectionMode
 
 __all__ = ["register"]
+
+# Plan fields and the flag that sets each, for error lines that name what to change.
+_PLAN_OPTIONS = {
+    "release_id": "--release-id",
+    "task": "--task",
+    "epsilon": "--epsilon",
+    "delta": "--delta",
+    "shots": "--shots",
+    "clip_norm": "--clip-norm",
+    "num_selected_heads": "--heads",
+    "public_heads": "--public-heads",
+    "selection_share": "--selection-share",
+    "score_top_r": "--top-r",
+    "max_chunks_per_site": "--max-chunks",
+}
+_ARTIFACT_FILES = frozenset({MANIFEST_FILE, SIGNATURE_FILE, TENSORS_FILE})
 
 
 def register(sub: Any) -> None:
@@ -32,18 +52,22 @@ def register(sub: Any) -> None:
         "Chunks of K demonstrations + 1 query are cut with a secret shuffle; each chunk's "
         "head activations are clipped per layer to C; one Gaussian draw calibrated to "
         "(epsilon, delta) is added to their sum; heads are picked privately (Gumbel top-k), "
-        "from a public list, or all released. The cost is reserved in your ledger first.",
+        "from a public list, or all released. Every input is checked before the cost is "
+        "reserved in your ledger.",
     )
     add_model_options(parser)
     parser.add_argument("--data", type=Path, help="private dataset folder")
     parser.add_argument("--out", type=Path, required=True, help="artifact directory to create")
+    parser.add_argument(
+        "--overwrite", action="store_true", help="replace an existing artifact at --out"
+    )
     parser.add_argument("--task", help="task name (default: the dataset's)")
-    parser.add_argument("--epsilon", type=float, default=1.0, help="total epsilon (default 1)")
-    parser.add_argument("--delta", type=float, default=1e-5, help="total delta (default 1e-5)")
-    parser.add_argument("--shots", type=int, default=4, help="K demonstrations a chunk")
+    parser.add_argument("--epsilon", type=positive_float, default=1.0, help="total (default 1)")
+    parser.add_argument("--delta", type=open_unit_float, default=1e-5, help="total (default 1e-5)")
+    parser.add_argument("--shots", type=positive_int, default=4, help="K demonstrations a chunk")
     parser.add_argument(
         "--clip-norm",
-        type=float,
+        type=positive_float,
         help="per-layer L2 bound C; take it from PUBLIC data (select-heads suggests one), "
         "never from the private data",
     )
@@ -54,55 +78,130 @@ def register(sub: Any) -> None:
         default="release-first",
         help="release-first (default; best in docs/benchmarks.md) or select-first",
     )
-    parser.add_argument("--heads", type=int, default=8, help="k heads to select privately")
+    parser.add_argument(
+        "--heads", type=positive_int, default=8, help="k heads to select privately (default 8)"
+    )
     parser.add_argument("--public-heads", type=Path, help="head list from select-heads")
-    parser.add_argument("--selection-share", type=float, default=0.3, help="share of epsilon")
-    parser.add_argument("--top-r", type=int, help="heads each chunk votes for (default k)")
-    parser.add_argument("--score-method", choices=[m.value for m in ScoreMethod], default="shift")
-    parser.add_argument("--max-chunks", type=int, help="cap on chunks (default: all)")
+    parser.add_argument(
+        "--selection-share",
+        type=open_unit_float,
+        default=0.3,
+        help="share of epsilon spent on private selection, in (0, 1) (default 0.3)",
+    )
+    parser.add_argument(
+        "--top-r",
+        type=positive_int,
+        help="heads each chunk votes for, >= 1 (default: k, the number of heads selected)",
+    )
+    parser.add_argument("--score-method", choices=SCORE_METHODS, default="shift")
+    parser.add_argument("--max-chunks", type=positive_int, help="cap on chunks (default: all)")
     parser.add_argument("--ledger", dest="ledger_path", type=Path, help="SQLite ledger")
-    parser.add_argument("--budget-epsilon", type=float, help="ledger budget epsilon")
-    parser.add_argument("--budget-delta", type=float, help="ledger budget delta")
+    parser.add_argument("--budget-epsilon", type=positive_float, help="ledger budget epsilon")
+    parser.add_argument("--budget-delta", type=open_unit_float, help="ledger budget delta")
     parser.add_argument("--signing-key", type=Path, help="Ed25519 private key (keygen)")
     parser.add_argument("--release-id", help="default: a fresh random id")
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(handler=run)
 
 
-def _plan(args: argparse.Namespace, task: str, fingerprint: str) -> ReleasePlan:
-    public_heads = None
-    clip_norm = args.clip_norm
-    if args.selection == SelectionMode.PUBLIC:
-        if args.public_heads is None:
-            raise ConfigError("--selection public needs --public-heads FILE (from select-heads).")
-        heads, extras = load_heads_file(args.public_heads)
-        public_heads = heads.heads
-        clip_norm = clip_norm or extras.get("clip_norm_suggestion")
+def _check_out(out: Path, *, overwrite: bool) -> None:
+    """Refuse an output path the artifact could not be written to, before anything is spent."""
+    for folder in out.absolute().parents:
+        if folder.exists() or folder.is_symlink():
+            if not folder.is_dir():
+                raise ConfigError(
+                    f"--out must lie in a directory, got {str(out)!r} under the file "
+                    f"{str(folder)!r}."
+                )
+            break
+    if not out.exists() and not out.is_symlink():
+        return
+    if not overwrite:
+        raise ConfigError(
+            f"--out must not exist yet, got {str(out)!r}. Pass --overwrite to replace the "
+            "artifact there, or choose another --out."
+        )
+    if out.is_symlink() or not out.is_dir():
+        raise ConfigError(f"--out must be an artifact directory to overwrite, got {str(out)!r}.")
+    foreign = sorted(entry.name for entry in out.iterdir() if entry.name not in _ARTIFACT_FILES)
+    if foreign:
+        raise ConfigError(
+            f"--out must hold only artifact files to be overwritten, got {foreign} in "
+            f"{str(out)!r}: --overwrite never deletes anything else."
+        )
+
+
+def _clip_norm(args: argparse.Namespace, extras: dict[str, Any]) -> float:
+    clip_norm = args.clip_norm or extras.get("clip_norm_suggestion")
     if clip_norm is None:
         raise ConfigError(
             "--clip-norm is required: choose C from public data (select-heads prints a "
             "suggestion); a C computed from the private data would leak it."
         )
+    return float(clip_norm)
+
+
+def _plan(args: argparse.Namespace, task: str, fingerprint: str) -> ReleasePlan:
+    public_heads = None
+    extras: dict[str, Any] = {}
+    if args.selection == SelectionMode.PUBLIC:
+        if args.public_heads is None:
+            raise ConfigError("--selection public needs --public-heads FILE (from select-heads).")
+        heads, extras = load_heads_file(args.public_heads)
+        public_heads = heads.heads
     k = len(public_heads) if public_heads else args.heads
-    return ReleasePlan(
-        protocol_version=PROTOCOL_VERSION,
-        release_id=args.release_id or f"release-{uuid.uuid4().hex[:12]}",
-        task=task,
-        model_fingerprint=fingerprint,
-        epsilon=args.epsilon,
-        delta=args.delta,
-        shots=args.shots,
-        clip_norm=float(clip_norm),
-        selection=SelectionMode(args.selection),
-        order=ReleaseOrder(args.order),
-        num_selected_heads=k,
-        public_heads=public_heads,
-        selection_share=args.selection_share,
-        score_top_r=args.top_r or k,
-        min_sites=1,
-        max_chunks_per_site=args.max_chunks,
-        created=datetime.now(UTC).isoformat(timespec="seconds"),
-    )
+    try:
+        return ReleasePlan(
+            protocol_version=PROTOCOL_VERSION,
+            release_id=args.release_id or f"release-{uuid.uuid4().hex[:12]}",
+            task=task,
+            model_fingerprint=fingerprint,
+            epsilon=args.epsilon,
+            delta=args.delta,
+            shots=args.shots,
+            clip_norm=_clip_norm(args, extras),
+            selection=SelectionMode(args.selection),
+            order=ReleaseOrder(args.order),
+            num_selected_heads=k,
+            public_heads=public_heads,
+            selection_share=args.selection_share,
+            # Documented default: each chunk votes for as many heads as are selected.
+            score_top_r=args.top_r or k,
+            min_sites=1,
+            max_chunks_per_site=args.max_chunks,
+            created=datetime.now(UTC).isoformat(timespec="seconds"),
+        )
+    except ValidationError as exc:
+        raise ConfigError(validation_line(exc, options=_PLAN_OPTIONS)) from exc
+
+
+def _check_heads(plan: ReleasePlan, args: argparse.Namespace, num_layers: int, heads: int) -> None:
+    """Heads, top-r and a public head list must fit the model (checked before spending)."""
+    total = num_layers * heads
+    where = f"the model's {total} heads ({num_layers} layers x {heads})"
+    if plan.selection is SelectionMode.PRIVATE and plan.num_selected_heads > total:
+        raise ConfigError(f"--heads must be at most {where}, got {plan.num_selected_heads}.")
+    if plan.selection is not SelectionMode.ALL and plan.score_top_r > total:
+        option = "--top-r" if args.top_r else "--top-r (default: --heads)"
+        raise ConfigError(f"{option} must be at most {where}, got {plan.score_top_r}.")
+    if plan.public_heads is not None:
+        outside = [h for h in plan.public_heads if not (h[0] < num_layers and h[1] < heads)]
+        if outside:
+            raise ConfigError(
+                f"--public-heads must name heads of {where}, got {[list(h) for h in outside]}: "
+                "was the list made for another model?"
+            )
+
+
+def _release_target(out: Path, *, overwrite: bool) -> Path:
+    """Where the release writes: ``out``, or a fresh sibling when it will replace ``out``.
+
+    Replacing writes beside the old artifact and swaps it in only once the new one exists,
+    so a failed release never destroys the artifact it was meant to replace.
+    """
+    if overwrite and out.exists():
+        return out.with_name(f".{out.name}.incoming-{secrets.token_hex(8)}")
+    return out
 
 
 def run(args: argparse.Namespace) -> int:
@@ -110,14 +209,34 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     if settings.data_path is None or settings.signing_key is None:
         raise ConfigError("release needs --data DIR and --signing-key FILE (see keygen).")
+    _check_out(args.out, overwrite=args.overwrite)
+    # Imported here: the data and model side need PIL, torch and transformers.
+    from client.chunking import make_chunks
+    from client.data import load_dataset
+    from client.release import LocalSums, run_single_holder_release
+    from client.scoring import ScoreMethod
+    from dpmtv_common.artifact.store import move_artifact
+    from dpmtv_common.crypto import SigningKey
+    from dpmtv_common.privacy.ledger import PrivacyLedger
+    from dpmtv_common.privacy.noise import require_cryptographic, secure_noise
+    from dpmtv_common.rng import secret_seed
+
+    signing_key = SigningKey.load(settings.signing_key)
     noise = secure_noise()
     require_cryptographic(noise)  # production path: no seeded source can reach here
-    loaded = load_site_model(settings)
     dataset = load_dataset(settings.data_path)
+    loaded = load_site_model(settings)
     plan = _plan(args, args.task or dataset.task, loaded.fingerprint)
+    shape = loaded.adapter.head_shape(loaded.model)
+    _check_heads(plan, args, shape.num_layers, shape.num_heads)
     chunks = make_chunks(
         dataset, shots=plan.shots, seed=secret_seed(), max_chunks=plan.max_chunks_per_site
     )
+    if not chunks.chunks:
+        raise ConfigError(
+            f"--data must hold at least --shots + 1 = {plan.shots + 1} records for one chunk, "
+            f"got {len(dataset.records)}."
+        )
     sums = LocalSums(
         loaded,
         chunks.chunks,
@@ -127,15 +246,14 @@ def run(args: argparse.Namespace) -> int:
         instruction=dataset.instruction,
         progress=not args.quiet,
     )
-    with PrivacyLedger.open(settings.ledger_path, settings.budget) as ledger:
+    target = _release_target(args.out, overwrite=args.overwrite)
+    with PrivacyLedger.open(settings.ledger_file, settings.budget) as ledger:
         result = run_single_holder_release(
-            plan,
-            sums=sums,
-            ledger=ledger,
-            signing_key=SigningKey.load(settings.signing_key),
-            output=args.out,
-            noise=noise,
+            plan, sums=sums, ledger=ledger, signing_key=signing_key, output=target, noise=noise
         )
+    artifact = result.artifact
+    if target != args.out:
+        artifact = move_artifact(target, args.out, overwrite=True)
     outcome, manifest = result.outcome, result.manifest
     print(
         f"released {len(outcome.heads)} heads over {outcome.heads.num_layers_in_scope} layers "
@@ -144,6 +262,6 @@ def run(args: argparse.Namespace) -> int:
         f"privacy: epsilon={manifest.epsilon:.4g}, delta={manifest.delta:g} "
         f"({manifest.accountant}); noise std={outcome.noise_std:.4g} on the sum, "
         f"signal/noise~{outcome.signal_to_noise:.3g}\n"
-        f"artifact: {result.artifact}"
+        f"artifact: {artifact}"
     )
     return 0

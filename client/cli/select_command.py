@@ -6,17 +6,9 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from client.chunking import make_chunks
+from client.cli._choices import SELECTION_METHODS
 from client.cli._common import add_model_options, load_site_model, settings_from, write_heads_file
-from client.data import load_dataset
-from client.public_selection import (
-    ReinforceSettings,
-    SelectionMethod,
-    public_activations,
-    select_heads_attribution,
-    select_heads_reinforce,
-    suggested_clip_norm,
-)
+from client.cli._types import non_negative_int, positive_int
 from dpmtv_common.errors import ConfigError
 
 __all__ = ["register"]
@@ -33,17 +25,28 @@ def register(sub: Any) -> None:
     add_model_options(parser)
     parser.add_argument("--data", type=Path, help="PUBLIC labelled dataset folder")
     parser.add_argument("--out", type=Path, required=True, help="heads file to write (JSON)")
-    parser.add_argument("--k", type=int, default=8, help="heads to keep (attribution)")
-    parser.add_argument("--shots", type=int, default=4)
+    parser.add_argument("--k", type=positive_int, default=8, help="heads to keep (attribution)")
+    parser.add_argument("--shots", type=positive_int, default=4)
+    parser.add_argument("--method", choices=SELECTION_METHODS, default="attribution")
+    parser.add_argument("--max-chunks", type=positive_int, default=200)
     parser.add_argument(
-        "--method", choices=[m.value for m in SelectionMethod], default="attribution"
+        "--queries", type=positive_int, default=64, help="public zero-shot queries used"
     )
-    parser.add_argument("--max-chunks", type=int, default=200)
-    parser.add_argument("--queries", type=int, default=64, help="public zero-shot queries used")
-    parser.add_argument("--steps", type=int, default=600, help="REINFORCE steps (MTV: 600)")
-    parser.add_argument("--samples", type=int, default=32, help="REINFORCE samples (MTV: 32)")
-    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--steps", type=positive_int, default=600, help="REINFORCE (MTV: 600)")
+    parser.add_argument("--samples", type=positive_int, default=32, help="REINFORCE (MTV: 32)")
+    parser.add_argument("--seed", type=non_negative_int, default=0)
     parser.set_defaults(handler=run)
+
+
+def _check_out(out: Path) -> None:
+    """The heads file must be writable where it is named, checked before any forward pass."""
+    if out.is_dir():
+        raise ConfigError(f"--out must be a file path, got the directory {str(out)!r}.")
+    if not out.parent.is_dir():
+        raise ConfigError(
+            f"--out must lie in an existing directory, got {str(out)!r} "
+            f"({str(out.parent)!r} is not a directory)."
+        )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -51,8 +54,27 @@ def run(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     if settings.data_path is None:
         raise ConfigError("select-heads needs --data DIR (a PUBLIC dataset).")
+    _check_out(args.out)
+    # Imported here: the data and model side need PIL, torch and transformers.
+    from client.chunking import make_chunks
+    from client.data import load_dataset
+    from client.public_selection import (
+        ReinforceSettings,
+        SelectionMethod,
+        public_activations,
+        select_heads_attribution,
+        select_heads_reinforce,
+        suggested_clip_norm,
+    )
+
     dataset = load_dataset(settings.data_path)
     loaded = load_site_model(settings)
+    shape = loaded.adapter.head_shape(loaded.model)
+    if args.k > shape.num_layers * shape.num_heads:
+        raise ConfigError(
+            f"--k must be at most the model's {shape.num_layers * shape.num_heads} heads "
+            f"({shape.num_layers} layers x {shape.num_heads}), got {args.k}."
+        )
     chunks = make_chunks(dataset, shots=args.shots, seed=args.seed, max_chunks=args.max_chunks)
     acts = public_activations(
         loaded, chunks.chunks, batch_size=settings.batch_size, instruction=dataset.instruction

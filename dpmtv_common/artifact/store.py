@@ -14,13 +14,24 @@ Loading checks, in order, and stops at the first failure: the files and manifest
 the signature verifies (:class:`BadSignatureError`); the tensors hash matches
 (:class:`IntegrityError`); the tensors match the manifest (:class:`ArtifactFormatError`); the
 model fingerprint matches (:class:`ModelMismatchError`).
+
+Writing stages the files in a hidden sibling folder and renames it into place. A process
+killed in between leaves that folder behind; the next :func:`write_artifact` in the same
+parent folder tidies such leftovers once they are older than :data:`STALE_AFTER_S` (see
+:func:`clean_stale_staging`): an incomplete one is deleted, a complete one (which may be the
+only copy of a release whose privacy cost is already counted) is renamed to a visible
+``*.recovered`` folder and reported, never deleted.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
+import re
+import shutil
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +41,7 @@ import safetensors
 import safetensors.numpy
 from pydantic import ValidationError
 
-from dpmtv_common.artifact._publish import publish_directory
+from dpmtv_common.artifact._publish import _check_replaceable, _swap_in, publish_directory
 from dpmtv_common.artifact.manifest import (
     FORMAT_VERSION,
     ArtifactManifest,
@@ -50,9 +61,13 @@ from dpmtv_common.heads import HeadSet
 __all__ = [
     "MANIFEST_FILE",
     "SIGNATURE_FILE",
+    "STALE_AFTER_S",
     "TENSORS_FILE",
+    "StagingCleanup",
     "TaskVectorArtifact",
+    "clean_stale_staging",
     "load_artifact",
+    "move_artifact",
     "write_artifact",
 ]
 
@@ -60,6 +75,18 @@ TENSORS_FILE = "tensors.safetensors"
 MANIFEST_FILE = "manifest.json"
 SIGNATURE_FILE = "signature"
 _FILES = (TENSORS_FILE, MANIFEST_FILE, SIGNATURE_FILE)
+
+STALE_AFTER_S = 600.0
+"""Age (seconds since last change) after which a staging folder counts as left by a dead
+process: a live write stages for well under a second."""
+
+# Hidden staging folders: ``.NAME.tmp-HEX`` and ``.NAME.old-HEX`` (publishing and replacing),
+# ``.NAME.incoming-HEX`` (a caller that releases beside its target), and ``.incoming-XXXX``
+# (a site receiving a broadcast artifact into ``.incoming-XXXX/artifact``).
+_STAGING = re.compile(r"^\..+\.(?:tmp|old|incoming)-[0-9a-f]{16}$|^\.incoming-[A-Za-z0-9_]+$")
+_SITE_SUBFOLDER = "artifact"
+
+_log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True, eq=False)
@@ -133,8 +160,107 @@ def write_artifact(
     readable = json.dumps(manifest.model_dump(mode="json"), sort_keys=True, indent=2) + "\n"
     target = Path(directory)
     files = {TENSORS_FILE: tensors, MANIFEST_FILE: readable.encode(), SIGNATURE_FILE: signature}
+    clean_stale_staging(target.absolute().parent)
     publish_directory(target, files, overwrite=overwrite)
     return target
+
+
+def move_artifact(
+    source: str | os.PathLike[str],
+    target: str | os.PathLike[str],
+    *,
+    overwrite: bool = False,
+) -> Path:
+    """Move a written artifact directory to ``target`` in one rename; return ``target``.
+
+    For callers that write beside the target first (e.g. a release that must not touch the
+    old artifact until the new one exists). Replacing swaps the old one aside first, so at
+    no moment does ``target`` hold a partial artifact.
+
+    Raises:
+        ConfigError: ``target`` exists and ``overwrite`` is false, or it is not a directory
+            holding only artifact files.
+    """
+    source_path, target_path = Path(source).absolute(), Path(target).absolute()
+    exists = _check_replaceable(target_path, frozenset(_FILES), overwrite=overwrite)
+    if exists:
+        _swap_in(source_path, target_path)
+    else:
+        os.rename(source_path, target_path)
+    return Path(target)
+
+
+@dataclass(frozen=True)
+class StagingCleanup:
+    """What :func:`clean_stale_staging` did.
+
+    Attributes:
+        removed: Incomplete staging folders deleted.
+        recovered: Complete artifacts moved from hidden staging to visible ``*.recovered``.
+        kept: Stale staging folders left alone because they hold files of other names.
+    """
+
+    removed: tuple[Path, ...] = ()
+    recovered: tuple[Path, ...] = ()
+    kept: tuple[Path, ...] = ()
+
+
+def _artifact_folder(staging: Path) -> Path:
+    """The folder that would hold the artifact files (a site stages one level deeper)."""
+    inner = staging / _SITE_SUBFOLDER
+    return inner if inner.is_dir() and not inner.is_symlink() else staging
+
+
+def _only_artifact_files(staging: Path, folder: Path) -> bool:
+    outer = {entry.name for entry in staging.iterdir()}
+    allowed = set(_FILES) | ({_SITE_SUBFOLDER} if folder != staging else set())
+    return outer <= allowed and {entry.name for entry in folder.iterdir()} <= set(_FILES)
+
+
+def _tidy(staging: Path) -> tuple[str, Path]:
+    """Delete, recover or keep one stale staging folder; say which and where it is now."""
+    folder = _artifact_folder(staging)
+    if not _only_artifact_files(staging, folder):
+        return "kept", staging  # never delete what dpmtv did not write
+    if not all((folder / name).is_file() for name in _FILES):
+        shutil.rmtree(staging)
+        return "removed", staging
+    # Complete: it may be the only copy of a release already counted in a ledger.
+    recovered = staging.with_name(f"{staging.name.lstrip('.')}.recovered")
+    os.rename(folder, recovered)
+    if folder != staging:
+        shutil.rmtree(staging)
+    return "recovered", recovered
+
+
+def clean_stale_staging(
+    parent: str | os.PathLike[str], *, older_than_s: float = STALE_AFTER_S
+) -> StagingCleanup:
+    """Tidy hidden staging folders that a killed write left in ``parent``.
+
+    A staging folder whose last change is older than ``older_than_s`` is taken as left by a
+    dead process (a live write renames its staging away within a second). Incomplete ones
+    are deleted; complete ones are renamed to a visible ``<name>.recovered`` folder and
+    logged as a warning (their signature still holds, so they can be checked and used);
+    ones holding files dpmtv did not write are logged and left alone.
+    """
+    folder = Path(parent)
+    if not folder.is_dir():
+        return StagingCleanup()
+    cutoff = time.time() - older_than_s
+    done: dict[str, list[Path]] = {"removed": [], "recovered": [], "kept": []}
+    for entry in sorted(folder.iterdir()):
+        if not _STAGING.match(entry.name) or entry.is_symlink() or not entry.is_dir():
+            continue
+        if entry.stat().st_mtime > cutoff:
+            continue  # possibly a write in progress
+        what, where = _tidy(entry)
+        done[what].append(where)
+    for path in done["recovered"]:
+        _log.warning("a killed write left a complete artifact; moved it to %s", path)
+    for path in done["kept"]:
+        _log.warning("stale staging folder %s holds unexpected files; left in place", path)
+    return StagingCleanup(tuple(done["removed"]), tuple(done["recovered"]), tuple(done["kept"]))
 
 
 def _read_files(path: Path) -> dict[str, bytes]:

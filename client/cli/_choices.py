@@ -1,0 +1,27 @@
+"""The fixed choices of ``dpmtv-site`` options, as plain strings.
+
+The enums they name live in modules that import torch; listing their values here lets the
+parser (and ``--help``, ``keygen``, ``ledger``) start without torch. A unit test keeps each
+tuple equal to its enum, so they cannot drift apart.
+"""
+
+from __future__ import annotations
+
+__all__ = [
+    "DTYPES",
+    "EVALUATION_MODES",
+    "PATCH_POLICIES",
+    "SCORE_METHODS",
+    "SELECTION_METHODS",
+]
+
+PATCH_POLICIES = ("prompt-last-token", "every-call")
+"""``client.hooks.PatchPolicy``."""
+EVALUATION_MODES = ("zero-shot", "icl", "artifact")
+"""``client.evaluation.EvaluationMode``."""
+SELECTION_METHODS = ("attribution", "reinforce")
+"""``client.public_selection.SelectionMethod``."""
+SCORE_METHODS = ("shift", "attribution")
+"""``client.scoring.ScoreMethod``."""
+DTYPES = ("float32", "bfloat16", "float16")
+"""The dtypes ``client.models.resolve_dtype`` accepts."""
