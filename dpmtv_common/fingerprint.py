@@ -1,11 +1,17 @@
 """Fingerprints of local model directories, so an artifact is only applied to its own model.
 
-The fingerprint covers the files ``from_pretrained`` reads to build the network: every
-``*.json`` (config, generation, processor and tokenizer configs, safetensors index) and the
-full bytes of every weight file. Only the top level of the directory is walked, as
-``from_pretrained`` does, so caches (``.cache/``) and extra copies (``original/``) that one
-site downloaded and another did not leave the fingerprint alone. Symbolic links are followed,
-so a Hugging Face cache snapshot (links into ``blobs/``) fingerprints like a plain copy.
+The fingerprint covers every file ``from_pretrained`` reads that shapes what the model sees
+or computes: every ``*.json`` (config, generation, processor, preprocessor and tokenizer
+configs, ``chat_template.json``, safetensors index), the chat template files
+(``chat_template.jinja`` and ``additional_chat_templates/*.jinja``; the template inside
+``tokenizer_config.json`` is covered with that file), the tokenizer's vocabulary files
+(``tokenizer.model``, ``*.tiktoken``, ``vocab.txt``, ``merges.txt``) and the full bytes of
+every weight file. Two sites whose prompts render differently therefore never share a
+fingerprint. Apart from ``additional_chat_templates/``, only the top level of the directory is
+walked, as ``from_pretrained`` does, so caches (``.cache/``) and extra copies (``original/``)
+that one site downloaded and another did not leave the fingerprint alone. Symbolic links are
+followed, so a Hugging Face cache snapshot (links into ``blobs/``) fingerprints like a plain
+copy.
 
 Hashing multi-GB weights on every load is slow, and a deployed site loads its model for every
 Flower message. With ``cache_dir``, each weight file's digest is remembered under its
@@ -24,10 +30,16 @@ from pathlib import Path
 
 from dpmtv_common.errors import ConfigError
 
-__all__ = ["FINGERPRINT_SUFFIXES", "fingerprint_model_dir"]
+__all__ = ["FINGERPRINT_NAMES", "FINGERPRINT_SUFFIXES", "fingerprint_model_dir"]
 
-FINGERPRINT_SUFFIXES = frozenset({".json", ".safetensors", ".bin", ".gguf", ".pt", ".pth"})
+FINGERPRINT_SUFFIXES = frozenset(
+    {".json", ".safetensors", ".bin", ".gguf", ".pt", ".pth", ".jinja", ".model", ".tiktoken"}
+)
 """File name suffixes that enter the fingerprint."""
+FINGERPRINT_NAMES = frozenset({"vocab.txt", "merges.txt"})
+"""Further file names that enter it (tokenizer vocabularies with a generic suffix)."""
+_TEMPLATE_FOLDER = "additional_chat_templates"  # transformers reads named templates from here
+_WEIGHT_SUFFIXES = frozenset({".safetensors", ".bin", ".gguf", ".pt", ".pth", ".model"})
 
 _BLOCK_BYTES = 1 << 20  # stream: weight files are many GB
 _DOMAIN = b"dpmtv-model-fingerprint-v1\x00"
@@ -53,17 +65,22 @@ def _frame(name: str, size: int, digest: bytes) -> bytes:
     return len(encoded).to_bytes(8, "big") + encoded + size.to_bytes(8, "big") + digest
 
 
-def _fingerprinted_files(directory: Path) -> list[Path]:
-    return sorted(
-        (
-            entry
-            for entry in directory.iterdir()
-            if entry.suffix in FINGERPRINT_SUFFIXES
-            and not entry.name.startswith(".")
-            and entry.is_file()
-        ),
-        key=lambda entry: os.fsencode(entry.name),
-    )
+def _covered(entry: Path) -> bool:
+    named = entry.suffix in FINGERPRINT_SUFFIXES or entry.name in FINGERPRINT_NAMES
+    return named and not entry.name.startswith(".") and entry.is_file()
+
+
+def _fingerprinted_files(directory: Path) -> list[tuple[str, Path]]:
+    """``(name relative to directory, path)`` of every covered file, in byte order of names."""
+    files = [(entry.name, entry) for entry in directory.iterdir() if _covered(entry)]
+    templates = directory / _TEMPLATE_FOLDER
+    if templates.is_dir():
+        files += [
+            (f"{_TEMPLATE_FOLDER}/{entry.name}", entry)
+            for entry in templates.iterdir()
+            if entry.suffix == ".jinja" and _covered(entry)
+        ]
+    return sorted(files, key=lambda item: os.fsencode(item[0]))
 
 
 _CACHE_FILE = "fingerprint-digests.json"
@@ -127,12 +144,12 @@ def fingerprint_model_dir(
         )
     cache = _read_cache(Path(cache_dir)) if cache_dir is not None else None
     outer = hashlib.sha256(_DOMAIN)
-    for entry in _fingerprinted_files(directory):
-        if cache is None or entry.suffix == ".json":
-            size, digest = _hash_file(entry)
+    for name, entry in _fingerprinted_files(directory):
+        if cache is None or entry.suffix not in _WEIGHT_SUFFIXES:
+            size, digest = _hash_file(entry)  # small files: always re-read, never trusted
         else:
             size, digest = _cached_hash(entry, cache)
-        outer.update(_frame(entry.name, size, digest))
+        outer.update(_frame(name, size, digest))
     if cache is not None and cache_dir is not None:
         _write_cache(Path(cache_dir), cache)
     return f"sha256:{outer.hexdigest()}"

@@ -153,3 +153,59 @@ def test_a_damaged_cache_is_ignored(tmp_path: Path) -> None:
     cache.mkdir()
     (cache / "fingerprint-digests.json").write_text("not json")
     assert fingerprint_model_dir(model, cache_dir=cache) == fingerprint_model_dir(model)
+
+
+@pytest.mark.parametrize(
+    ("name", "content"),
+    [
+        ("chat_template.jinja", "{{ messages }}"),
+        ("chat_template.json", '{"chat_template": "{{ messages }}"}'),
+        ("tokenizer_config.json", '{"chat_template": "{{ messages }}"}'),
+        ("processor_config.json", '{"image_seq_len": 4}'),
+        ("preprocessor_config.json", '{"size": {"longest_edge": 56}}'),
+        ("tokenizer.json", '{"model": {}}'),
+        ("tokenizer.model", "sentencepiece bytes"),
+        ("vocab.txt", "a\nb"),
+        ("merges.txt", "a b"),
+        ("additional_chat_templates/tool_use.jinja", "{{ tools }}"),
+    ],
+)
+def test_every_prompt_shaping_file_enters_the_fingerprint(
+    tmp_path: Path, name: str, content: str
+) -> None:
+    # Arrange: the file exists with one content, then with another
+    model = make_model_dir(tmp_path / "model")
+    target = model / name
+    target.parent.mkdir(exist_ok=True)
+    target.write_text(content)
+    before = fingerprint_model_dir(model)
+    # Act
+    target.write_text(content + " ")
+    # Assert
+    assert fingerprint_model_dir(model) != before
+
+
+def test_a_chat_template_changes_the_fingerprint_of_a_saved_model(tmp_path: Path) -> None:
+    # Arrange: what a site with another prompt format has (issue 11)
+    model = make_model_dir(tmp_path / "model")
+    (model / "chat_template.jinja").write_text("USER: {{ content }} ASSISTANT:")
+    before = fingerprint_model_dir(model)
+    # Act
+    (model / "chat_template.jinja").write_text("<|im_start|>user {{ content }}<|im_end|>")
+    # Assert
+    assert fingerprint_model_dir(model) != before
+
+
+def test_cached_fingerprint_still_rereads_small_prompt_files(tmp_path: Path) -> None:
+    # Arrange
+    model = make_model_dir(tmp_path / "model")
+    template = model / "chat_template.jinja"
+    template.write_text("A")
+    cache = tmp_path / "cache"
+    first = fingerprint_model_dir(model, cache_dir=cache)
+    stat = template.stat()
+    # Act: same size and timestamps, other content; only a re-read can see it
+    template.write_text("B")
+    os.utime(template, ns=(stat.st_atime_ns, stat.st_mtime_ns))
+    # Assert
+    assert fingerprint_model_dir(model, cache_dir=cache) != first
