@@ -19,6 +19,7 @@ from dpmtv_common.errors import DataError
 __all__ = [
     "MANIFEST_NAME",
     "METADATA_NAME",
+    "DatasetLayout",
     "ManifestRow",
     "Metadata",
     "PrivacyUnitName",
@@ -33,8 +34,11 @@ METADATA_NAME = "dataset.json"
 #: The values of ``protocol.PrivacyUnit``, spelt out so the data layer needs no protocol import.
 PrivacyUnitName = Literal["example", "group"]
 
+#: How a dataset folder is laid out (see :mod:`client.data`).
+DatasetLayout = Literal["manifest", "image-folder"]
+
 _MANIFEST_KEYS = frozenset({"id", "image", "question", "answer", "group"})
-_METADATA_KEYS = frozenset({"task", "privacy_unit", "instruction"})
+_METADATA_KEYS = frozenset({"task", "privacy_unit", "instruction", "layout", "question"})
 _QUOTED_CHARS = 80  # enough of a bad line to recognise it, without flooding the log
 
 
@@ -52,11 +56,21 @@ class ManifestRow:
 
 @dataclass(frozen=True)
 class Metadata:
-    """The contents of ``dataset.json``, or its defaults when the file is absent."""
+    """The contents of ``dataset.json``, or its defaults when the file is absent.
+
+    Attributes:
+        task: Name of the task (default: the folder's name).
+        privacy_unit: ``"example"`` (default) or ``"group"``.
+        instruction: Text placed before the demonstrations, or None.
+        layout: ``"manifest"`` (default) or ``"image-folder"``, which must be asked for.
+        question: The image-folder layout's question, or None for the default one.
+    """
 
     task: str
     privacy_unit: PrivacyUnitName
     instruction: str | None
+    layout: DatasetLayout = "manifest"
+    question: str | None = None
 
 
 def privacy_unit_from(value: object, *, where: str) -> PrivacyUnitName:
@@ -69,7 +83,7 @@ def privacy_unit_from(value: object, *, where: str) -> PrivacyUnitName:
 
 
 def read_metadata(root: Path) -> Metadata:
-    """Read ``root/dataset.json``; without it: task = folder name, example-level, no instruction."""
+    """Read ``root/dataset.json``; without it, the defaults of :class:`Metadata`."""
     path = root / METADATA_NAME
     if not path.is_file():
         return Metadata(root.name, "example", None)
@@ -88,7 +102,15 @@ def read_metadata(root: Path) -> Metadata:
     if instruction is not None and not isinstance(instruction, str):
         raise DataError(f"{path}: instruction must be a string or null, got {instruction!r}.")
     unit = privacy_unit_from(meta.get("privacy_unit", "example"), where=f"{path}: privacy_unit")
-    return Metadata(task, unit, instruction)
+    layout = meta.get("layout", "manifest")
+    if layout not in ("manifest", "image-folder"):
+        raise DataError(f"{path}: layout must be 'manifest' or 'image-folder', got {layout!r}.")
+    question = meta.get("question")
+    if question is not None and (not isinstance(question, str) or not question.strip()):
+        raise DataError(f"{path}: question must be a non-empty string or null, got {question!r}.")
+    return Metadata(
+        task, unit, instruction, "manifest" if layout == "manifest" else "image-folder", question
+    )
 
 
 class _FieldError(Exception):
@@ -104,11 +126,12 @@ def read_manifest(manifest: Path, *, group_required: bool) -> list[ManifestRow]:
     """
     rows: list[ManifestRow] = []
     first_line_of: dict[str, int] = {}
-    with manifest.open(encoding="utf-8") as handle:
-        for line_no, text in enumerate(handle, start=1):
+    with manifest.open("rb") as handle:
+        for line_no, raw in enumerate(handle, start=1):
+            text = _decode_line(manifest, line_no, raw)
             if not text.strip():
                 continue
-            row = _parse_line(manifest, line_no, text.rstrip("\n"), group_required)
+            row = _parse_line(manifest, line_no, text.rstrip("\r\n"), group_required)
             if row.id in first_line_of:
                 raise DataError(
                     f"{manifest} line {line_no}: id {row.id!r} is already used on line "
@@ -119,6 +142,17 @@ def read_manifest(manifest: Path, *, group_required: bool) -> list[ManifestRow]:
     if not rows:
         raise DataError(f"{manifest} must hold at least one record, got an empty file.")
     return rows
+
+
+def _decode_line(manifest: Path, line_no: int, raw: bytes) -> str:
+    """One line as text; a byte that is not UTF-8 is an error naming the line and column."""
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise DataError(
+            f"{manifest} line {line_no} must be UTF-8, got byte {raw[exc.start]:#04x} at "
+            f"column {exc.start + 1}; re-export the manifest as UTF-8."
+        ) from exc
 
 
 def _parse_line(manifest: Path, line_no: int, text: str, group_required: bool) -> ManifestRow:

@@ -1,38 +1,48 @@
 """A site's private dataset on disk: records of (image, question, answers), loaded and checked.
 
-:func:`load_dataset` recognises two layouts in a folder ``root``:
+:func:`load_dataset` reads one of two layouts in a folder ``root``:
 
-* **JSONL manifest** ``root/manifest.jsonl``: one JSON object a line with ``image`` (a path
-  relative to ``root``), ``question``, ``answer`` (a string, or a list of human answers whose
-  first is the primary answer shown in demonstrations), optional ``id`` (default
-  ``"line-<n>"``) and optional ``group`` (who owns the record, e.g. a patient id: the privacy
-  unit in group mode). Blank lines are ignored.
-* **Image folder** ``root/<class name>/*.png|jpg|jpeg``: every record asks the same question
-  and is answered by its class name, underscores read as spaces.
+* **JSONL manifest** (``"manifest"``, the default) ``root/manifest.jsonl``: one JSON object a
+  line with ``image`` (a path relative to ``root``), ``question``, ``answer`` (a string, or a
+  list of human answers whose first is the primary answer shown in demonstrations), optional
+  ``id`` (default ``"line-<n>"``) and optional ``group`` (who owns the record, e.g. a patient
+  id: the privacy unit in group mode). Blank lines are ignored.
+* **Image folder** (``"image-folder"``, only when asked for) ``root/<class name>/*.png|jpg|jpeg``:
+  every record asks the same question (``question`` of ``dataset.json``, else
+  :data:`DEFAULT_QUESTION`) and is answered by its class name, underscores read as spaces.
 
-Either layout may add ``root/dataset.json`` = ``{"task", "privacy_unit", "instruction"}``.
+Either layout may add ``root/dataset.json`` =
+``{"task", "privacy_unit", "instruction", "layout", "question"}``. The image-folder layout must
+be chosen explicitly (``"layout": "image-folder"`` there, or ``layout=`` here): a missing
+manifest is an error, never a quiet switch to folder names as answers.
 
-A malformed manifest line stops the load with its line number (:mod:`client._manifest`). A
-missing or unreadable image is skipped, reported in :attr:`SiteDataset.skipped` and logged,
-so one bad file does not sink a site.
+**Every record is checked in full at load.** Each image is decoded completely, the way
+extraction will read it (:func:`read_rgb`), and must lie inside ``root`` once symlinks are
+resolved. Any missing, unreadable, oversized (a decompression bomb) or outside image stops
+the load with a :class:`~dpmtv_common.errors.DataError` that counts the bad records and names
+the first ones. No record is ever skipped: n, and with it the published chunk count m, must
+never depend on a record's content (design §6, "Data independence").
 """
 
 from __future__ import annotations
 
 import json
-import logging
 import os
 import tempfile
+import warnings
+from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
+import numpy as np
 from PIL import Image
 
 from client._manifest import (
     MANIFEST_NAME,
     METADATA_NAME,
+    DatasetLayout,
     PrivacyUnitName,
     privacy_unit_from,
     read_manifest,
@@ -45,19 +55,60 @@ __all__ = [
     "IMAGE_SUFFIXES",
     "MANIFEST_NAME",
     "METADATA_NAME",
+    "DatasetLayout",
     "PrivacyUnitName",
     "Record",
     "SiteDataset",
-    "SkippedRecord",
     "load_dataset",
+    "read_rgb",
+    "to_rgb",
     "write_jsonl_dataset",
 ]
 
-_log = logging.getLogger(__name__)
-
 DEFAULT_QUESTION = "What is shown in the image?"
 IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg"})
-_SHOWN_REASONS = 3  # a log line and an error message quote this many skip reasons
+_SHOWN_PROBLEMS = 5  # an error message quotes this many bad records
+# Integer modes whose values are read as 16-bit (PNG/TIFF 16-bit greyscale opens as these).
+_WIDE_INTEGER_MODES = frozenset({"I", "I;16", "I;16L", "I;16B", "I;16N"})
+_ALPHA_MODES = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
+_BACKGROUND = (255, 255, 255, 255)  # what transparent pixels show: a white page
+
+
+def to_rgb(image: Image.Image) -> Image.Image:
+    """Convert ``image`` to 8-bit RGB faithfully, whatever its mode.
+
+    * 16-bit greyscale (``I;16*``) and 32-bit integer (``I``) images are scaled from
+      [0, 65535] to [0, 255] (values outside are clipped). PIL's own ``convert`` clips at 255
+      instead, which turns most of a 16-bit scan white.
+    * Images with transparency (``RGBA``, ``LA``, ``PA``, or a palette/greyscale/RGB image
+      with a ``transparency`` entry) are composited over white, as a viewer shows them;
+      dropping alpha would expose whatever colour the transparent pixels happen to hold.
+    * Palette (``P``), ``CMYK``, ``1``, ``L``, ``F`` and the rest use PIL's conversion
+      (palette lookup, CMYK inversion; ``F`` values read on the 0..255 scale).
+    """
+    if image.mode in _WIDE_INTEGER_MODES:
+        wide = np.asarray(image, dtype=np.int64).clip(0, 65535)
+        # Round to nearest: 65535 -> 255, 257 * v -> v exactly.
+        narrow = ((wide * 255 + 32767) // 65535).astype(np.uint8)
+        return Image.fromarray(narrow).convert("RGB")
+    if image.mode in _ALPHA_MODES or "transparency" in image.info:
+        background = Image.new("RGBA", image.size, _BACKGROUND)
+        return Image.alpha_composite(background, image.convert("RGBA")).convert("RGB")
+    return image.convert("RGB")
+
+
+def read_rgb(path: Path) -> Image.Image:
+    """Decode the whole image at ``path`` and return it as RGB (:func:`to_rgb`), file closed.
+
+    A decompression-bomb warning (a header claiming more than PIL's ``MAX_IMAGE_PIXELS``) is
+    raised as :class:`PIL.Image.DecompressionBombWarning` instead of being only printed.
+    """
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", Image.DecompressionBombWarning)
+        with Image.open(path) as image:
+            # load() decodes every pixel: verify() alone passes a truncated JPEG.
+            image.load()
+            return to_rgb(image)
 
 
 @dataclass(frozen=True)
@@ -88,43 +139,26 @@ class Record:
         return self.answers[0]
 
     def load_image(self) -> Image.Image:
-        """Read the image as RGB; the file is closed before this returns."""
-        with Image.open(self.image_path) as image:
-            return image.convert("RGB")
-
-
-@dataclass(frozen=True)
-class SkippedRecord:
-    """A record left out at load time because its image could not be used.
-
-    Attributes:
-        source: Where it came from: ``"line <n>"`` of the manifest, or the image's relative path.
-        image_path: The image that failed.
-        reason: Why it failed.
-    """
-
-    source: str
-    image_path: Path
-    reason: str
+        """Read the image as faithful RGB (:func:`read_rgb`); the file is closed on return."""
+        return read_rgb(self.image_path)
 
 
 @dataclass(frozen=True)
 class SiteDataset:
-    """A site's loaded dataset and what was left out of it.
+    """A site's loaded dataset, every record checked.
 
     Attributes:
-        records: The usable records, in file order.
+        records: The records, in file order.
         task: Name of the task (``dataset.json``, else the folder name).
-        privacy_unit: ``"example"``, or ``"group"`` when one owner's records are one unit.
+        privacy_unit: ``"example"``, or ``"group"`` when one owner's records are one unit
+            (see ``client.chunking`` for how each unit maps to chunks).
         instruction: Optional text placed before the demonstrations.
-        skipped: Records whose image was missing or unreadable.
     """
 
     records: tuple[Record, ...]
     task: str
     privacy_unit: PrivacyUnitName = "example"
     instruction: str | None = None
-    skipped: tuple[SkippedRecord, ...] = ()
 
     def __post_init__(self) -> None:
         privacy_unit_from(self.privacy_unit, where="privacy_unit")
@@ -140,40 +174,54 @@ class SiteDataset:
         return len(self.records)
 
 
-def load_dataset(path: str | os.PathLike[str], *, question: str | None = None) -> SiteDataset:
-    """Load a site dataset, detecting its layout, and verify every image once.
+def load_dataset(
+    path: str | os.PathLike[str],
+    *,
+    question: str | None = None,
+    layout: DatasetLayout | None = None,
+) -> SiteDataset:
+    """Load a site dataset and check every record in full; see the module docstring.
 
     Args:
         path: The dataset folder.
-        question: The question of every image-folder record (default
-            :data:`DEFAULT_QUESTION`); a manifest brings its own questions and ignores this.
+        question: The question of every image-folder record (overrides ``dataset.json``;
+            default :data:`DEFAULT_QUESTION`); a manifest brings its own questions.
+        layout: ``"manifest"`` or ``"image-folder"``; default: ``dataset.json``'s ``layout``,
+            else ``"manifest"``.
 
     Raises:
-        DataError: The folder, a manifest line or ``dataset.json`` is unusable, or no record
-            is left once unreadable images are skipped.
-        ConfigError: ``question`` is empty.
+        DataError: The folder, a manifest line or ``dataset.json`` is unusable, the chosen
+            layout's files are missing, or any record's image is missing, unreadable, too
+            large or outside the folder (all of them counted, the first few named).
+        ConfigError: ``question`` is empty or ``layout`` unknown.
     """
     root = Path(path).resolve()
     if not root.is_dir():
         raise DataError(f"dataset path must be an existing folder, got {str(path)!r}.")
     if question is not None and not question.strip():
         raise ConfigError(f"question must be a non-empty string, got {question!r}.")
+    if layout is not None and layout not in get_args(DatasetLayout):
+        raise ConfigError(f"layout must be 'manifest' or 'image-folder', got {layout!r}.")
     meta = read_metadata(root)
-    if (root / MANIFEST_NAME).is_file():
+    chosen = layout or meta.layout
+    has_manifest = (root / MANIFEST_NAME).is_file()
+    if chosen == "manifest":
+        if not has_manifest:
+            raise DataError(
+                f"{root} must hold {MANIFEST_NAME}, got none. For class folders answered by "
+                f'their names, set "layout": "image-folder" in {METADATA_NAME}.'
+            )
         candidates = _manifest_records(root, group_required=meta.privacy_unit == "group")
     else:
-        candidates = _scan_image_folder(root, question or DEFAULT_QUESTION)
-    records, skipped = _keep_readable(candidates)
-    reasons = "; ".join(f"{s.source}: {s.reason}" for s in skipped[:_SHOWN_REASONS])
-    if skipped:
-        _log.warning(
-            "%s: skipped %d of %d records (%s)", root, len(skipped), len(candidates), reasons
-        )
-    if not records:
-        raise DataError(
-            f"{root} has no usable record: all {len(skipped)} were skipped ({reasons})."
-        )
-    return SiteDataset(records, meta.task, meta.privacy_unit, meta.instruction, skipped)
+        if has_manifest:
+            raise DataError(
+                f"{root} holds {MANIFEST_NAME}, so layout must be 'manifest', got "
+                f"'image-folder'; remove one of them."
+            )
+        candidates = _scan_image_folder(root, question or meta.question or DEFAULT_QUESTION)
+    _check_images(root, candidates)
+    records = tuple(record for _, record in candidates)
+    return SiteDataset(records, meta.task, meta.privacy_unit, meta.instruction)
 
 
 def write_jsonl_dataset(
@@ -236,34 +284,49 @@ def _scan_image_folder(root: Path, question: str) -> list[tuple[str, Record]]:
                 found.append((rel, Record(rel, file, question, (answer,))))
     if not found:
         raise DataError(
-            f"{root} must hold {MANIFEST_NAME} or class folders of "
-            f"{'/'.join(sorted(IMAGE_SUFFIXES))} images, got neither."
+            f"{root} must hold class folders of {'/'.join(sorted(IMAGE_SUFFIXES))} images "
+            "for layout 'image-folder', got none."
         )
     return found
 
 
-def _keep_readable(
-    candidates: list[tuple[str, Record]],
-) -> tuple[tuple[Record, ...], tuple[SkippedRecord, ...]]:
-    kept: list[Record] = []
-    skipped: list[SkippedRecord] = []
+def _check_images(root: Path, candidates: list[tuple[str, Record]]) -> None:
+    """Raise one DataError counting every record whose image cannot be used."""
+    problems: list[tuple[str, str, str]] = []  # (kind, source, detail)
     for source, record in candidates:
-        problem = _image_problem(record.image_path)
-        if problem is None:
-            kept.append(record)
-        else:
-            skipped.append(SkippedRecord(source, record.image_path, problem))
-    return tuple(kept), tuple(skipped)
+        problem = _image_problem(root, record.image_path)
+        if problem is not None:
+            problems.append((problem[0], source, problem[1]))
+    if not problems:
+        return
+    kinds = Counter(kind for kind, _, _ in problems)
+    summary = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
+    shown = "; ".join(f"{source}: {detail}" for _, source, detail in problems[:_SHOWN_PROBLEMS])
+    more = (
+        f"; and {len(problems) - _SHOWN_PROBLEMS} more" if len(problems) > _SHOWN_PROBLEMS else ""
+    )
+    raise DataError(
+        f"every record's image must be readable, got {len(problems)} of {len(candidates)} "
+        f"records unusable in {root} ({summary}): {shown}{more}. Fix or remove them: records "
+        "are never skipped, since n must not depend on their content."
+    )
 
 
-def _image_problem(path: Path) -> str | None:
+def _image_problem(root: Path, path: Path) -> tuple[str, str] | None:
+    """``(kind, detail)`` of what is wrong with the image at ``path``, or None."""
+    name = os.path.relpath(path, root)
     if not path.is_file():
-        return "image file not found"
+        return "missing", f"{name}: image file not found"
+    real = path.resolve()
+    # The manifest's text check cannot see symlinks: the real file must be in the folder too.
+    if not real.is_relative_to(root):
+        return "outside the folder", f"{name}: resolves to {real}, outside the folder"
     try:
-        # verify() checks the file's structure without decoding every pixel: cheap enough for
-        # each record once, and it catches truncated or mislabelled files before extraction.
-        with Image.open(path) as image:
-            image.verify()
-    except (OSError, SyntaxError, ValueError, Image.DecompressionBombError) as exc:
-        return f"image cannot be read ({type(exc).__name__}: {exc})"
+        read_rgb(real)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        return "too large", f"{name}: {exc}"
+    # Any failure while decoding is the file's fault (PIL plugins raise many types on
+    # malformed input): report it rather than end in a traceback.
+    except Exception as exc:
+        return "unreadable", f"{name}: cannot be decoded ({type(exc).__name__}: {exc})"
     return None

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client.chunking import ChunkPlan, make_chunks, num_chunks
+from client.chunking import ChunkPlan, make_chunks, num_chunks, planned_num_chunks
 from client.data import Record, SiteDataset
 from dpmtv_common.errors import ConfigError, DataError
 from dpmtv_common.rng import secret_seed
@@ -57,7 +57,7 @@ def test_example_chunks_are_disjoint_and_cover_m_times_k_plus_one_records():
     assert all(len(chunk.demonstrations) == shots for chunk in plan.chunks)
     _assert_disjoint(plan)
     assert plan.num_unused == 23 - 4 * 5
-    assert plan.truncated_groups == 0
+    assert (plan.truncated_groups, plan.padded_groups) == (0, 0)
 
 
 def test_query_is_never_among_its_demonstrations():
@@ -78,7 +78,7 @@ def test_chunks_are_deterministic_for_a_seed_and_differ_for_another():
     assert _ids(first) != _ids(other)
 
 
-def test_a_secret_128_bit_seed_is_accepted():
+def test_a_secret_256_bit_seed_is_accepted():
     plan = make_chunks(_examples(10), shots=1, seed=secret_seed())
 
     assert len(plan) == 5
@@ -136,63 +136,112 @@ def _group_of(plan: ChunkPlan) -> dict[str, set[int]]:
     return chunks_of
 
 
-def test_group_chunks_never_split_a_group():
+def test_each_group_is_exactly_one_chunk_of_its_own_records():
     # Arrange
-    dataset = _grouped([1, 2, 3, 1, 2, 4, 1, 1, 3, 2, 2, 1])
+    sizes = [1, 2, 3, 1, 2, 4, 1, 1, 3, 2, 2, 1, 9]
+    dataset = _grouped(sizes)
+
+    # Act
+    plan = make_chunks(dataset, shots=3, seed=SEED)
+
+    # Assert: m is the number of groups, every chunk holds one group only
+    assert len(plan) == len(sizes) == planned_num_chunks(dataset, 3, None)
+    assert all(len(chunk.records) == 4 for chunk in plan.chunks)
+    assert all({r.group for r in chunk.records} == {chunk.query.group} for chunk in plan.chunks)
+    assert all(len(indices) == 1 for indices in _group_of(plan).values())
+    assert len(_group_of(plan)) == len(sizes)
+
+
+def test_large_groups_are_sampled_without_replacement_and_small_ones_repeat_their_own():
+    # Arrange
+    dataset = _grouped([7, 4, 9, 2, 1])
 
     # Act
     plan = make_chunks(dataset, shots=3, seed=SEED)
 
     # Assert
-    assert len(plan) >= 1
-    assert all(len(chunk.records) == 4 for chunk in plan.chunks)
-    assert all(len(indices) == 1 for indices in _group_of(plan).values())
-    _assert_disjoint(plan)
-    assert plan.num_unused == len(dataset) - 4 * len(plan)
+    assert (plan.truncated_groups, plan.padded_groups) == (2, 2)
+    for chunk in plan.chunks:
+        ids = [r.id for r in chunk.records]
+        group_size = sum(r.group == chunk.query.group for r in dataset.records)
+        # every record of a small group appears; a large group's four are distinct
+        assert len(set(ids)) == min(group_size, 4)
+    assert plan.num_unused == (7 - 4) + (9 - 4)
 
 
-def test_large_groups_are_truncated_and_counted(caplog):
-    dataset = _grouped([7, 4, 9])  # every group fills a chunk alone, whatever the order
+def test_a_one_record_group_fills_its_chunk_with_that_record():
+    plan = make_chunks(_grouped([1]), shots=3, seed=SEED)
 
-    plan = make_chunks(dataset, shots=3, seed=SEED)
-
-    assert plan.truncated_groups == 2
-    assert len(plan) == 3
-    assert "truncated 2 groups" in caplog.text
+    assert [r.id for r in plan.chunks[0].records] == ["r0"] * 4
 
 
-def test_replacing_one_group_by_one_of_the_same_size_changes_exactly_one_chunk():
-    # Arrange: group g004 (size 2) gets entirely new records under the same group id.
-    dataset = _grouped([1, 2, 3, 1, 2, 1, 3, 2, 1, 2])
-    replaced = tuple(
-        dataclasses.replace(r, id=f"new-{r.id}", question="other?") if r.group == "g004" else r
-        for r in dataset.records
+def test_group_sampling_is_uniform_enough_to_use_every_record():
+    # A group of 9 gives 4 records a draw; over seeds every record must turn up.
+    dataset = _grouped([9])
+
+    seen = {
+        r.id
+        for seed in range(40)
+        for r in make_chunks(dataset, shots=3, seed=seed).chunks[0].records
+    }
+
+    assert seen == {f"r{i}" for i in range(9)}
+
+
+@pytest.mark.parametrize("new_size", [1, 2, 4, 9])
+def test_replacing_one_group_by_a_group_of_any_size_changes_one_chunk_and_not_m(new_size):
+    # Arrange: group g004 (size 2) is replaced by new records under the same group id.
+    sizes = [1, 2, 3, 1, 2, 1, 3, 2, 1, 2]
+    dataset = _grouped(sizes)
+    kept = tuple(r for r in dataset.records if r.group != "g004")
+    newcomers = tuple(
+        Record(f"new{i}", Path(f"/new/{i}.png"), "other?", ("x",), group="g004")
+        for i in range(new_size)
     )
-    neighbour = dataclasses.replace(dataset, records=replaced)
+    neighbour = dataclasses.replace(dataset, records=kept + newcomers)
 
     # Act
     original = make_chunks(dataset, shots=3, seed=SEED)
     changed = make_chunks(neighbour, shots=3, seed=SEED)
 
     # Assert
-    differing = sum(a != b for a, b in zip(original.chunks, changed.chunks, strict=True))
-    assert differing == (1 if "g004" in _group_of(original) else 0)
+    assert len(original) == len(changed) == len(sizes)
+    differing = [a != b for a, b in zip(original.chunks, changed.chunks, strict=True)]
+    assert sum(differing) == 1
+    assert original.chunks[differing.index(True)].query.group == "g004"
 
 
 def test_group_max_chunks_is_respected():
-    plan = make_chunks(_grouped([2] * 20), shots=3, seed=SEED, max_chunks=3)
+    dataset = _grouped([2] * 20)
 
-    assert len(plan) == 3
-    assert plan.num_unused == 40 - 12
+    plan = make_chunks(dataset, shots=3, seed=SEED, max_chunks=3)
+
+    assert len(plan) == 3 == planned_num_chunks(dataset, 3, 3)
+    assert plan.num_unused == 40 - 6
 
 
-def test_groups_that_cannot_fill_a_chunk_are_a_data_error():
-    with pytest.raises(DataError, match=r"exactly 4 records.*sizes \[3, 3\]"):
-        make_chunks(_grouped([3, 3]), shots=3, seed=SEED)
+def test_planned_num_chunks_reads_only_public_counts():
+    assert planned_num_chunks(_examples(23), 4, None) == 4
+    assert planned_num_chunks(_examples(23), 4, 2) == 2
+    assert planned_num_chunks(_examples(3), 4, None) == 0
+    assert planned_num_chunks(_grouped([5, 1, 1]), 4, None) == 3
+    with pytest.raises(ConfigError, match=r"max_chunks must be >= 1"):
+        planned_num_chunks(_examples(3), 1, 0)
+
+
+def test_a_256_bit_seed_is_used_in_full():
+    # Seeds that differ only above bit 128 must give different chunks.
+    dataset = _examples(40)
+    low = make_chunks(dataset, shots=3, seed=5)
+    high = make_chunks(dataset, shots=3, seed=5 + 2**200)
+
+    assert _ids(low) != _ids(high)
+    with pytest.raises(ConfigError, match=r"seed must be an integer in \[0, 2\*\*256\)"):
+        make_chunks(dataset, shots=3, seed=2**256)
 
 
 @settings(max_examples=50, deadline=None)
-@given(n=st.integers(0, 80), shots=st.integers(1, 12), seed=st.integers(0, 2**128 - 1))
+@given(n=st.integers(0, 80), shots=st.integers(1, 12), seed=st.integers(0, 2**256 - 1))
 def test_example_chunks_property_disjoint_and_counted(n, shots, seed):
     dataset = SiteDataset(_records(n), task="t")
     if n < shots + 1:
@@ -209,14 +258,13 @@ def test_example_chunks_property_disjoint_and_counted(n, shots, seed):
 
 @settings(max_examples=50, deadline=None)
 @given(sizes=st.lists(st.integers(1, 8), min_size=1, max_size=25), shots=st.integers(1, 6))
-def test_group_chunks_property_never_split_and_disjoint(sizes, shots):
+def test_group_chunks_property_one_group_a_chunk(sizes, shots):
     dataset = _grouped(sizes)
-    try:
-        plan = make_chunks(dataset, shots=shots, seed=SEED)
-    except DataError:
-        return  # too few records, or no chunk can be filled exactly
 
+    plan = make_chunks(dataset, shots=shots, seed=SEED)
+
+    assert len(plan) == len(sizes)
     assert all(len(chunk.records) == shots + 1 for chunk in plan.chunks)
     assert all(len(indices) == 1 for indices in _group_of(plan).values())
-    _assert_disjoint(plan)
-    assert plan.truncated_groups <= sum(size > shots + 1 for size in sizes)
+    assert plan.truncated_groups == sum(size > shots + 1 for size in sizes)
+    assert plan.padded_groups == sum(size < shots + 1 for size in sizes)

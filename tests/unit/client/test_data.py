@@ -1,7 +1,10 @@
+import io
 import json
-import logging
+import struct
+import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
@@ -10,6 +13,7 @@ from client.data import (
     Record,
     SiteDataset,
     load_dataset,
+    to_rgb,
     write_jsonl_dataset,
 )
 from dpmtv_common.errors import ConfigError, DataError
@@ -59,7 +63,6 @@ def test_load_dataset_reads_a_good_manifest_with_metadata(tmp_path):
     assert second.answer == "blue"
     assert second.image_path == (tmp_path / "img" / "b.png").resolve()
     assert second.image_path.is_absolute()
-    assert dataset.skipped == ()
     assert len(dataset) == 2
 
 
@@ -182,8 +185,8 @@ def test_image_folder_layout_uses_class_names_as_answers(tmp_path):
     (tmp_path / "cat" / "notes.txt").write_text("not an image", encoding="utf-8")
 
     # Act
-    default = load_dataset(tmp_path)
-    custom = load_dataset(tmp_path, question="Which animal?")
+    default = load_dataset(tmp_path, layout="image-folder")
+    custom = load_dataset(tmp_path, question="Which animal?", layout="image-folder")
 
     # Assert
     assert [r.id for r in default.records] == [
@@ -197,42 +200,241 @@ def test_image_folder_layout_uses_class_names_as_answers(tmp_path):
     assert default.privacy_unit == "example"
 
 
-def test_corrupt_and_missing_images_are_skipped_and_reported(tmp_path, caplog):
-    # Arrange
+def test_image_folder_layout_and_question_can_be_declared_in_dataset_json(tmp_path):
+    _draw(tmp_path / "cat" / "1.png")
+    metadata = {"task": "pets", "layout": "image-folder", "question": "Which pet?"}
+    (tmp_path / "dataset.json").write_text(json.dumps(metadata), encoding="utf-8")
+
+    dataset = load_dataset(tmp_path)
+
+    assert [(r.answer, r.question) for r in dataset.records] == [("cat", "Which pet?")]
+
+
+def test_class_folders_without_an_explicit_layout_are_refused_not_read_as_labels(tmp_path):
+    # A missing manifest must never quietly turn folder names into answers.
+    _draw(tmp_path / "cat" / "1.png")
+    (tmp_path / "dataset.json").write_text('{"task": "t"}', encoding="utf-8")
+
+    with pytest.raises(DataError, match=r"must hold manifest\.jsonl.*\"layout\": \"image-folder\""):
+        load_dataset(tmp_path)
+
+
+def test_a_manifest_with_the_image_folder_layout_is_ambiguous(tmp_path):
+    _draw(tmp_path / "a.png")
+    _write_lines(tmp_path, [GOOD])
+
+    with pytest.raises(DataError, match=r"layout must be 'manifest'"):
+        load_dataset(tmp_path, layout="image-folder")
+
+
+def test_an_unknown_layout_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match=r"layout must be"):
+        load_dataset(tmp_path, layout="folders")  # type: ignore[arg-type]
+
+
+def test_a_non_utf8_manifest_names_the_line_and_column(tmp_path):
+    _draw(tmp_path / "a.png")
+    bad = GOOD.replace("Colour?", "Colour\xe9?").encode("latin-1")
+    (tmp_path / "manifest.jsonl").write_bytes(GOOD.encode() + b"\n" + bad + b"\n")
+
+    with pytest.raises(DataError, match=r"line 2 must be UTF-8, got byte 0xe9 at column"):
+        load_dataset(tmp_path)
+
+
+def _png_claiming(width: int, height: int) -> bytes:
+    """A PNG whose header claims ``width`` x ``height`` (its data is one empty block)."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        body = kind + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    header = struct.pack(">IIBBBBB", width, height, 8, 0, 0, 0, 0)
+    return (
+        b"\x89PNG\r\n\x1a\n"
+        + chunk(b"IHDR", header)
+        + chunk(b"IDAT", zlib.compress(b""))
+        + chunk(b"IEND", b"")
+    )
+
+
+def _truncated_jpeg(path: Path) -> Path:
+    """A JPEG cut short: PIL's verify() accepts it, a full decode does not."""
+    noise = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    buffer = io.BytesIO()
+    Image.fromarray(noise).save(buffer, "JPEG", quality=95)
+    path.write_bytes(buffer.getvalue()[: len(buffer.getvalue()) // 2])
+    return path
+
+
+def test_a_truncated_jpeg_that_passes_verify_fails_the_load(tmp_path):
+    # Arrange: the precondition that made the old check useless
+    path = _truncated_jpeg(tmp_path / "cut.jpg")
+    with Image.open(path) as image:
+        image.verify()
+    write_jsonl_dataset(tmp_path, [{"image": "cut.jpg", "question": "Q?", "answer": "a"}], task="t")
+
+    # Act / Assert
+    with pytest.raises(DataError, match=r"1 of 1 records unusable.*1 unreadable.*line 1: cut\.jpg"):
+        load_dataset(tmp_path)
+
+
+@pytest.mark.parametrize(
+    ("size", "kind"),
+    [((40000, 40000), "1 too large"), ((10000, 10000), "1 too large")],
+    ids=["bomb-error", "bomb-warning"],
+)
+def test_a_header_claiming_a_huge_image_is_a_data_error_not_a_warning(tmp_path, size, kind):
+    # 1.6e9 pixels raises DecompressionBombError; 1e8 only warns, which must stop the load too.
+    (tmp_path / "huge.png").write_bytes(_png_claiming(*size))
+    write_jsonl_dataset(
+        tmp_path, [{"image": "huge.png", "question": "Q?", "answer": "a"}], task="t"
+    )
+
+    with pytest.raises(DataError, match=kind):
+        load_dataset(tmp_path)
+
+
+def test_an_image_symlinked_outside_the_folder_is_refused(tmp_path):
+    outside = _draw(tmp_path / "elsewhere" / "secret.png")
+    root = tmp_path / "site"
+    root.mkdir()
+    (root / "link.png").symlink_to(outside)
+    write_jsonl_dataset(root, [{"image": "link.png", "question": "Q?", "answer": "a"}], task="t")
+
+    with pytest.raises(DataError, match=r"1 outside the folder.*link\.png: resolves to"):
+        load_dataset(root)
+
+
+def test_every_bad_record_is_counted_and_none_is_skipped(tmp_path):
+    # Arrange: one good record and three bad ones of different kinds
     _draw(tmp_path / "good.png")
     (tmp_path / "corrupt.png").write_bytes(b"definitely not a png")
+    _truncated_jpeg(tmp_path / "cut.jpg")
     rows = [
         {"image": "good.png", "question": "Q?", "answer": "a"},
         {"image": "corrupt.png", "question": "Q?", "answer": "b"},
         {"image": "missing.png", "question": "Q?", "answer": "c"},
+        {"image": "cut.jpg", "question": "Q?", "answer": "d"},
     ]
     write_jsonl_dataset(tmp_path, rows, task="t")
 
     # Act
-    with caplog.at_level(logging.WARNING, logger="client.data"):
-        dataset = load_dataset(tmp_path)
+    with pytest.raises(DataError) as caught:
+        load_dataset(tmp_path)
 
     # Assert
-    assert [r.answer for r in dataset.records] == ["a"]
-    assert [s.source for s in dataset.skipped] == ["line 2", "line 3"]
-    assert "cannot be read" in dataset.skipped[0].reason
-    assert dataset.skipped[1].reason == "image file not found"
-    assert dataset.skipped[1].image_path == (tmp_path / "missing.png").resolve()
-    assert "skipped 2 of 3 records" in caplog.text
+    message = str(caught.value)
+    assert "got 3 of 4 records unusable" in message
+    assert "1 missing, 2 unreadable" in message
+    assert "line 2: corrupt.png: cannot be decoded" in message
+    assert "line 3: missing.png: image file not found" in message
+    assert "line 4: cut.jpg" in message
+    assert "never skipped" in message
 
 
-def test_dataset_with_every_image_skipped_is_a_data_error(tmp_path):
-    (tmp_path / "corrupt.png").write_bytes(b"\x89PNG garbage")
-    rows = [
-        {"image": "corrupt.png", "question": "Q?", "answer": "a"},
-        {"image": "gone.png", "question": "Q?", "answer": "b"},
-    ]
+def test_the_error_names_the_first_five_bad_records_and_counts_the_rest(tmp_path):
+    rows = [{"image": f"gone{i}.png", "question": "Q?", "answer": "a"} for i in range(8)]
     write_jsonl_dataset(tmp_path, rows, task="t")
 
-    with pytest.raises(
-        DataError, match=r"all 2 were skipped.*line 1.*line 2: image file not found"
-    ):
+    with pytest.raises(DataError, match=r"8 of 8 records.*line 5: gone4.png.*; and 3 more\."):
         load_dataset(tmp_path)
+
+
+# ---------------------------------------------------------------- faithful RGB
+
+
+def _saved(image: Image.Image, path: Path) -> Record:
+    image.save(path)
+    return Record("x", path, "q?", ("a",))
+
+
+def test_sixteen_bit_greyscale_is_scaled_to_eight_bits_not_thresholded(tmp_path):
+    # Arrange: a ramp over the whole 16-bit range, saved as a 16-bit PNG
+    ramp = np.linspace(0, 65535, 64 * 64).reshape(64, 64).astype(np.uint16)
+    record = _saved(Image.fromarray(ramp), tmp_path / "ramp16.png")
+    with Image.open(record.image_path) as raw:
+        assert raw.mode == "I;16"
+
+    # Act
+    rgb = np.asarray(record.load_image())
+
+    # Assert: every channel is the ramp divided by 257, to the nearest integer
+    expected = np.rint(ramp / 257).astype(np.uint8)
+    for channel in range(3):
+        np.testing.assert_array_equal(rgb[..., channel], expected)
+    assert (rgb == 255).mean() < 0.01  # PIL's own convert puts 99 % of this ramp at 255
+
+
+def test_mode_i_is_read_on_the_16_bit_scale(tmp_path):
+    values = np.array([[0, 257, 32896, 65535, 70000, -5]], dtype=np.int32)
+
+    rgb = np.asarray(to_rgb(Image.fromarray(values)))
+
+    np.testing.assert_array_equal(rgb[0, :, 0], [0, 1, 128, 255, 255, 0])
+
+
+def test_palette_image_maps_its_colours(tmp_path):
+    image = Image.new("P", (4, 2))
+    image.putpalette([255, 0, 0, 0, 0, 255] + [0] * 762)
+    image.putdata([0, 1] * 4)
+    record = _saved(image, tmp_path / "palette.png")
+
+    rgb = np.asarray(record.load_image())
+
+    assert rgb[0, 0].tolist() == [255, 0, 0]
+    assert rgb[0, 1].tolist() == [0, 0, 255]
+
+
+def test_palette_transparency_shows_white_not_the_hidden_colour(tmp_path):
+    image = Image.new("P", (2, 1))
+    image.putpalette([0, 0, 0, 0, 255, 0] + [0] * 762)
+    image.putdata([0, 1])
+    image.info["transparency"] = 0  # index 0 (black) is transparent
+    record = _saved(image, tmp_path / "transparent.png")
+
+    rgb = np.asarray(record.load_image())
+
+    assert rgb[0].tolist() == [[255, 255, 255], [0, 255, 0]]
+
+
+@pytest.mark.parametrize(
+    ("mode", "pixel", "expected"),
+    [
+        ("LA", (100, 255), [100, 100, 100]),
+        ("LA", (0, 0), [255, 255, 255]),
+        ("LA", (0, 128), [127, 127, 127]),
+        ("RGBA", (255, 0, 0, 0), [255, 255, 255]),
+        ("RGBA", (10, 20, 30, 255), [10, 20, 30]),
+    ],
+)
+def test_alpha_is_composited_over_white(tmp_path, mode, pixel, expected):
+    record = _saved(Image.new(mode, (3, 2), pixel), tmp_path / f"{mode}.png")
+
+    rgb = np.asarray(record.load_image())
+
+    assert rgb.shape == (2, 3, 3)
+    assert rgb[1, 2].tolist() == expected
+
+
+def test_pa_image_uses_its_palette_and_its_alpha():
+    image = Image.new("PA", (2, 1))
+    image.putpalette([200, 10, 10] + [0] * 765)
+    image.putdata([(0, 255), (0, 0)])
+
+    rgb = np.asarray(to_rgb(image))
+
+    assert rgb[0].tolist() == [[200, 10, 10], [255, 255, 255]]
+
+
+def test_cmyk_jpeg_is_converted_to_rgb(tmp_path):
+    # Pure cyan ink: no red, full green and blue (JPEG compression allows a few levels).
+    record = _saved(Image.new("CMYK", (16, 16), (255, 0, 0, 0)), tmp_path / "cmyk.jpg")
+    with Image.open(record.image_path) as raw:
+        assert raw.mode == "CMYK"
+
+    rgb = np.asarray(record.load_image()).astype(int)
+
+    np.testing.assert_allclose(rgb[8, 8], [0, 255, 255], atol=3)
 
 
 @pytest.mark.parametrize("content", [None, ""])
