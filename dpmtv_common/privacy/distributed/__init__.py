@@ -8,7 +8,8 @@ step 1 (exact in Flower's quantiser, verified in tests); the coordinator divides
 
 API (what the lead's site service and coordinator call)::
 
-    # both sides, from the plan (identical numbers everywhere)
+    # both sides, from the plan (identical numbers everywhere); a site first checks t
+    check_min_honest(plan_min_honest=t, site_min_honest=t_site, min_sites=n_min)
     cal = calibrate_distributed(epsilon=ε, delta=δ, selection_share=s_or_None)
     act = activation_noise(                  # -> SecAgg+ c, Q, M; or SecAggRangeError
         clip_norm=C, num_layers_in_scope=L, dimension=d, max_chunks_per_site=m_max,
@@ -30,18 +31,25 @@ equally negligible), but only the discrete Gaussian has an exact, CSPRNG-backed 
 PyPI (OpenDP's CKS20 sampler over OpenSSL); Skellam would need a Poisson sampler, and the
 ones available are inexact or seeded from a clock (TF Privacy). No random rotation: KLS21 use
 one to bound every coordinate with few bits; Flower gives 30 bits per site, enough to bound
-the worst coordinate of an un-rotated site sum (|x_j| ≤ m_max·C), see ``_grid``.
+the worst coordinate of an un-rotated site sum (|x_j| ≤ m_max·C), see ``_params``.
 
 Privacy unit: one example (or group); relation: replace-one (a chunk changes); Δ₂ = 2·C·√L_scope
 for activations, √(2r) for top-r votes, inflated to Δ̃ = γΔ₂ + √d by rounding (votes are not
-rounded). The share std σ_l = z·Δ̃/√t is sized for t = ``min_honest`` honest shares (t ≥ 2 by
-default; t = 1: a site protects itself alone). Dropouts: a site lost after adding its share
-removes it from the sum; the coordinator aborts below ``min_sites`` survivors, and the
-guarantee the site chose holds while at least t honest shares land (a site should require
-t ≤ min_sites − assumed fakes). :func:`release_epsilon` gives the ε for any number of honest
-shares, the one the manifest states. Accounting: KLS21 Thm 1 as zCDP, composed in RDP (see
-``_accounting`` for why no PLD is claimed). Overflow: a share beyond Flower's ±c aborts the
-round (probability ≤ p = ``overflow_probability`` per sum, added to δ).
+rounded). Noise: each share is N_Z(0, σ_l²)^d with σ_l = z·Δ̃/√t, sized for t = ``min_honest``
+honest shares (t ≥ 2 by default; t = 1: a site protects itself alone). Accounting: KLS21
+Thm 1 as zCDP, composed in RDP (``_accounting`` says why no PLD is claimed). Overflow: a share
+beyond Flower's ±c aborts the round (probability ≤ p = ``overflow_probability`` per sum,
+added to δ).
+
+Dropouts and t (the choice made here): the *plan* fixes t, so every share is sized σ²/t, and
+fixes ``min_sites`` ≥ t; the coordinator aborts below ``min_sites`` survivors (nothing is
+decoded or released). A site accepts only if :func:`check_min_honest` passes: the plan's t is
+at most its own t setting (the honest participants it assumes among the survivors) and at most
+``min_sites``. More noise per site up front means a smaller t. A site counts as present iff its
+masked vector entered the sum (SecAgg+ still unmasks a site lost after that stage, so its
+share stays in). The site's ε holds while ≥ t honest shares land; :func:`release_epsilon`
+gives ε for any number of honest shares, and the manifest states it for t (the guarantee)
+and for the survivors (if all are honest).
 """
 
 from __future__ import annotations
@@ -57,16 +65,19 @@ from dpmtv_common.privacy.distributed._accounting import (
     kls21_tau,
     kls21_tau_upper_bound,
 )
-from dpmtv_common.privacy.distributed._grid import (
+from dpmtv_common.privacy.distributed._codec import (
+    decode_noisy_sum,
+    encode_site_share,
+    top_k_from_noisy_votes,
+)
+from dpmtv_common.privacy.distributed._params import (
     MAX_MODULUS_RANGE,
     MAX_QUANTIZATION_RANGE,
     DistributedNoise,
     SecAggRangeError,
     activation_noise,
-    decode_noisy_sum,
+    check_min_honest,
     distributed_noise_for,
-    encode_site_share,
-    top_k_from_noisy_votes,
     vote_noise,
 )
 
@@ -80,6 +91,7 @@ __all__ = [
     "SecAggRangeError",
     "activation_noise",
     "calibrate_distributed",
+    "check_min_honest",
     "decode_noisy_sum",
     "distributed_epsilon_bound",
     "distributed_noise_for",

@@ -2,7 +2,7 @@
 
 Mechanism (all in grid units, after the sites scaled by γ and rounded): n_h honest sites each
 add an independent N_Z(0, σ_l²)^d share to an integer vector whose replace-one L2 sensitivity
-is Δ̃ (the rounding-inflated sensitivity, see ``_grid``). Kairouz, Liu & Steinke (ICML 2021,
+is Δ̃ (the rounding-inflated sensitivity, see ``_codec``). Kairouz, Liu & Steinke (ICML 2021,
 arXiv 2102.06387, Thm 1) bound the Rényi divergence of the summed noise Z shifted by any
 integer Δ with ‖Δ‖₂ ≤ Δ̃, for σ_l ≥ 1/2 and every α ≥ 1:
 
@@ -13,7 +13,7 @@ sized as σ_l = z·Δ̃/√t for the site's assumed number t of honest participa
 ρ = t/(2·n_h·z²): z is the noise multiplier of the summed noise when exactly t honest shares
 land in the sum, and extra honest shares only lower ρ. Coordinator-side division by γ is
 post-processing. At grid-unit σ_l ≥ 2, τ < 1e-15·n_h, so the bound is the continuous Gaussian's
-RDP curve; the ``_grid`` module refuses parameters whose τ·d exceeds ``XI_RESERVE``.
+RDP curve; ``_params`` refuses parameters whose τ·d exceeds ``XI_RESERVE``.
 
 Why RDP only, no PLD: dp-accounting's PLDs are for the continuous Gaussian or a 1-d discrete
 Gaussian; the privacy-loss distribution of a d-dimensional sum of discrete Gaussians under an

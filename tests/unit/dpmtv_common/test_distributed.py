@@ -13,6 +13,7 @@ from dpmtv_common.privacy.distributed import (
     DistributedNoise,
     SecAggRangeError,
     activation_noise,
+    check_min_honest,
     decode_noisy_sum,
     distributed_noise_for,
     encode_site_share,
@@ -312,3 +313,21 @@ def test_top_k_of_noisy_votes_is_best_first_with_ties_by_index():
     assert top_k_from_noisy_votes(np.array([1.0, 5.0, 3.0, 5.0]), k=3) == (1, 3, 2)
     with pytest.raises(ConfigError, match="k must"):
         top_k_from_noisy_votes(np.array([1.0, 2.0]), k=3)
+
+
+# --- plan acceptance -----------------------------------------------------------------------
+
+
+def test_a_site_accepts_shares_sized_for_at_most_its_own_honest_count():
+    check_min_honest(plan_min_honest=2, site_min_honest=3, min_sites=4)
+    check_min_honest(plan_min_honest=3, site_min_honest=3, min_sites=3)
+
+
+def test_a_site_refuses_shares_sized_for_more_honest_sites_than_it_trusts():
+    with pytest.raises(ConfigError, match="site's min_honest=2"):
+        check_min_honest(plan_min_honest=3, site_min_honest=2, min_sites=5)
+
+
+def test_a_plan_sized_for_more_shares_than_min_sites_is_refused():
+    with pytest.raises(ConfigError, match="min_sites=2"):
+        check_min_honest(plan_min_honest=3, site_min_honest=5, min_sites=2)

@@ -1,31 +1,20 @@
-"""SecAgg+'s integer grid for distributed noise: scale, round, add a share, headroom, decode.
+"""SecAgg+'s integer grid for distributed noise: the public parameters and their headroom.
 
-Mechanism (KLS21, arXiv 2102.06387 §4, without rotation). A site holds its float sum X of
-chunk contributions (activations: each chunk per-layer clipped to C; votes: 0/1 per head).
-It encodes ``Y = R(γ·X) + Z``: γ is a public power of two, R rounds every coordinate to an
-adjacent integer, rounding up with probability equal to the fractional part
-(``R(a) = ⌈a − U⌉``, U uniform from the CSPRNG), and Z ~ N_Z(0, σ_l²)^d is its noise share.
-Flower's SecAgg+ sums the survivors' Y exactly; the coordinator divides by γ.
-
-Sensitivity. Replacing one chunk moves X by v with ‖v‖₂ ≤ Δ₂ (2·C·√L_scope for activations,
-√(2r) for top-r votes). Couple the two worlds' rounding through the same U: then
-|R(a) − R(b) − (a − b)| < 1 per coordinate, so ‖R(γX) − R(γX')‖₂ ≤ γΔ₂ + √d. Rényi divergence
-is jointly quasi-convex, so the mechanism is as private as the discrete Gaussian with
-Δ̃ = γΔ₂ + √d·(1 + 2⁻²⁰) (the margin absorbs float64 error in γ·X, below 2⁻²³ per
-coordinate for |γX| < 2²⁹). Integral inputs (votes) are not rounded: Δ̃ = Δ₂, γ = 1.
-Conditional rounding (KLS21's β) would shrink √d, but it bounds the norm of a vector the
-site rounds, and here one unit's change hides inside a site's sum of many chunks; with
-Flower's 2³⁰ grid the √d term costs < 0.1 % noise in the settings measured, so it is not used.
-No random rotation: headroom is bounded for the worst coordinate (|X_j| ≤ m_max·C, since a
-coordinate never exceeds its clipped block's norm), so nothing needs flattening.
+One :class:`DistributedNoise` fixes a secure sum: the scale γ (a power of two), the rounding-
+inflated sensitivity Δ̃, the share std σ_l, and Flower's clipping range c, quantization range
+Q and modulus M. ``_codec`` uses it to encode a site's share and decode the sum.
 
 Headroom. A discrete Gaussian is σ_l-subgaussian (Canonne, Kamath & Steinke 2020), so
 P(|Z_j| > T·σ_l) ≤ 2·exp(−T²/2); with T = √(2·ln(2·n_max·d/p)) no coordinate of any site
-exceeds T·σ_l except with probability p. A site's |Y_j| is then at most
-B = γ·m_max·C + 1 + T·σ_l, and Flower's clipping range is c = Q/2 ≥ B, so a site never gets
-clipped; if one would be, it refuses and the round aborts (probability ≤ p, which is added to
-δ). Each quantised site value lies in [0, Q], so the sum of n_max sites lies in [0, n_max·Q]
-and M > n_max·Q never wraps; Flower dequantises in float64, so n_max·Q ≤ 2⁵² keeps it exact.
+exceeds T·σ_l except with probability p. A site's encoded |Y_j| is then at most
+B = γ·max|X_j| + 1 + T·σ_l (rounding moves a value by < 1), and Flower's clipping range is
+c = Q/2 ≥ B, so a site is never clipped; if one would be, it refuses and the round aborts
+(probability ≤ p, which is added to δ). Each quantised site value lies in [0, Q], so the sum
+of n_max sites lies in [0, n_max·Q] and M > n_max·Q never wraps; Flower dequantises in
+float64, so n_max·Q ≤ 2⁵² keeps it exact. γ is the largest power of two with B ≤ 2²⁹: the
+finest grid, hence the least rounding inflation √d/(γΔ₂). No random rotation is needed:
+the worst coordinate (|X_j| ≤ m_max·C, a coordinate never exceeds its clipped block's norm)
+is bounded directly.
 
 Why integers fed as float64 (step 1): with c = Q/2 Flower's quantiser computes
 ``(y + c)·Q/(2c) = y + c``, exact for integers |y| ≤ 2²⁹, whose ceil is itself, so its
@@ -36,20 +25,14 @@ comes from our CSPRNG; Flower only adds integers.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
-import numpy.typing as npt
-
-from dpmtv_common.aliases import Float64Array
-from dpmtv_common.errors import ConfigError, IntegrityError
+from dpmtv_common.errors import ConfigError
 from dpmtv_common.privacy.distributed._accounting import (
     XI_RESERVE,
     DistributedGaussianEvent,
     kls21_tau_upper_bound,
 )
-from dpmtv_common.privacy.noise import NoiseSource, secure_uniform
 
 __all__ = [
     "MAX_MODULUS_RANGE",
@@ -57,10 +40,8 @@ __all__ = [
     "DistributedNoise",
     "SecAggRangeError",
     "activation_noise",
-    "decode_noisy_sum",
+    "check_min_honest",
     "distributed_noise_for",
-    "encode_site_share",
-    "top_k_from_noisy_votes",
     "vote_noise",
 ]
 
@@ -68,7 +49,6 @@ MAX_QUANTIZATION_RANGE = 2**30  # flwr's stochastic rounding casts to int32
 MAX_MODULUS_RANGE = 2**62  # int64 masks (server._secagg_settings uses the same cap)
 _MAX_EXACT_SUM = 2**52  # flwr dequantises the modular sum in float64
 _ROUNDING_MARGIN = 2.0**-20
-_DECODE_TOLERANCE = 0.25  # a correct sum is within ~1e-6 of an integer; anything else is corrupt
 
 
 class SecAggRangeError(ConfigError):
@@ -143,12 +123,12 @@ class DistributedNoise:
         )
 
 
-def _positive(name: str, value: float) -> None:
+def check_positive(name: str, value: float) -> None:
     if not (math.isfinite(value) and value > 0):
         raise ConfigError(f"{name} must be finite and > 0, got {value!r}.")
 
 
-def _positive_int(name: str, value: int) -> None:
+def check_positive_int(name: str, value: int) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ConfigError(f"{name} must be an int >= 1, got {value!r}.")
 
@@ -191,9 +171,9 @@ def distributed_noise_for(
         ("noise_multiplier", noise_multiplier),
         ("overflow_probability", overflow_probability),
     ):
-        _positive(name, value)
+        check_positive(name, value)
     for name, count in (("dimension", dimension), ("min_honest", min_honest)):
-        _positive_int(name, count)
+        check_positive_int(name, count)
     if not isinstance(max_sites, int) or max_sites < max(2, min_honest):
         raise ConfigError(f"max_sites must be an int >= max(2, min_honest), got {max_sites!r}.")
     tail = _tail_multiplier(max_sites, dimension, overflow_probability)
@@ -277,9 +257,9 @@ def activation_noise(
     overflow_probability: float = 1e-12,
 ) -> DistributedNoise:
     """Parameters of the activation sum: Δ₂ = 2·C·√L_scope, |X_j| ≤ m_max·C."""
-    _positive("clip_norm", clip_norm)
-    _positive_int("num_layers_in_scope", num_layers_in_scope)
-    _positive_int("max_chunks_per_site", max_chunks_per_site)
+    check_positive("clip_norm", clip_norm)
+    check_positive_int("num_layers_in_scope", num_layers_in_scope)
+    check_positive_int("max_chunks_per_site", max_chunks_per_site)
     return distributed_noise_for(
         l2_sensitivity=2.0 * clip_norm * math.sqrt(num_layers_in_scope),
         max_abs_site_coordinate=max_chunks_per_site * clip_norm,
@@ -302,9 +282,9 @@ def vote_noise(
     overflow_probability: float = 1e-12,
 ) -> DistributedNoise:
     """Parameters of the vote histogram: each chunk gives r ones, Δ₂ = √(2r), |X_j| ≤ m_max."""
-    _positive_int("top_r", top_r)
-    _positive_int("num_heads", num_heads)
-    _positive_int("max_chunks_per_site", max_chunks_per_site)
+    check_positive_int("top_r", top_r)
+    check_positive_int("num_heads", num_heads)
+    check_positive_int("max_chunks_per_site", max_chunks_per_site)
     if top_r > num_heads:
         raise ConfigError(f"top_r must be <= num_heads={num_heads}, got {top_r!r}.")
     return distributed_noise_for(
@@ -319,103 +299,31 @@ def vote_noise(
     )
 
 
-def _randomised_round(values: Float64Array, uniform: Float64Array) -> Float64Array:
-    # R(a) = ⌈a − U⌉: up with probability frac(a); the shared-U coupling gives the √d bound.
-    return np.ceil(values - uniform)
+def check_min_honest(*, plan_min_honest: int, site_min_honest: int, min_sites: int) -> None:
+    """Refuse a plan whose shares are sized for more honest sites than this site assumes.
 
-
-def encode_site_share(
-    site_sum: npt.ArrayLike,
-    *,
-    params: DistributedNoise,
-    noise: NoiseSource,
-    rounding: Callable[[int], Float64Array] = secure_uniform,
-) -> Float64Array:
-    """Scale, round and add this site's noise share; the result goes to SecAgg+ as float64.
-
-    Args:
-        site_sum: the site's un-noised sum, shape (d,) or any shape with d elements.
-        params: the sum's public parameters.
-        noise: where the share comes from; production passes ``secure_noise()`` (the caller
-            runs ``require_cryptographic``, as for the central mechanisms).
-        rounding: U ~ uniform[0, 1) per coordinate. Privacy does not depend on it (any U
-            keeps the coupling bound); unbiasedness does, so production keeps the CSPRNG.
-
-    Returns:
-        Integer-valued float64 of the input's shape, each |value| ≤ ``clipping_range``.
+    Every share is sized for t_plan honest shares: σ_l² = σ²/t_plan. A site that assumes at
+    least t_site honest participants among the survivors gets noise variance
+    ≥ t_site·σ²/t_plan, which is ≥ σ² (its calibrated ε) iff t_plan ≤ t_site. A plan with
+    t_plan > min_sites could release with fewer shares than it sized for even when every
+    survivor is honest.
 
     Raises:
-        ConfigError: if the input is not finite, has the wrong size, exceeds
-            ``max_abs_site_coordinate``, or is not integral when ``params.integral``.
-        SecAggRangeError: if the share took a value beyond ±c (probability ≤ p): abort.
+        ConfigError: if t_plan > t_site, t_plan > min_sites, or any count is below 1.
     """
-    values = np.array(site_sum, dtype=np.float64)
-    _check_site_sum(values, params)
-    flat = values.ravel() * params.scale  # a power of two: exact
-    if not params.integral:
-        flat = _randomised_round(flat, np.asarray(rounding(flat.size), dtype=np.float64))
-    share = noise.discrete_gaussian(flat.size, noise_std=params.share_noise_std)
-    encoded = flat + share.astype(np.float64)
-    if np.any(np.abs(encoded) > params.clipping_range):
-        # Sending it would let Flower clip it silently; the abort is the event counted in δ.
-        raise SecAggRangeError(
-            f"encoded share must lie within ±clipping_range={params.clipping_range}, got "
-            f"max |value| {float(np.max(np.abs(encoded)))}: abort this sum."
-        )
-    return encoded.reshape(values.shape)
-
-
-def _check_site_sum(values: Float64Array, params: DistributedNoise) -> None:
-    if values.size != params.dimension:
+    for name, value in (
+        ("plan_min_honest", plan_min_honest),
+        ("site_min_honest", site_min_honest),
+        ("min_sites", min_sites),
+    ):
+        check_positive_int(name, value)
+    if plan_min_honest > site_min_honest:
         raise ConfigError(
-            f"site_sum must have dimension={params.dimension} elements, got {values.size}."
+            f"plan_min_honest must be <= this site's min_honest={site_min_honest} (shares "
+            f"sized for more honest sites than this site trusts), got {plan_min_honest!r}."
         )
-    if not np.all(np.isfinite(values)):
-        raise ConfigError("site_sum must be finite, got NaN or infinity.")
-    peak = float(np.max(np.abs(values))) if values.size else 0.0
-    if peak > params.max_abs_site_coordinate:
+    if plan_min_honest > min_sites:
         raise ConfigError(
-            f"site_sum must satisfy |x| <= max_abs_site_coordinate="
-            f"{params.max_abs_site_coordinate}, got {peak!r}."
+            f"plan_min_honest must be <= min_sites={min_sites} (a release may go on with "
+            f"min_sites survivors), got {plan_min_honest!r}."
         )
-    if params.integral and not np.array_equal(values, np.rint(values)):
-        raise ConfigError("site_sum must hold integers for an integral sum (votes), got fractions.")
-
-
-def decode_noisy_sum(
-    secure_sum: npt.ArrayLike, *, params: DistributedNoise, num_sites: int
-) -> Float64Array:
-    """Coordinator: turn SecAgg+'s sum of ``num_sites`` encoded shares back into real units.
-
-    The secure sum of integers comes back from Flower's float64 average-times-n within ~1e-6
-    of an integer; it is rounded to that integer and divided by γ (exact: a power of two).
-
-    Raises:
-        IntegrityError: if a coordinate is not near an integer or beyond num_sites·c.
-    """
-    _positive_int("num_sites", num_sites)
-    values = np.asarray(secure_sum, dtype=np.float64)
-    integers = np.rint(values)
-    if not np.all(np.isfinite(values)) or np.any(np.abs(values - integers) > _DECODE_TOLERANCE):
-        raise IntegrityError(
-            "secure_sum must hold integers (a sum of encoded shares), got a coordinate "
-            f"{_DECODE_TOLERANCE} or more away from one: wrong SecAgg+ ranges or a wrapped sum."
-        )
-    if np.any(np.abs(integers) > num_sites * params.clipping_range):
-        raise IntegrityError(
-            f"secure_sum must satisfy |x| <= num_sites*c = {num_sites * params.clipping_range}, "
-            "got more: the modular sum wrapped."
-        )
-    return integers / params.scale
-
-
-def top_k_from_noisy_votes(noisy_votes: npt.ArrayLike, *, k: int) -> tuple[int, ...]:
-    """Indices of the k largest noisy vote counts, best first (post-processing; ties by index)."""
-    votes = np.asarray(noisy_votes, dtype=np.float64)
-    if votes.ndim != 1 or not np.all(np.isfinite(votes)):
-        raise ConfigError(f"noisy_votes must be a finite 1-d array, got shape {votes.shape!r}.")
-    _positive_int("k", k)
-    if k > votes.shape[0]:
-        raise ConfigError(f"k must be <= {votes.shape[0]}, got {k!r}.")
-    order = np.argsort(-votes, kind="stable")
-    return tuple(int(i) for i in order[:k])
