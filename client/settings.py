@@ -1,22 +1,39 @@
-"""A site's settings: its model, data, ledger, budget and keys (never from the coordinator).
+"""A site's settings: its model, data, ledger, budget, keys and policy (never from the coordinator).
 
-Values come, in this order of precedence, from explicit arguments (command-line flags or
-Flower node config), then ``DPMTV_CLIENT_*`` environment variables, then a ``.env`` file, then
-the defaults below (pydantic-settings' default source order).
+Values come, in this order of precedence, from explicit arguments (command-line flags), then
+``DPMTV_CLIENT_*`` environment variables, then a ``.env`` file, then the defaults below
+(pydantic-settings' default source order).
+
+Every state file has one default that every command agrees on, whatever the working directory:
+the per-user data folder ``$XDG_DATA_HOME/dpmtv/site`` (``~/.local/share/dpmtv/site``), or
+``DPMTV_CLIENT_STATE_DIR``. A relative path given explicitly is made absolute at once, so logs
+and ledgers always name one file.
 """
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal, Self
 
-from pydantic import Field, ValidationError, field_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
 
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.privacy.budget import PrivacyBudget
 
-__all__ = ["SiteSettings"]
+__all__ = ["SiteSettings", "default_state_dir"]
+
+_LEDGER_FILE = "ledger.sqlite"
+_ARTIFACTS_DIR = "artifacts"
+_SOCKET_FILE = "site.sock"
+_RELEASES_SUFFIX = ".releases"
+
+
+def default_state_dir() -> Path:
+    """The per-user folder of a site's ledger, artifacts, release records and socket."""
+    base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
+    return Path(base).absolute() / "dpmtv" / "site"
 
 
 class SiteSettings(BaseSettings):
@@ -26,12 +43,26 @@ class SiteSettings(BaseSettings):
         name: How the site names itself to the coordinator.
         model_path: Local directory of the site's model (``save_pretrained`` layout).
         data_path: The site's private dataset folder (JSONL manifest or image folders).
-        ledger_path: SQLite privacy ledger of this site's data.
+        state_dir: Folder of every state file below that is not given explicitly.
+        ledger_path: SQLite privacy ledger of this site's data (default under ``state_dir``).
         budget_epsilon: Total ε this site allows over every release of its data.
         budget_delta: δ at which the ledger composes releases.
         signing_key: Ed25519 private key (PEM) for single-holder releases.
         trusted_keys: Public keys (PEM) whose artifacts this site accepts.
-        artifacts_dir: Where received or made artifacts are stored.
+        artifacts_dir: Where received or made artifacts are stored (default under ``state_dir``).
+        socket_path: The site service's Unix socket (default under ``state_dir``).
+        socket_mode: Permission bits of the socket; the SuperNode's user needs write access
+            (e.g. through a shared group with mode 0o660), nobody else.
+        min_sites: The fewest sites this site accepts in a plan's minimum and in a secure sum:
+            below it, the sum of the others reveals too much of this site's contribution.
+        max_release_epsilon: Largest ε this site accepts for one release.
+        max_release_delta: Largest δ this site accepts for one release.
+        noise_mode: The trust mode this site takes part in; a plan of another mode is refused.
+        secagg_min_threshold_fraction: SecAgg+ reconstruction thresholds must exceed this
+            fraction of the neighbourhood, so a minority of colluding neighbours cannot rebuild
+            this site's mask secrets.
+        idle_release_seconds: A release with no message for this long is resolved by the
+            service on its own record (nothing sent: refund; anything sent: counted).
         device: ``cpu``, ``cuda``...; default CUDA when available.
         dtype: ``float32``, ``bfloat16``...; default bf16 on GPU, float32 on CPU.
         batch_size: Prompts per forward pass.
@@ -46,16 +77,59 @@ class SiteSettings(BaseSettings):
     name: str = "site"
     model_path: Path | None = None
     data_path: Path | None = None
-    ledger_path: Path = Path("dpmtv-site-ledger.sqlite")
+    state_dir: Path = Field(default_factory=default_state_dir)
+    ledger_path: Path | None = None
     budget_epsilon: float = Field(default=10.0, gt=0)
     budget_delta: float = Field(default=1e-5, gt=0, lt=1)
     signing_key: Path | None = None
     trusted_keys: Annotated[tuple[Path, ...], NoDecode] = ()
-    artifacts_dir: Path = Path("artifacts")
+    artifacts_dir: Path | None = None
+    socket_path: Path | None = None
+    socket_mode: int = Field(default=0o660, ge=0o600, le=0o777)
+    min_sites: int = Field(default=3, ge=2)
+    max_release_epsilon: float = Field(default=8.0, gt=0, le=100)
+    max_release_delta: float = Field(default=1e-5, gt=0, lt=1)
+    noise_mode: Literal["central", "distributed"] = "central"
+    secagg_min_threshold_fraction: float = Field(default=0.5, ge=0.5, lt=1)
+    idle_release_seconds: float = Field(default=3600.0, gt=0)
     device: str | None = None
     dtype: str | None = None
     batch_size: int = Field(default=4, ge=1)
     cache_dir: Path | None = None
+
+    @model_validator(mode="after")
+    def _resolve_state_paths(self) -> Self:
+        # Frozen model: fill the derived defaults once, before anyone reads them.
+        state = self.state_dir.absolute()
+        resolved = {
+            "state_dir": state,
+            "ledger_path": _absolute(self.ledger_path, state / _LEDGER_FILE),
+            "artifacts_dir": _absolute(self.artifacts_dir, state / _ARTIFACTS_DIR),
+            "socket_path": _absolute(self.socket_path, state / _SOCKET_FILE),
+        }
+        self.__dict__.update(resolved)
+        return self
+
+    @property
+    def ledger_file(self) -> Path:
+        """The ledger's absolute path."""
+        return _required(self.ledger_path)
+
+    @property
+    def artifacts_folder(self) -> Path:
+        """The artifacts folder's absolute path."""
+        return _required(self.artifacts_dir)
+
+    @property
+    def socket_file(self) -> Path:
+        """The service socket's absolute path."""
+        return _required(self.socket_path)
+
+    @property
+    def releases_folder(self) -> Path:
+        """Where the service keeps one record per release (its state machine), by the ledger."""
+        ledger = self.ledger_file
+        return ledger.with_name(ledger.name + _RELEASES_SUFFIX)
 
     @field_validator("trusted_keys", mode="before")
     @classmethod
@@ -89,7 +163,16 @@ class SiteSettings(BaseSettings):
     def with_partition(self, partition: int) -> SiteSettings:
         """Replace ``{partition-id}`` in every path and the name by ``partition``."""
         updates: dict[str, Any] = {}
-        for field in ("name", "model_path", "data_path", "ledger_path", "artifacts_dir"):
+        fields = (
+            "name",
+            "model_path",
+            "data_path",
+            "ledger_path",
+            "artifacts_dir",
+            "socket_path",
+            "state_dir",
+        )
+        for field in fields:
             value = getattr(self, field)
             if value is not None and "{partition-id}" in str(value):
                 text = str(value).replace("{partition-id}", str(partition))
@@ -100,3 +183,13 @@ class SiteSettings(BaseSettings):
     def budget(self) -> PrivacyBudget:
         """The ledger's budget."""
         return PrivacyBudget(self.budget_epsilon, self.budget_delta)
+
+
+def _absolute(given: Path | None, default: Path) -> Path:
+    return default if given is None else given.absolute()
+
+
+def _required(path: Path | None) -> Path:
+    if path is None:  # filled by the validator; only a bypassed constructor gets here
+        raise ConfigError("site settings must be built through SiteSettings(...), got None.")
+    return path

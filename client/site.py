@@ -1,40 +1,56 @@
-"""A site's side of a federated release, independent of Flower's message plumbing.
+"""A site's side of a federated release: every decision about its data, made on its own record.
 
-How this connects: ``client.app`` decodes each message with ``protocol``'s codec and calls
-one method of :class:`Site` per stage; what a method returns is encoded back, and a typed
-error becomes an ``ErrorReply`` (data, never a pickle). The site decides everything about its
-own data from its own settings — the coordinator only proposes a plan:
+How this connects: the site service (:mod:`client.service`) owns one :class:`Site` for its
+whole life and calls one method per message; the Flower relay that delivers the messages is
+untrusted. Each method checks the message against the plan the site accepted and its own
+record (:mod:`client.site_policy`, :mod:`client.release_record`) before anything moves:
 
-* ``accept_plan``: check version, model fingerprint, data size and the site's own budget;
-  reserve the plan's cost in the site ledger (owned by the run, so it survives the fresh
-  process Flower starts for each message) and keep a secret chunk seed in the run state.
-* ``contribution``: the site's clipped activation sum or vote sum for one secure sum, plus
-  its chunk count; the arrays go straight into SecAgg+ masking.
-* ``finish``: verify the signed artifact (trusted coordinator key, this model's fingerprint),
-  store it, commit the ledger. ``abort``: refund if no noisy output exists, else commit.
+* ``accept_plan``: the plan must fit the site's policy, model and data (every record decoded);
+  only then is the cost reserved in the site ledger and m_i announced (a public count).
+* ``contribution``: one secure sum of the plan, once, as the plan says; the ledger is marked
+  exposed and the record updated *before* the arrays go to SecAgg+ masking.
+* ``store_reference``: the noisy all-head vector of a release-first plan, kept to score
+  against and to check the artifact's values later.
+* ``finish``: a signed artifact that matches the plan as the site recomputes it is stored
+  under the site's own artifacts folder (never replacing anything); the ledger commits if
+  anything of the site's data left, and refunds if nothing did.
+* ``abort`` and ``sweep``: the site resolves a release from its own record — nothing sent:
+  refund; anything sent: counted — whatever a notice says, also when no notice ever comes.
 """
 
 from __future__ import annotations
 
 import hashlib
-import shutil
+import logging
 import tempfile
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
+from datetime import datetime
 from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
-from client.chunking import make_chunks, num_chunks
+from client.chunking import make_chunks, planned_num_chunks
 from client.data import SiteDataset, load_dataset
 from client.models import LoadedModel, load_model
 from client.release import LocalSums
+from client.release_record import ReleaseRecord, ReleaseRecordStore, SiteReleaseState
 from client.settings import SiteSettings
+from client.site_policy import (
+    ModelShape,
+    check_artifact,
+    check_plan,
+    check_reference,
+    check_secure_sum,
+)
+from dpmtv_common.aliases import Float64Array
 from dpmtv_common.artifact import MANIFEST_FILE, SIGNATURE_FILE, TENSORS_FILE, load_artifact
 from dpmtv_common.crypto import TrustedKeys
-from dpmtv_common.errors import ConfigError, DataError, ModelMismatchError
+from dpmtv_common.errors import ConfigError, DataError, LedgerError
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.ledger import PrivacyLedger, ReleaseState
+from dpmtv_common.rng import secret_seed
 from protocol import (
     AbortNotice,
     PlanAccept,
@@ -42,91 +58,134 @@ from protocol import (
     ReleasePlan,
     ReleaseRequest,
     SecureSumRequest,
-    check_compatible,
+    StageOrderError,
     reserve_plan,
 )
 
 __all__ = ["Site", "cached_model"]
+
+_log = logging.getLogger(__name__)
 
 
 @lru_cache(maxsize=2)
 def cached_model(
     path: Path, device: str | None, dtype: str | None, cache_dir: Path | None
 ) -> LoadedModel:
-    """Load once per process (simulation and in-process grids reuse one process)."""
+    """Load once per process: the service keeps its model loaded between messages."""
     return load_model(path, device=device, dtype=dtype, fingerprint_cache=cache_dir)
 
 
 @dataclass
 class Site:
-    """One data holder's handlers; ``settings`` never come from the coordinator."""
+    """One data holder's handlers; ``settings`` never come from the coordinator.
+
+    Attributes:
+        settings: The site admin's settings.
+        seeds: Secret chunk seed of each open release (memory only: a restarted service
+            cannot contribute to a release it accepted before, and resolves it instead).
+        references: The noisy all-head vector of each open release-first release.
+    """
 
     settings: SiteSettings
+    seeds: dict[str, int] = field(default_factory=dict)
+    references: dict[str, Float64Array] = field(default_factory=dict)
+
+    @property
+    def records(self) -> ReleaseRecordStore:
+        """The site's release records."""
+        return ReleaseRecordStore(self.settings.releases_folder)
 
     def model(self) -> LoadedModel:
         """The site's model (loaded once per process)."""
         if self.settings.model_path is None:
-            raise ConfigError("the site needs model-path (node config) or DPMTV_CLIENT_MODEL_PATH.")
+            raise ConfigError("the site needs --model (or DPMTV_CLIENT_MODEL_PATH).")
         settings = self.settings
         return cached_model(
             settings.model_path, settings.device, settings.dtype, settings.cache_dir
         )
 
+    def shape(self) -> ModelShape:
+        """(L, H, D) of the site's model."""
+        loaded = self.model()
+        head_shape = loaded.adapter.head_shape(loaded.model)
+        return head_shape.num_layers, head_shape.num_heads, head_shape.head_dim
+
     def dataset(self) -> SiteDataset:
-        """The site's private dataset."""
+        """The site's private dataset, every record decoded and checked."""
         if self.settings.data_path is None:
-            raise ConfigError("the site needs data-path (node config) or DPMTV_CLIENT_DATA_PATH.")
+            raise ConfigError("the site needs --data (or DPMTV_CLIENT_DATA_PATH).")
         return load_dataset(self.settings.data_path)
 
     def ledger(self) -> PrivacyLedger:
         """The site's own ledger (open it in a ``with`` block)."""
-        return PrivacyLedger.open(self.settings.ledger_path, self.settings.budget)
+        return PrivacyLedger.open(self.settings.ledger_file, self.settings.budget)
 
-    def accept_plan(self, plan: ReleasePlan) -> PlanAccept:
+    def accept_plan(self, plan: ReleasePlan, *, run_id: int) -> PlanAccept:
         """Check the plan against this site, reserve its cost, and report m_i."""
-        check_compatible(plan.protocol_version)
-        fingerprint = self.model().fingerprint  # before the data: a wrong model costs nothing
-        if plan.model_fingerprint != fingerprint:
-            raise ModelMismatchError(
-                f"plan model_fingerprint must be this site's {fingerprint!r}, "
-                f"got {plan.model_fingerprint!r}."
-            )
-        available = num_chunks(len(self.dataset().records), plan.shots)
-        chunks = min(available, plan.max_chunks_per_site or available)
+        if self.records.get(plan.release_id) is not None:
+            raise StageOrderError(f"release_id must be new to this site, got {plan.release_id!r}.")
+        loaded, shape = self.model(), self.shape()
+        dataset = self.dataset()  # before the reservation: a broken record costs nothing
+        check_plan(
+            plan,
+            settings=self.settings,
+            fingerprint=loaded.fingerprint,
+            shape=shape,
+            data_unit=dataset.privacy_unit,
+        )
+        chunks = planned_num_chunks(dataset, plan.shots, plan.max_chunks_per_site)
         if chunks < 1:
-            raise DataError(f"the site must hold at least K+1={plan.shots + 1} examples.")
+            raise DataError(f"the site must hold at least one chunk of K+1={plan.shots + 1}.")
         with self.ledger() as ledger:
-            reserve_plan(ledger, plan, owned_by_run=True)
-        shape = self.model().adapter.head_shape(self.model().model)
+            reserve_plan(ledger, plan)  # owned by this (long-lived) process
+        self.records.create(
+            ReleaseRecord.planned(plan, run_id=run_id, num_chunks=chunks, shape=shape)
+        )
+        self.seeds[plan.release_id] = secret_seed()
+        _log.info(
+            "release %s: plan accepted (run %d, epsilon=%g, delta=%g, m_i=%d, selection=%s)",
+            plan.release_id,
+            run_id,
+            plan.epsilon,
+            plan.delta,
+            chunks,
+            plan.selection.value,
+        )
+        num_layers, num_heads, head_dim = shape
         return PlanAccept(
             release_id=plan.release_id,
             site_name=self.settings.name,
             num_chunks=chunks,
-            num_layers=shape.num_layers,
-            num_heads=shape.num_heads,
-            head_dim=shape.head_dim,
+            num_layers=num_layers,
+            num_heads=num_heads,
+            head_dim=head_dim,
         )
 
-    def contribution(
-        self,
-        plan: ReleasePlan,
-        request: SecureSumRequest,
-        *,
-        seed: int,
-        reference: np.ndarray | None,
-    ) -> list[np.ndarray]:
-        """[flattened sum, [m_i]] for one secure sum (activations or votes)."""
-        if request.release_id != plan.release_id:
-            raise ConfigError(
-                f"secure sum release_id must be {plan.release_id!r}, got {request.release_id!r}."
+    def contribution(self, request: SecureSumRequest, *, run_id: int) -> list[np.ndarray]:
+        """[flattened sum, [m_i]] for one secure sum of the accepted plan, exactly once."""
+        record = self._open_record(request.release_id, run_id, "secure sum")
+        check_secure_sum(record, request)
+        seed = self.seeds.get(record.release_id)
+        if seed is None:
+            raise StageOrderError(
+                f"release {record.release_id!r} was accepted by an earlier run of this service;"
+                " its secret chunk seed is gone, so the site cannot contribute to it."
             )
-        loaded = self.model()
-        dataset = self.dataset()  # read and verified once per message, not per use
+        self._require_ledger(record.release_id, (ReleaseState.RESERVED, ReleaseState.EXPOSED))
+        arrays = self._compute(record, request, seed)
+        self._mark_sent(record, request)
+        return arrays
+
+    def _compute(
+        self, record: ReleaseRecord, request: SecureSumRequest, seed: int
+    ) -> list[np.ndarray]:
+        plan = record.plan
+        dataset = self.dataset()
         chunk_plan = make_chunks(
             dataset, shots=plan.shots, seed=seed, max_chunks=plan.max_chunks_per_site
         )
         sums = LocalSums(
-            loaded,
+            self.model(),
             chunk_plan.chunks,
             plan,
             batch_size=self.settings.batch_size,
@@ -134,55 +193,151 @@ class Site:
             progress=False,
         )
         if request.stage == "extract":
-            heads = HeadSet(request.heads) if request.heads is not None else self._all_heads(loaded)
+            heads = HeadSet(request.heads) if request.heads is not None else self._all_heads()
             summed = sums.activation_sum(heads)
-            return [summed.total.ravel(), np.array([float(summed.num_chunks)])]
-        votes = sums.vote_sum(reference)
-        return [votes.total, np.array([float(votes.num_chunks)])]
+            count = summed.num_chunks
+            total = summed.total.ravel()
+        else:
+            votes = sums.vote_sum(self.references.get(record.release_id))
+            count, total = votes.num_chunks, votes.total
+        if count != record.num_chunks:  # m_i is public: it must be what the plan stage said
+            raise DataError(f"the site must contribute {record.num_chunks} chunks, got {count}.")
+        return [total, np.array([float(count)])]
 
-    @staticmethod
-    def _all_heads(loaded: LoadedModel) -> HeadSet:
-        shape = loaded.adapter.head_shape(loaded.model)
-        return HeadSet.all_heads(num_layers=shape.num_layers, num_heads=shape.num_heads)
-
-    def finish(self, request: ReleaseRequest) -> ReleaseAck:
-        """Verify and store the signed artifact, then commit this release in the ledger."""
-        keys = TrustedKeys.from_files(self.settings.trusted_keys)
-        target = self.settings.artifacts_dir / request.release_id
-        with tempfile.TemporaryDirectory(prefix=".incoming-", dir=_parent(target)) as tmp:
-            staged = Path(tmp) / "artifact"
-            staged.mkdir()
-            (staged / MANIFEST_FILE).write_text(request.manifest_json)
-            (staged / TENSORS_FILE).write_bytes(request.tensors)
-            (staged / SIGNATURE_FILE).write_bytes(request.signature)
-            load_artifact(
-                staged, trusted_keys=keys, expected_model_fingerprint=self.model().fingerprint
-            )
-            if target.exists():
-                shutil.rmtree(target)
-            staged.rename(target)
+    def _mark_sent(self, record: ReleaseRecord, request: SecureSumRequest) -> None:
+        # Durable before the arrays are handed to SecAgg+: from here on they may leave.
         with self.ledger() as ledger:
-            ledger.commit(request.release_id)
+            if _state_of(ledger, record.release_id) is ReleaseState.RESERVED:
+                ledger.mark_exposed(record.release_id)
+        heads = request.heads if request.stage == "extract" else record.extract_heads
+        self.records.save(
+            record.changed(
+                sent=(*record.sent, request.stage),
+                extract_heads=heads,
+                state=SiteReleaseState.CONTRIBUTED,
+            )
+        )
+        _log.info("release %s: contributed to the %s secure sum", record.release_id, request.stage)
+
+    def _all_heads(self) -> HeadSet:
+        num_layers, num_heads, _ = self.shape()
+        return HeadSet.all_heads(num_layers=num_layers, num_heads=num_heads)
+
+    def store_reference(
+        self, release_id: str, heads: HeadSet, values: Float64Array, *, run_id: int
+    ) -> None:
+        """Keep the noisy all-head vector of a release-first plan (once, after extract)."""
+        record = self._open_record(release_id, run_id, "noisy vector")
+        check_reference(record, heads.heads, values)
+        array = np.asarray(values, dtype=np.float64)
+        self.references[release_id] = array
+        digest = hashlib.sha256(array.tobytes()).hexdigest()
+        self.records.save(record.changed(reference_sha256=digest))
+
+    def finish(self, request: ReleaseRequest, *, run_id: int) -> ReleaseAck:
+        """Verify, check against the plan, store the artifact; resolve the ledger."""
+        record = self._open_record(request.release_id, run_id, "release")
+        folder = self.settings.artifacts_folder
+        folder.mkdir(parents=True, exist_ok=True)
+        target = folder / record.release_id  # a checked token: stays inside the folder
+        if target.exists() or target.is_symlink():
+            raise StageOrderError(f"artifact {record.release_id!r} is already stored; kept as is.")
+        with tempfile.TemporaryDirectory(prefix=".incoming-", dir=folder) as tmp:
+            staged = Path(tmp) / "artifact"
+            _write_staged(staged, request)
+            artifact = load_artifact(
+                staged,
+                trusted_keys=TrustedKeys.from_files(self.settings.trusted_keys),
+                expected_model_fingerprint=self.model().fingerprint,
+            )
+            check_artifact(record, artifact, self.references.get(record.release_id))
+            staged.rename(target)
         digest = hashlib.sha256(request.tensors).hexdigest()
+        self._resolve(record, SiteReleaseState.RELEASED, "artifact stored", digest)
         return ReleaseAck(
-            release_id=request.release_id, site_name=self.settings.name, artifact_sha256=digest
+            release_id=record.release_id, site_name=self.settings.name, artifact_sha256=digest
         )
 
-    def abort(self, notice: AbortNotice) -> None:
-        """Refund the reservation when nothing noisy exists; else count it as spent."""
+    def abort(self, notice: AbortNotice, *, run_id: int) -> None:
+        """Resolve the release from the site's own record; the notice's claims are only logged."""
+        record = self.records.require(notice.release_id)
+        if record.finished and record.run_id == run_id:
+            return  # aborts are idempotent
+        record.require_open(run_id, "abort")
+        _log.info(
+            "release %s: coordinator abort (says noisy_output=%s): %.200r",
+            record.release_id,
+            notice.noisy_output,
+            notice.reason,
+        )
+        self._resolve(record, SiteReleaseState.ABORTED, "aborted by the coordinator")
+
+    def sweep(self, *, now: float | None = None, everything: bool = False) -> list[str]:
+        """Resolve open releases idle past the site's limit (or all, at start and stop)."""
+        limit = self.settings.idle_release_seconds
+        moment = time.time() if now is None else now
+        resolved = []
+        for record in self.records.open_records():
+            idle = moment - datetime.fromisoformat(record.updated).timestamp()
+            orphan = record.release_id not in self.seeds
+            if everything or orphan or idle > limit:
+                why = "service stopped" if everything else "no message from the coordinator"
+                why = "accepted by an earlier service run" if orphan and not everything else why
+                self._resolve(record, SiteReleaseState.ABORTED, why)
+                resolved.append(record.release_id)
+        return resolved
+
+    def _open_record(self, release_id: str, run_id: int, action: str) -> ReleaseRecord:
+        record = self.records.require(release_id)
+        record.require_open(run_id, action)
+        return record
+
+    def _require_ledger(self, release_id: str, allowed: tuple[ReleaseState, ...]) -> None:
         with self.ledger() as ledger:
-            state = _state_of(ledger, notice.release_id)
-            if state not in (ReleaseState.RESERVED, ReleaseState.EXPOSED):
-                return  # already resolved: aborts are idempotent
-            if notice.noisy_output:
-                ledger.commit(notice.release_id)
-            else:
-                ledger.abort(notice.release_id, f"coordinator aborted: {notice.reason}"[:500])
+            state = _state_of(ledger, release_id)
+        if state not in allowed:
+            raise StageOrderError(
+                f"ledger state of release {release_id!r} must be one of "
+                f"{[s.value for s in allowed]}, got {state}."
+            )
+
+    def _resolve(
+        self,
+        record: ReleaseRecord,
+        state: SiteReleaseState,
+        why: str,
+        artifact_sha256: str | None = None,
+    ) -> None:
+        counted = self._settle_ledger(record)
+        verdict = "counted (its contribution had left)" if counted else "refunded (nothing left)"
+        self.records.save(
+            record.changed(state=state, note=f"{why}; {verdict}", artifact_sha256=artifact_sha256)
+        )
+        self.seeds.pop(record.release_id, None)
+        self.references.pop(record.release_id, None)
+        _log.info("release %s: %s: %s; budget %s", record.release_id, state.value, why, verdict)
+
+    def _settle_ledger(self, record: ReleaseRecord) -> bool:
+        """Commit if anything was sent, else refund; return whether the release counts."""
+        with self.ledger() as ledger:
+            state = _state_of(ledger, record.release_id)
+            if state is ReleaseState.EXPOSED:
+                ledger.commit(record.release_id)
+            elif state is ReleaseState.RESERVED:
+                if record.sent:  # never: sent is recorded after mark_exposed; fail closed
+                    ledger.commit(record.release_id)
+                else:
+                    ledger.abort(record.release_id, "no data of this site left it")
+            elif state is None:
+                raise LedgerError(f"ledger must hold release {record.release_id!r}, got none.")
+            return _state_of(ledger, record.release_id) is ReleaseState.COMMITTED
 
 
-def _parent(target: Path) -> Path:
-    target.parent.mkdir(parents=True, exist_ok=True)
-    return target.parent
+def _write_staged(staged: Path, request: ReleaseRequest) -> None:
+    staged.mkdir()
+    (staged / MANIFEST_FILE).write_text(request.manifest_json, encoding="utf-8")
+    (staged / TENSORS_FILE).write_bytes(request.tensors)
+    (staged / SIGNATURE_FILE).write_bytes(request.signature)
 
 
 def _state_of(ledger: PrivacyLedger, release_id: str) -> ReleaseState | None:

@@ -19,6 +19,7 @@ when there is one. Across the wire an error is never pickled: it travels as
     │   ├── CalibrationError (ValueError)       no noise level meets the requested (epsilon, delta)
     │   ├── InsecureRandomnessError             a non-cryptographic noise source reached a DP path
     │   ├── PrivacyBudgetExceededError          a release would overspend a ledger's budget
+    │   ├── PolicyError                         a plan or request is outside a site's own policy
     │   └── LedgerError                         the ledger is missing, corrupt or misused
     ├── CryptoError                             keys, signatures, secure aggregation
     │   ├── BadSignatureError                   a signature does not verify
@@ -28,6 +29,7 @@ when there is one. Across the wire an error is never pickled: it travels as
     ├── ArtifactError                           a task-vector artifact is unusable
     │   ├── ArtifactFormatError (ValueError)    missing file, bad JSON, bad tensor layout
     │   └── ModelMismatchError                  the artifact was made for another model
+    ├── ServiceError                            the site service cannot start or be reached
     └── ProtocolError                           (subclassed in ``protocol.errors``)
 """
 
@@ -49,8 +51,10 @@ __all__ = [
     "ModelError",
     "ModelMismatchError",
     "PrivacyBudgetExceededError",
+    "PolicyError",
     "PrivacyError",
     "ProtocolError",
+    "ServiceError",
     "UnknownSigningKeyError",
     "UnsupportedArchitectureError",
 ]
@@ -92,6 +96,10 @@ class PrivacyBudgetExceededError(PrivacyError):
     """A release would spend more than a ledger's remaining budget."""
 
 
+class PolicyError(PrivacyError):
+    """A plan or request lies outside the site's own policy (caps, minimum sites, mode, unit)."""
+
+
 class LedgerError(PrivacyError):
     """The privacy ledger is missing, corrupt, or used out of order."""
 
@@ -130,3 +138,7 @@ class ModelMismatchError(ArtifactError):
 
 class ProtocolError(DpmtvError):
     """A peer broke the client/server contract (see ``protocol.errors`` for the leaves)."""
+
+
+class ServiceError(DpmtvError):
+    """The site service cannot start or serve, or a relay cannot reach it."""

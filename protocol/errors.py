@@ -8,6 +8,7 @@ local :class:`RemoteError` from it. ::
     ├── StageOrderError              a stage arrived out of the allowed order
     ├── MessageDecodeError (ValueError)  a record is not a well-formed message
     ├── VersionMismatchError         the peer speaks another protocol MAJOR version
+    ├── PlanMismatchError            a notice or artifact does not match the plan a site accepted
     └── RemoteError                  the peer replied with an ErrorReply
 """
 
@@ -20,6 +21,7 @@ from dpmtv_common.errors import ProtocolError
 __all__ = [
     "ErrorCode",
     "MessageDecodeError",
+    "PlanMismatchError",
     "ProtocolError",
     "RemoteError",
     "StageOrderError",
@@ -34,6 +36,8 @@ class ErrorCode(StrEnum):
     MODEL_MISMATCH = "model-mismatch"
     BUDGET_EXCEEDED = "budget-exceeded"
     INSUFFICIENT_DATA = "insufficient-data"
+    POLICY = "policy"
+    PLAN_MISMATCH = "plan-mismatch"
     BAD_REQUEST = "bad-request"
     STAGE_ORDER = "stage-order"
     INTERNAL = "internal"
@@ -50,6 +54,10 @@ class MessageDecodeError(ProtocolError, ValueError):
 
 class VersionMismatchError(ProtocolError):
     """The peer speaks a protocol version with another MAJOR number."""
+
+
+class PlanMismatchError(ProtocolError):
+    """A notice, request or artifact does not match the plan the site accepted."""
 
 
 class RemoteError(ProtocolError):

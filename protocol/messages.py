@@ -17,16 +17,25 @@ from dpmtv_common.errors import (
     DataError,
     DpmtvError,
     ModelMismatchError,
+    PolicyError,
     PrivacyBudgetExceededError,
 )
 from protocol.errors import (
     ErrorCode,
     MessageDecodeError,
+    PlanMismatchError,
     RemoteError,
     StageOrderError,
     VersionMismatchError,
 )
-from protocol.plan import HeadList, NonEmptyStr, PositiveFloat, PositiveInt, ReleasePlan
+from protocol.plan import (
+    BoundedStr,
+    HeadCount,
+    HeadList,
+    PositiveFloat,
+    ReleaseId,
+    ReleasePlan,
+)
 
 __all__ = [
     "AbortNotice",
@@ -44,17 +53,49 @@ __all__ = [
 # First match wins, so subclasses come before the classes they refine.
 _CODE_OF_EXCEPTION: tuple[tuple[type[BaseException], ErrorCode], ...] = (
     (PrivacyBudgetExceededError, ErrorCode.BUDGET_EXCEEDED),
+    (PolicyError, ErrorCode.POLICY),
     (ModelMismatchError, ErrorCode.MODEL_MISMATCH),
     (VersionMismatchError, ErrorCode.VERSION_MISMATCH),
     (StageOrderError, ErrorCode.STAGE_ORDER),
+    (PlanMismatchError, ErrorCode.PLAN_MISMATCH),
     (DataError, ErrorCode.INSUFFICIENT_DATA),
     (ConfigError, ErrorCode.BAD_REQUEST),
     (MessageDecodeError, ErrorCode.BAD_REQUEST),
     (DpmtvError, ErrorCode.REFUSED),
 )
-# Bounds what one reply can carry; a reason is for a human reading a log line.
+# A reply's reason is fixed text chosen by its code, never the exception's message: a site's
+# exception text can quote its private records (a bad manifest line, a file name), and the
+# reply goes to the coordinator. The details stay in the sender's own log.
+_FIXED_REASONS: dict[ErrorCode, str] = {
+    ErrorCode.VERSION_MISMATCH: "the peer speaks another protocol version.",
+    ErrorCode.MODEL_MISMATCH: "the plan or artifact names another model than the site's.",
+    ErrorCode.BUDGET_EXCEEDED: "the plan does not fit the site's remaining privacy budget.",
+    ErrorCode.INSUFFICIENT_DATA: "the site's data cannot serve this plan.",
+    ErrorCode.POLICY: "the plan or request lies outside the site's own policy.",
+    ErrorCode.PLAN_MISMATCH: "the request does not match the plan the site accepted.",
+    ErrorCode.BAD_REQUEST: "the request is malformed or out of bounds.",
+    ErrorCode.STAGE_ORDER: "the request is out of order for this release.",
+    ErrorCode.REFUSED: "the peer refused the request.",
+    ErrorCode.INTERNAL: "internal error at the peer; its operator can find the cause in its logs.",
+}
 _MAX_REASON_CHARS = 2000
-_INTERNAL_REASON = "internal error at the peer; its operator can find the cause in its logs."
+_MAX_TYPE_CHARS = 64
+_MAX_MANIFEST_CHARS = 1 << 20  # a manifest is a few kB: plan, privacy numbers, layout
+_MAX_TENSOR_BYTES = 1 << 30  # every head of a large model in float32 is ~100 MB
+
+
+def _error_type(value: str) -> str:
+    if re.fullmatch(r"[A-Za-z_][A-Za-z0-9_]*", value) is None or len(value) > _MAX_TYPE_CHARS:
+        raise ValueError(f"error_type must be a Python identifier of <= 64 chars, got {value!r}.")
+    return value
+
+
+def _reason(value: str) -> str:
+    if len(value) > _MAX_REASON_CHARS:
+        raise ValueError(
+            f"reason must be at most {_MAX_REASON_CHARS} characters, got {len(value)}."
+        )
+    return value
 
 
 def _sha256_hex(value: str) -> str:
@@ -87,8 +128,8 @@ class PlanAccept(WireMessage):
     """
 
     kind: Literal["plan-accept"] = "plan-accept"
-    release_id: NonEmptyStr
-    site_name: NonEmptyStr
+    release_id: ReleaseId
+    site_name: BoundedStr
     num_chunks: Annotated[int, Field(ge=0)]
     num_layers: Annotated[int, Field(ge=1)]
     num_heads: Annotated[int, Field(ge=1)]
@@ -100,24 +141,27 @@ class ErrorReply(WireMessage):
 
     kind: Literal["error"] = "error"
     code: ErrorCode
-    reason: str
+    error_type: Annotated[str, AfterValidator(_error_type)] = "DpmtvError"
+    reason: Annotated[str, AfterValidator(_reason)]
 
     @classmethod
     def from_exception(cls, exc: BaseException) -> ErrorReply:
-        """Turn a local exception into a reply, without leaking unexpected internals.
+        """Turn a local exception into a reply that carries no text of the exception.
 
-        Typed dpmtv errors carry their message (written for the peer's operator); any
-        other exception becomes ``internal`` with a generic reason, because its text may
-        hold paths, data or stack details.
+        The reply holds a code, the exception's class name (a typed dpmtv error) or
+        ``InternalError`` (anything else), and the fixed reason of the code. Exception text
+        may quote private records, paths or stack details: it stays in the sender's log.
         """
         for exc_type, code in _CODE_OF_EXCEPTION:
             if isinstance(exc, exc_type):
-                return cls(code=code, reason=str(exc)[:_MAX_REASON_CHARS])
-        return cls(code=ErrorCode.INTERNAL, reason=_INTERNAL_REASON)
+                name = type(exc).__name__[:_MAX_TYPE_CHARS]
+                return cls(code=code, error_type=name, reason=_FIXED_REASONS[code])
+        code = ErrorCode.INTERNAL
+        return cls(code=code, error_type="InternalError", reason=_FIXED_REASONS[code])
 
     def raise_remote(self) -> NoReturn:
         """Raise this reply as a local :class:`~protocol.errors.RemoteError`."""
-        raise RemoteError(self.code, self.reason)
+        raise RemoteError(self.code, f"{self.error_type}: {self.reason}")
 
 
 class SecureSumRequest(WireMessage):
@@ -131,11 +175,11 @@ class SecureSumRequest(WireMessage):
     """
 
     kind: Literal["secure-sum-request"] = "secure-sum-request"
-    release_id: NonEmptyStr
+    release_id: ReleaseId
     stage: Literal["select", "extract"]
     heads: HeadList | None
     clip_norm: PositiveFloat
-    score_top_r: PositiveInt | None
+    score_top_r: HeadCount | None
 
     @model_validator(mode="after")
     def _check_score_top_r(self) -> Self:
@@ -156,7 +200,7 @@ class NoisyVectorBroadcast(WireMessage):
     """
 
     kind: Literal["noisy-vector"] = "noisy-vector"
-    release_id: NonEmptyStr
+    release_id: ReleaseId
     heads: HeadList
 
 
@@ -172,18 +216,18 @@ class ReleaseRequest(WireMessage):
     model_config = ConfigDict(ser_json_bytes="base64", val_json_bytes="base64")
 
     kind: Literal["release-request"] = "release-request"
-    release_id: NonEmptyStr
-    manifest_json: str
-    tensors: bytes
-    signature: bytes
+    release_id: ReleaseId
+    manifest_json: Annotated[str, Field(max_length=_MAX_MANIFEST_CHARS)]
+    tensors: Annotated[bytes, Field(max_length=_MAX_TENSOR_BYTES)]
+    signature: Annotated[bytes, Field(max_length=1024)]
 
 
 class ReleaseAck(WireMessage):
     """Site to coordinator: the artifact verified and is stored; its ledger is committed."""
 
     kind: Literal["release-ack"] = "release-ack"
-    release_id: NonEmptyStr
-    site_name: NonEmptyStr
+    release_id: ReleaseId
+    site_name: BoundedStr
     artifact_sha256: Annotated[str, AfterValidator(_sha256_hex)]
 
 
@@ -191,14 +235,14 @@ class AbortNotice(WireMessage):
     """Coordinator to site: the release stops.
 
     Attributes:
-        noisy_output: Whether any noisy output (Gumbel picks or the Gaussian draw) already
-            exists. False: the site refunds its reservation. True: the release counts as
-            spent in every ledger although no artifact follows (fail closed).
+        noisy_output: The coordinator's view of whether any noisy output (Gumbel picks or
+            the Gaussian draw) exists, for the sites' logs. A site never refunds on this
+            word: it refunds only if its own record shows that none of its data left it.
     """
 
     kind: Literal["abort"] = "abort"
-    release_id: NonEmptyStr
-    reason: str
+    release_id: ReleaseId
+    reason: Annotated[str, AfterValidator(_reason)]
     noisy_output: bool
 
 

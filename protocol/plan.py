@@ -9,9 +9,10 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from datetime import datetime
 from enum import StrEnum
-from typing import Annotated, Self
+from typing import Annotated, Any, Self
 
 from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo, model_validator
 
@@ -21,6 +22,10 @@ from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
 
 __all__ = [
+    "MAX_EPSILON",
+    "MAX_HEADS",
+    "MAX_SHOTS",
+    "MAX_TEXT_CHARS",
     "NeighbouringRelation",
     "NoiseMode",
     "PrivacyUnit",
@@ -31,6 +36,17 @@ __all__ = [
 ]
 
 
+MAX_TEXT_CHARS = 200
+"""Longest task name or model fingerprint a plan may carry (a plan is hashed and logged)."""
+MAX_EPSILON = 100.0
+"""Largest ε a plan may state: beyond it the guarantee is void and calibration only burns memory."""
+MAX_SHOTS = 256
+"""Largest K: far beyond any context window a site's model has."""
+MAX_HEADS = 65_536
+"""Largest head count a plan may name (k, r or a public list); sites check their own model."""
+_RELEASE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
+
+
 def _name(info: ValidationInfo) -> str:
     return info.field_name or "value"
 
@@ -39,6 +55,34 @@ def _non_empty(value: str, info: ValidationInfo) -> str:
     if not value.strip():
         raise ValueError(f"{_name(info)} must be non-empty, got {value!r}.")
     return value
+
+
+def _release_id(value: str, info: ValidationInfo) -> str:
+    # A release id names files and ledger rows at every site: a plain token, never a path.
+    if _RELEASE_ID.fullmatch(value) is None or ".." in value:
+        raise ValueError(
+            f"{_name(info)} must be 1-64 characters of letters, digits, '_', '.' or '-', "
+            f"starting with a letter or digit and without '..', got {value[:80]!r}."
+        )
+    return value
+
+
+def _bounded_text(value: str, info: ValidationInfo) -> str:
+    if len(value) > MAX_TEXT_CHARS or not value.isprintable():
+        raise ValueError(
+            f"{_name(info)} must be at most {MAX_TEXT_CHARS} printable characters, "
+            f"got {len(value)} characters starting {value[:40]!r}."
+        )
+    return value
+
+
+def _at_most(bound: float) -> Callable[[Any, ValidationInfo], Any]:
+    def check(value: Any, info: ValidationInfo) -> Any:
+        if value > bound:
+            raise ValueError(f"{_name(info)} must be at most {bound!r}, got {value!r}.")
+        return value
+
+    return check
 
 
 def _positive_finite(value: float, info: ValidationInfo) -> float:
@@ -65,6 +109,8 @@ def _canonical_heads(value: tuple[LayerHead, ...], info: ValidationInfo) -> tupl
     # layout twice, and keeps plan_hash independent of how a list was typed in.
     if not value:
         raise ValueError(f"{_name(info)} must hold at least one head, got {value!r}.")
+    if len(value) > MAX_HEADS:
+        raise ValueError(f"{_name(info)} must hold at most {MAX_HEADS} heads, got {len(value)}.")
     try:
         HeadSet(value)
     except ConfigError as exc:
@@ -77,11 +123,17 @@ def _canonical_heads(value: tuple[LayerHead, ...], info: ValidationInfo) -> tupl
 
 NonEmptyStr = Annotated[str, AfterValidator(_non_empty)]
 """A string with at least one non-space character."""
+BoundedStr = Annotated[str, AfterValidator(_non_empty), AfterValidator(_bounded_text)]
+"""A non-empty printable string of at most ``MAX_TEXT_CHARS`` characters."""
+ReleaseId = Annotated[str, AfterValidator(_release_id)]
+"""A plain token naming a release: safe as a file name, a ledger key and a log field."""
 PositiveFloat = Annotated[float, AfterValidator(_positive_finite)]
 """A finite float > 0."""
 PositiveInt = Annotated[int, AfterValidator(_at_least_one)]
 """An int >= 1."""
 _OpenUnitFloat = Annotated[float, AfterValidator(_open_unit)]
+HeadCount = Annotated[int, AfterValidator(_at_least_one), AfterValidator(_at_most(MAX_HEADS))]
+"""An int in [1, MAX_HEADS]."""
 HeadList = Annotated[tuple[LayerHead, ...], AfterValidator(_canonical_heads)]
 """A non-empty, sorted, duplicate-free tuple of ``(layer, head)`` pairs."""
 
@@ -177,21 +229,23 @@ class ReleasePlan(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
     protocol_version: Annotated[str, AfterValidator(_version)]
-    release_id: NonEmptyStr
-    task: NonEmptyStr
-    model_fingerprint: NonEmptyStr
-    epsilon: PositiveFloat
+    release_id: ReleaseId
+    task: BoundedStr
+    model_fingerprint: BoundedStr
+    epsilon: Annotated[
+        float, AfterValidator(_positive_finite), AfterValidator(_at_most(MAX_EPSILON))
+    ]
     delta: _OpenUnitFloat
     neighbouring: NeighbouringRelation = NeighbouringRelation.REPLACE_ONE
     privacy_unit: PrivacyUnit = PrivacyUnit.EXAMPLE
-    shots: PositiveInt
+    shots: Annotated[int, AfterValidator(_at_least_one), AfterValidator(_at_most(MAX_SHOTS))]
     clip_norm: PositiveFloat
     selection: SelectionMode
     order: ReleaseOrder
-    num_selected_heads: PositiveInt
+    num_selected_heads: HeadCount
     public_heads: HeadList | None
     selection_share: _OpenUnitFloat
-    score_top_r: PositiveInt
+    score_top_r: HeadCount
     min_sites: PositiveInt
     noise_mode: NoiseMode = NoiseMode.CENTRAL
     max_chunks_per_site: PositiveInt | None

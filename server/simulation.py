@@ -2,7 +2,8 @@
 
 ``InProcessGrid`` hands every message to a ``ClientApp`` object in this process, with no Ray,
 sockets or SuperLink (notes/flower.md §2.7): the simulated consortium of the demo, the
-benchmarks and the integration tests. It behaves like the wire where it matters:
+benchmarks and the integration tests. Each node may have its own ``ClientApp`` (a site's relay
+bound to that site's service). It behaves like the wire where it matters:
 
 * every message and reply is deep-copied (the SecAgg+ workflow sends one ``RecordDict``
   object to all nodes in stage 0 and ``secaggplus_mod`` pops keys from it);
@@ -19,7 +20,7 @@ from __future__ import annotations
 
 import copy
 import uuid
-from collections.abc import Collection, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 
 from flwr.app import Context, Error, Message, RecordDict
 from flwr.clientapp import ClientApp
@@ -57,18 +58,24 @@ class InProcessGrid(Grid):
 
     def __init__(
         self,
-        client_app: ClientApp,
+        client_app: ClientApp | Sequence[Callable[[Message, Context], Message]],
         *,
         num_nodes: int,
         run_config: Mapping[str, bool | float | int | str] | None = None,
         drops: Mapping[int, Collection[str]] | None = None,
         node_configs: Sequence[Mapping[str, bool | float | int | str]] | None = None,
     ) -> None:
-        """Create ``num_nodes`` sites; ``node_configs[i]`` adds to site i's node config."""
+        """Create ``num_nodes`` sites; ``node_configs[i]`` adds to site i's node config.
+
+        ``client_app`` is one app for every node, or one app per node (in node order).
+        """
         set_task_identity()
         self._run = Run.create_empty(run_id=RUN_ID)
-        self.client_app = client_app
         self.node_ids = [FIRST_NODE_ID + index for index in range(num_nodes)]
+        apps = [client_app] * num_nodes if isinstance(client_app, ClientApp) else client_app
+        if len(apps) != num_nodes:
+            raise ValueError(f"client_app must hold {num_nodes} apps, got {len(apps)}.")
+        self.apps = dict(zip(self.node_ids, apps, strict=True))
         self.contexts = {
             node_id: Context(
                 run_id=RUN_ID,
@@ -140,7 +147,7 @@ class InProcessGrid(Grid):
             return None
         context = copy.deepcopy(self.contexts[node_id])
         try:
-            reply = self.client_app(sent, context)
+            reply = self.apps[node_id](sent, context)
         except Exception as exc:  # what a SuperNode does with any ClientApp error
             reason = f"{type(exc)}:<'{exc}'>"
             reply = Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=sent)

@@ -3,9 +3,9 @@
 Every test runs ``server.coordinator.run_coordinated_release`` (or the real ``ServerApp``)
 over ``server.simulation.InProcessGrid``: the plan exchange, SecAgg+ secure sums with
 ChaCha20 masks, Gumbel picks, the single Gaussian draw, the signed broadcast, abort notices,
-and the ledgers on both sides. Sites read their settings from ``DPMTV_CLIENT_*`` variables
-with ``{partition-id}`` placeholders (as a simulation command would set them), and a test
-overrides one site through its node config. The model is a tiny random LLaVA (L = 2 layers,
+and the ledgers on both sides. Every site is a real site service behind a real relay
+(``client.service.inprocess``); sites read their settings from ``DPMTV_CLIENT_*`` variables
+with ``{partition-id}`` placeholders, and a test overrides one site's settings. The model is a tiny random LLaVA (L = 2 layers,
 H = 4 heads, D = 16); the sites hold 24, 21, 18 and 15 records, so with K = 2 shots they
 cut 8, 7, 6 and 5 chunks, and m tells which sites are in a sum.
 """
@@ -28,7 +28,7 @@ import pytest
 from flwr.app import Message
 
 import server.app
-from client.app import app as client_app
+from client.service.inprocess import open_in_process_sites, site_settings_for_partition
 from client.chunking import num_chunks
 from client.models import save_tiny_model
 from client.synthetic import write_task_datasets
@@ -144,6 +144,7 @@ def paths(world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iter
         "DPMTV_CLIENT_BUDGET_DELTA": str(BUDGET.delta),
         "DPMTV_CLIENT_DEVICE": "cpu",
         "DPMTV_CLIENT_BATCH_SIZE": "8",
+        "DPMTV_CLIENT_MIN_SITES": "2",
     }
     for name, value in env.items():
         monkeypatch.setenv(name, value)
@@ -177,6 +178,13 @@ def coordinator_settings(world: World, paths: Paths) -> CoordinatorSettings:
     )
 
 
+def site_relays(num_sites: int, overrides: list[dict[str, Any]] | None = None) -> list[Any]:
+    """One real site service per partition, behind its relay (settings from the env)."""
+    extra = overrides or [{}] * num_sites
+    settings = [site_settings_for_partition(i, extra[i]) for i in range(num_sites)]
+    return list(open_in_process_sites(settings).relays)
+
+
 def release(
     world: World,
     paths: Paths,
@@ -188,7 +196,7 @@ def release(
     grid: InProcessGrid | None = None,
 ) -> ReleaseReport:
     grid = grid or InProcessGrid(
-        client_app, num_nodes=num_sites, run_config=config, drops=drops, node_configs=node_configs
+        site_relays(num_sites, node_configs), num_nodes=num_sites, run_config=config, drops=drops
     )
     return run_coordinated_release(
         grid,
@@ -353,14 +361,16 @@ def test_every_site_lost_at_setup_aborts_with_too_few_sites(world: World, paths:
     assert_no_artifact(paths, release_id, range(3))
 
 
-def test_too_few_sites_in_the_first_sum_aborts_and_refunds_every_ledger(
+def test_too_few_sites_in_the_first_sum_refunds_only_where_nothing_left(
     world: World, paths: Paths
 ) -> None:
     # Arrange: private select-first; the vote sum (before any noise) loses 2 of 3 sites.
+    # Site 0 sent its masked votes before the sum failed: by its own record something left
+    # it, so it counts the release whatever the coordinator's notice says (fail closed).
     release_id = "lost-before-noise"
     config = run_config(world, release_id, 3, selection="private", order="select-first")
     lost = {node(1): {"collect_masked_vectors"}, node(2): {"collect_masked_vectors"}}
-    grid = InProcessGrid(client_app, num_nodes=3, run_config=config, drops=lost)
+    grid = InProcessGrid(site_relays(3), num_nodes=3, run_config=config, drops=lost)
     # Act
     with pytest.raises(InsufficientSharesError):
         release(world, paths, config, grid=grid)
@@ -370,7 +380,8 @@ def test_too_few_sites_in_the_first_sum_aborts_and_refunds_every_ledger(
     notices = abort_notices(grid)
     assert sorted(notices) == [node(p) for p in range(3)]
     assert not any(notice.noisy_output for notice in notices.values())
-    for partition in range(3):
+    assert states(paths.site_ledger(0)) == {release_id: ReleaseState.COMMITTED}
+    for partition in (1, 2):
         assert states(paths.site_ledger(partition)) == {release_id: ReleaseState.ABORTED}
         assert spent_epsilon(paths.site_ledger(partition)) is None
     assert_no_artifact(paths, release_id, range(3))
@@ -403,7 +414,9 @@ def test_too_few_sites_after_the_gumbel_picks_aborts_but_counts_everywhere(
     # 2 of 3 sites: noisy output (the picks) exists, so nothing may be refunded.
     release_id = "lost-after-noise"
     config = run_config(world, release_id, 3, selection="private", order="select-first")
-    grid = ExtractSumLossGrid(client_app, num_nodes=3, run_config=config, lost={node(1), node(2)})
+    grid = ExtractSumLossGrid(
+        site_relays(3), num_nodes=3, run_config=config, lost={node(1), node(2)}
+    )
     # Act
     with pytest.raises(InsufficientSharesError):
         release(world, paths, config, grid=grid)
@@ -448,9 +461,7 @@ def test_fewer_accepting_sites_than_min_sites_aborts_and_spends_nothing(
     release_id = "too-few-accept"
     config = run_config(world, release_id, 3, selection="private")
     other = {"model-path": str(world.other_model)}
-    grid = InProcessGrid(
-        client_app, num_nodes=3, run_config=config, node_configs=[{}, other, other]
-    )
+    grid = InProcessGrid(site_relays(3, [{}, other, other]), num_nodes=3, run_config=config)
     # Act
     with pytest.raises(InsufficientSharesError, match="accepting sites must number at least"):
         release(world, paths, config, grid=grid)
@@ -486,7 +497,7 @@ def test_the_server_app_refuses_a_seeded_noise_source_before_anything_happens(
     # Arrange: the ServerApp's noise factory now hands out a seeded (test-only) source.
     monkeypatch.setattr(server.app, "secure_noise", lambda: SeededNoise(0))
     config = run_config(world, "seeded-in-production", 3, selection="all")
-    grid = InProcessGrid(client_app, num_nodes=3, run_config=config)
+    grid = InProcessGrid(site_relays(3), num_nodes=3, run_config=config)
     # Act
     with pytest.raises(InsecureRandomnessError, match="cryptographic noise source"):
         server.app.app(grid, make_server_context(config))
@@ -508,7 +519,7 @@ def test_the_server_app_releases_with_the_secure_noise_source_only(
 
     monkeypatch.setattr(server.app, "run_coordinated_release", spy)
     config = run_config(world, "production", 3, selection="all")
-    grid = InProcessGrid(client_app, num_nodes=3, run_config=config)
+    grid = InProcessGrid(site_relays(3), num_nodes=3, run_config=config)
     # Act
     server.app.app(grid, make_server_context(config))
     # Assert

@@ -12,6 +12,7 @@ from dpmtv_common.errors import (
     DpmtvError,
     LedgerError,
     ModelMismatchError,
+    PolicyError,
     PrivacyBudgetExceededError,
 )
 from protocol import (
@@ -21,6 +22,7 @@ from protocol import (
     ErrorReply,
     MessageDecodeError,
     NoisyVectorBroadcast,
+    PlanMismatchError,
     PlanAccept,
     ProtocolError,
     ReleaseAck,
@@ -36,7 +38,8 @@ from protocol import (
 
 # ----------------------------------------------------------------- strategies
 
-names = st.text(min_size=1, max_size=20).filter(lambda s: s.strip() != "")
+names = st.text(min_size=1, max_size=20).filter(lambda s: s.strip() != "" and s.isprintable())
+release_ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_-]{0,20}", fullmatch=True)
 positive = st.floats(min_value=1e-6, max_value=1e6, allow_nan=False, allow_infinity=False)
 SUM_STAGES: tuple[Literal["select", "extract"], ...] = ("select", "extract")
 small_counts = st.integers(min_value=1, max_value=10_000)
@@ -49,7 +52,7 @@ head_lists = st.sets(st.tuples(st.integers(0, 63), st.integers(0, 63)), min_size
 def secure_sum_requests(draw: st.DrawFn) -> SecureSumRequest:
     stage = draw(st.sampled_from(SUM_STAGES))
     return SecureSumRequest(
-        release_id=draw(names),
+        release_id=draw(release_ids),
         stage=stage,
         heads=draw(st.none() | head_lists),
         clip_norm=draw(positive),
@@ -61,7 +64,7 @@ def secure_sum_requests(draw: st.DrawFn) -> SecureSumRequest:
 messages = st.one_of(
     st.builds(
         PlanAccept,
-        release_id=names,
+        release_id=release_ids,
         site_name=names,
         num_chunks=st.integers(0, 10**6),
         num_layers=st.integers(1, 64),
@@ -70,21 +73,21 @@ messages = st.one_of(
     ),
     st.builds(ErrorReply, code=st.sampled_from(ErrorCode), reason=st.text()),
     secure_sum_requests(),
-    st.builds(NoisyVectorBroadcast, release_id=names, heads=head_lists),
+    st.builds(NoisyVectorBroadcast, release_id=release_ids, heads=head_lists),
     st.builds(
         ReleaseRequest,
-        release_id=names,
+        release_id=release_ids,
         manifest_json=st.text(),
         tensors=st.binary(),
         signature=st.binary(),
     ),
     st.builds(
         ReleaseAck,
-        release_id=names,
+        release_id=release_ids,
         site_name=names,
         artifact_sha256=st.text("0123456789abcdef", min_size=64, max_size=64),
     ),
-    st.builds(AbortNotice, release_id=names, reason=st.text(), noisy_output=st.booleans()),
+    st.builds(AbortNotice, release_id=release_ids, reason=st.text(), noisy_output=st.booleans()),
 )
 
 ANY_MESSAGE: TypeAdapter[AnyMessage] = TypeAdapter(AnyMessage)
@@ -101,19 +104,33 @@ ANY_MESSAGE: TypeAdapter[AnyMessage] = TypeAdapter(AnyMessage)
         (ConfigError("shots must be >= 1"), "bad-request"),
         (MessageDecodeError("body invalid"), "bad-request"),
         (LedgerError("ledger corrupt"), "refused"),
+        (PolicyError("epsilon above the site cap"), "policy"),
+        (PlanMismatchError("artifact epsilon differs"), "plan-mismatch"),
         (ArtifactFormatError("missing manifest"), "refused"),
         (DpmtvError("anything else of ours"), "refused"),
     ],
 )
-def test_error_reply_maps_typed_exceptions_to_codes_and_keeps_their_message(
+def test_error_reply_maps_typed_exceptions_to_codes_and_drops_their_message(
     exc: Exception, code: str
 ) -> None:
     # Act
     reply = ErrorReply.from_exception(exc)
 
-    # Assert
+    # Assert: the code and the class travel; the text (may quote private data) does not.
     assert reply.code == ErrorCode(code)
-    assert reply.reason == str(exc)
+    assert reply.error_type == type(exc).__name__
+    assert str(exc) not in reply.reason
+    assert str(exc) not in reply.model_dump_json()
+
+
+def test_error_reply_never_carries_a_quoted_private_record() -> None:
+    record = '{"image": "patient-0042.png", "answer": "malignant, stage II"}'
+    exc = DataError(f"manifest line 7 must be valid JSON, got {record!r}")
+
+    reply = ErrorReply.from_exception(exc)
+
+    assert "patient" not in reply.model_dump_json()
+    assert "malignant" not in reply.model_dump_json()
 
 
 @pytest.mark.parametrize(
@@ -127,10 +144,9 @@ def test_error_reply_hides_the_text_of_unexpected_exceptions(exc: Exception) -> 
     assert "internal error" in reply.reason
 
 
-def test_error_reply_bounds_the_reason_length() -> None:
-    reply = ErrorReply.from_exception(DataError("x" * 10_000))
-
-    assert len(reply.reason) == 2000
+def test_error_reply_refuses_an_unbounded_reason() -> None:
+    with pytest.raises(ValueError, match="reason must be at most 2000"):
+        ErrorReply(code=ErrorCode.REFUSED, reason="x" * 2001)
 
 
 def test_raise_remote_raises_remote_error_with_code_and_reason() -> None:
@@ -140,7 +156,7 @@ def test_raise_remote_raises_remote_error_with_code_and_reason() -> None:
         reply.raise_remote()
 
     assert info.value.code is ErrorCode.BUDGET_EXCEEDED
-    assert info.value.reason == "epsilon 2.0 > 1.5 left"
+    assert info.value.reason == "DpmtvError: epsilon 2.0 > 1.5 left"
     assert isinstance(info.value, ProtocolError)
 
 
@@ -154,6 +170,8 @@ def test_error_codes_are_the_documented_set() -> None:
         "stage-order",
         "internal",
         "refused",
+        "policy",
+        "plan-mismatch",
     }
 
 

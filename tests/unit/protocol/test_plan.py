@@ -126,7 +126,16 @@ def test_public_heads_are_required_iff_public_mode_and_canonical(
         ("min_sites", 0, "min_sites must be >= 1"),
         ("max_chunks_per_site", 0, "max_chunks_per_site must be >= 1"),
         ("selection_share", 1.0, "selection_share must lie strictly between 0 and 1"),
-        ("release_id", "", "release_id must be non-empty, got ''"),
+        ("release_id", "", "release_id must be 1-64 characters"),
+        ("release_id", "..", "release_id must be 1-64 characters"),
+        ("release_id", "../../x", "release_id must be 1-64 characters"),
+        ("release_id", "/etc", "release_id must be 1-64 characters"),
+        ("release_id", "a" * 65, "release_id must be 1-64 characters"),
+        ("task", "t" * 201, "task must be at most 200 printable characters"),
+        ("task", "line\nbreak", "task must be at most 200 printable characters"),
+        ("epsilon", 1e6, "epsilon must be at most 100.0"),
+        ("shots", 10_000, "shots must be at most 256"),
+        ("num_selected_heads", 100_000, "num_selected_heads must be at most 65536"),
         ("task", "  ", "task must be non-empty"),
         ("model_fingerprint", "", "model_fingerprint must be non-empty"),
         ("protocol_version", "1", "protocol_version must be 'MAJOR.MINOR', got '1'"),
@@ -205,7 +214,8 @@ def test_plan_hash_is_sha256_hex() -> None:
     assert set(digest) <= set("0123456789abcdef")
 
 
-names = st.text(min_size=1, max_size=20).filter(lambda s: s.strip() != "")
+names = st.text(min_size=1, max_size=20).filter(lambda s: s.strip() != "" and s.isprintable())
+release_ids = st.from_regex(r"[A-Za-z0-9][A-Za-z0-9_-]{0,20}", fullmatch=True)
 positive = st.floats(min_value=1e-6, max_value=1e6, allow_nan=False, allow_infinity=False)
 open_unit = st.floats(min_value=1e-12, max_value=1 - 1e-12)
 counts = st.integers(min_value=1, max_value=10_000)
@@ -222,12 +232,12 @@ def plans(draw: st.DrawFn) -> ReleasePlan:
     public_heads = draw(head_lists) if selection is SelectionMode.PUBLIC else None
     return ReleasePlan(
         protocol_version=PROTOCOL_VERSION,
-        release_id=draw(names),
+        release_id=draw(release_ids),
         task=draw(names),
         model_fingerprint=draw(names),
-        epsilon=draw(positive),
+        epsilon=draw(st.floats(min_value=1e-6, max_value=100.0)),
         delta=draw(open_unit),
-        shots=draw(counts),
+        shots=draw(st.integers(1, 256)),
         clip_norm=draw(positive),
         selection=selection,
         order=draw(st.sampled_from(ReleaseOrder)),

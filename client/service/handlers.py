@@ -1,0 +1,182 @@
+"""The site's real Flower handlers, run inside the site service (never in the relay).
+
+Message types (the coordinator's ``server.app`` sends them in this order):
+
+* ``query.plan`` — a ``PlanRequest``; replies ``PlanAccept`` or ``ErrorReply``.
+* ``train`` — a SecAgg+ round: :func:`secagg_policy_mod` checks the coordinator's SecAgg+
+  parameters against the site's policy, then Flower's ``secaggplus_mod`` runs the protocol
+  with the service's own state; at collect, :func:`contribute` hands it the site's arrays and
+  the mod masks them here, so a relay only ever carries masked integers.
+* ``query.noisy_vector`` — release-first order: the noisy all-head vector to score against.
+* ``query.release`` — the signed artifact; replies ``ReleaseAck``.
+* ``query.abort`` — the release stops; the site resolves it from its own record.
+
+Every failure becomes data: an ``ErrorReply`` with a code and a fixed reason (queries) or a
+Flower ``Error`` with a fixed reason (SecAgg+ rounds). Exception text stays in the site log.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+
+from flwr.app import ConfigRecord, Context, Error, Message
+from flwr.client.mod import secaggplus_mod
+from flwr.clientapp import ClientApp
+from flwr.clientapp.typing import ClientAppCallable
+from flwr.common.constant import ErrorCode as FlowerErrorCode
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+
+from client.secagg import install_secure_mask_prg, secaggplus_clipping_range, secure_sum_reply
+from client.settings import SiteSettings
+from client.site import Site
+from dpmtv_common.errors import DpmtvError, PolicyError
+from dpmtv_common.heads import HeadSet
+from protocol import (
+    AbortNotice,
+    ErrorReply,
+    NoisyVectorBroadcast,
+    PlanRequest,
+    ReleaseRequest,
+    WireMessage,
+    expect,
+    message_arrays_from_record,
+    message_to_record,
+    secure_sum_request_from_config,
+)
+
+__all__ = ["build_site_app", "error_message", "secagg_policy_mod"]
+
+_log = logging.getLogger(__name__)
+
+
+def build_site_app(site: Site) -> ClientApp:
+    """The ClientApp whose handlers decide for ``site``; the service calls it per message."""
+    install_secure_mask_prg()  # masks from ChaCha20, as the coordinator's (checked per round)
+    app = ClientApp()
+
+    @app.query("plan")
+    def plan(msg: Message, context: Context) -> Message:
+        def handle() -> WireMessage:
+            request = expect(msg.content, PlanRequest)
+            return site.accept_plan(request.plan, run_id=msg.metadata.run_id)
+
+        return _reply(msg, handle)
+
+    @app.train(mods=[secagg_policy_mod(site.settings), secaggplus_mod])
+    def contribute(msg: Message, context: Context) -> Message:
+        request = secure_sum_request_from_config(msg.content.config_records["fitins.config"])
+        arrays = site.contribution(request, run_id=msg.metadata.run_id)
+        return secure_sum_reply(msg, arrays, clipping_range=secaggplus_clipping_range(context))
+
+    @app.query("noisy_vector")
+    def noisy_vector(msg: Message, context: Context) -> Message:
+        def handle() -> WireMessage:
+            notice = expect(msg.content, NoisyVectorBroadcast)
+            values = message_arrays_from_record(msg.content)["values"]
+            site.store_reference(
+                notice.release_id, HeadSet(notice.heads), values, run_id=msg.metadata.run_id
+            )
+            return notice
+
+        return _reply(msg, handle)
+
+    @app.query("release")
+    def release(msg: Message, context: Context) -> Message:
+        def handle() -> WireMessage:
+            request = expect(msg.content, ReleaseRequest)
+            return site.finish(request, run_id=msg.metadata.run_id)
+
+        return _reply(msg, handle)
+
+    @app.query("abort")
+    def abort(msg: Message, context: Context) -> Message:
+        def handle() -> WireMessage:
+            notice = expect(msg.content, AbortNotice)
+            site.abort(notice, run_id=msg.metadata.run_id)
+            return notice
+
+        return _reply(msg, handle)
+
+    return app
+
+
+def _reply(msg: Message, handle: Callable[[], WireMessage]) -> Message:
+    """Run a handler; failures travel back as an ErrorReply with a fixed reason."""
+    try:
+        answer = handle()
+    except DpmtvError as exc:  # a typed refusal; its text stays here
+        _log.warning("%s refused: %s", msg.metadata.message_type, exc)
+        answer = ErrorReply.from_exception(exc)
+    except Exception as exc:  # a bug or an I/O failure
+        _log.exception("%s failed", msg.metadata.message_type)
+        answer = ErrorReply.from_exception(exc)
+    return Message(message_to_record(answer), reply_to=msg)
+
+
+def error_message(msg: Message, exc: BaseException) -> Message:
+    """A Flower error reply for ``msg`` that carries the code and class, never the text."""
+    reply = ErrorReply.from_exception(exc)
+    reason = f"{reply.code.value}: {reply.error_type}: {reply.reason}"
+    return Message(Error(FlowerErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=msg)
+
+
+def secagg_policy_mod(
+    settings: SiteSettings,
+) -> Callable[[Message, Context, ClientAppCallable], Message]:
+    """A mod that refuses SecAgg+ parameters weaker than the site's policy.
+
+    At ``setup``: at least ``settings.min_sites`` sites in the sum, and a reconstruction
+    threshold above ``secagg_min_threshold_fraction`` of the neighbourhood (so fewer
+    colluding neighbours cannot rebuild this site's mask secrets). At ``unmask``: no node may
+    be both active and dropped (asking for both shares of one node would unmask it).
+    """
+
+    def mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+        configs = msg.content.config_records.get(RECORD_KEY_CONFIGS, ConfigRecord())
+        stage = configs.get(Key.STAGE)
+        if stage == Stage.SETUP:
+            _check_setup(configs, settings)
+        elif stage == Stage.UNMASK:
+            _check_unmask(configs)
+        return call_next(msg, context)
+
+    return mod
+
+
+def _check_setup(configs: ConfigRecord, settings: SiteSettings) -> None:
+    sample, shares, threshold = (
+        _int(configs.get(key)) for key in (Key.SAMPLE_NUMBER, Key.SHARE_NUMBER, Key.THRESHOLD)
+    )
+    if sample < settings.min_sites:
+        raise PolicyError(
+            f"secure sum must include at least this site's minimum of {settings.min_sites} "
+            f"sites, got {sample}."
+        )
+    needed = int(shares * settings.secagg_min_threshold_fraction) + 1
+    if threshold < max(needed, 2) or threshold > shares:
+        raise PolicyError(
+            f"SecAgg+ reconstruction threshold must lie in [{max(needed, 2)}, {shares}] for a "
+            f"neighbourhood of {shares}, got {threshold}."
+        )
+
+
+def _check_unmask(configs: ConfigRecord) -> None:
+    active = set(_ints(configs.get(Key.ACTIVE_NODE_ID_LIST)))
+    dead = set(_ints(configs.get(Key.DEAD_NODE_ID_LIST)))
+    if active & dead:
+        raise PolicyError(
+            f"SecAgg+ unmask lists must be disjoint, got {len(active & dead)} node(s) in both."
+        )
+
+
+def _int(value: object) -> int:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    raise PolicyError(f"SecAgg+ setup value must be an int, got {type(value).__name__}.")
+
+
+def _ints(value: object) -> list[int]:
+    if isinstance(value, list) and all(isinstance(v, int) for v in value):
+        return list(value)
+    raise PolicyError(f"SecAgg+ node list must hold ints, got {type(value).__name__}.")

@@ -1,0 +1,247 @@
+"""The site service: one long-lived process that owns the site's data, model, ledger and keys.
+
+How this connects (OpenSSH-style privilege separation, docs/design.md "Threat model"): the
+site admin starts ``dpmtv-site serve`` from the package installed at the site, under its own
+user. Flower's SuperNode starts a fresh ``flwr-clientapp`` per message, which runs the relay
+(:mod:`client.relay`, possibly code the coordinator shipped in its FAB): it forwards the
+serialised ``Message`` over this service's Unix socket and returns the reply. The service
+decodes it, runs the real handlers (:mod:`client.service.handlers`, SecAgg+ mod included) on
+a ``Context`` it keeps itself per run — never the relay's state or node config — and answers
+with the reply ``Message``. The relay is never given a path, a key or a plaintext
+contribution: it sees plans, masked integers and artifacts, as the coordinator does.
+
+Lifecycle: one service per ledger (an exclusive lock beside the ledger; a second service is
+refused), one request at a time under a lock, a log line per release state change, a sweep
+that resolves releases left idle, and on SIGTERM/SIGINT a clean stop: the request in flight
+finishes, open releases are resolved from the site's record, the socket file is removed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import json
+import logging
+import os
+import socket
+import socketserver
+import stat
+import threading
+from collections import OrderedDict
+from pathlib import Path
+from typing import IO, Any
+
+from flwr.app import Context, Message, RecordDict
+from flwr.common.serde import message_from_proto, message_to_proto
+from flwr.proto.message_pb2 import Message as ProtoMessage
+
+from client.service.handlers import build_site_app, error_message
+from client.service.wire import FrameKind, read_frame, write_frame
+from client.settings import SiteSettings
+from client.site import Site
+from dpmtv_common.errors import ServiceError
+
+__all__ = ["SiteService"]
+
+_log = logging.getLogger(__name__)
+_MAX_RUNS = 16  # per-run SecAgg+ state kept; older runs' contexts are dropped
+_READ_TIMEOUT_S = 120.0
+
+
+class SiteService:
+    """The site's policy engine behind its socket.
+
+    Attributes:
+        site: The site whose handlers decide.
+        max_frame_bytes: The largest request accepted from a relay.
+    """
+
+    def __init__(self, settings: SiteSettings, *, max_frame_bytes: int = 1 << 30) -> None:
+        self.site = Site(settings)
+        self.max_frame_bytes = max_frame_bytes
+        self._app = build_site_app(self.site)
+        self._contexts: OrderedDict[tuple[int, int], Context] = OrderedDict()
+        self._lock = threading.Lock()
+        self._lock_file: IO[str] | None = None
+        self._server: socketserver.UnixStreamServer | None = None
+
+    @property
+    def settings(self) -> SiteSettings:
+        """The site admin's settings."""
+        return self.site.settings
+
+    def handle_message(self, message: Message) -> Message:
+        """Run the site's handlers on one message with the service's own context."""
+        with self._lock:
+            context = self._context_for(message)
+            try:
+                return self._app(message, context)
+            except Exception as exc:  # failures become data; the text stays in the log
+                _log.warning("%s failed: %s", message.metadata.message_type, exc)
+                return error_message(message, exc)
+
+    def handle_bytes(self, payload: bytes) -> bytes:
+        """One serialised request ``Message`` in, one serialised reply out."""
+        try:
+            message = message_from_proto(ProtoMessage.FromString(payload))
+        except Exception as exc:
+            raise ServiceError(f"request must be a serialised Flower Message: {exc}") from exc
+        reply = self.handle_message(message)
+        return bytes(message_to_proto(reply).SerializeToString())
+
+    def status(self) -> dict[str, Any]:
+        """What a health check reports."""
+        return {
+            "status": "ok",
+            "site": self.settings.name,
+            "pid": os.getpid(),
+            "ledger": str(self.settings.ledger_file),
+            "open_releases": len(self.site.records.open_records()),
+        }
+
+    def _context_for(self, message: Message) -> Context:
+        key = (message.metadata.run_id, message.metadata.dst_node_id)
+        context = self._contexts.get(key)
+        if context is None:
+            context = Context(
+                run_id=key[0], node_id=key[1], node_config={}, state=RecordDict(), run_config={}
+            )
+            self._contexts[key] = context
+            while len(self._contexts) > _MAX_RUNS:
+                self._contexts.popitem(last=False)
+        self._contexts.move_to_end(key)
+        return context
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def acquire(self, *, exclusive: bool = True) -> None:
+        """Take the one-service-per-ledger lock and resolve what a previous run left open.
+
+        ``exclusive=False`` skips the lock: only for in-process consortia (simulation, tests),
+        whose services share one process and never run a message concurrently.
+
+        Raises:
+            ServiceError: Another service holds the lock.
+        """
+        if exclusive:
+            self._lock_file = _lock_ledger(self.settings.ledger_file)
+        with self._lock:
+            for release_id in self.site.sweep(everything=True):
+                _log.info("release %s: resolved at start (left open by an earlier run)", release_id)
+
+    def sweep(self) -> None:
+        """Resolve releases idle past the site's limit (called periodically)."""
+        with self._lock:
+            self.site.sweep()
+
+    def serve(self, socket_path: Path, *, ready: threading.Event | None = None) -> None:
+        """Listen on ``socket_path`` until :meth:`stop`; blocks."""
+        if self._lock_file is None:
+            self.acquire()
+        _prepare_socket_path(socket_path)
+        server = _Server(str(socket_path), _Handler)
+        server.service = self
+        os.chmod(socket_path, self.settings.socket_mode)
+        self._server = server
+        sweeper = _Sweeper(self, interval=min(30.0, self.settings.idle_release_seconds / 4))
+        sweeper.start()
+        _log.info("site %s serving on %s", self.settings.name, socket_path)
+        if ready is not None:
+            ready.set()
+        try:
+            server.serve_forever(poll_interval=0.2)
+        finally:
+            sweeper.stop()
+            server.server_close()
+            socket_path.unlink(missing_ok=True)
+            self._shutdown()
+
+    def stop(self) -> None:
+        """Ask :meth:`serve` to return after the request in flight (safe from any thread)."""
+        if self._server is not None:
+            threading.Thread(target=self._server.shutdown, daemon=True).start()
+
+    def close(self) -> None:
+        """Resolve open releases and release the lock (what a stop does, without a socket)."""
+        self._shutdown()
+
+    def _shutdown(self) -> None:
+        with self._lock:
+            for release_id in self.site.sweep(everything=True):
+                _log.info("release %s: resolved at stop", release_id)
+        if self._lock_file is not None:
+            self._lock_file.close()
+            self._lock_file = None
+        _log.info("site %s stopped", self.settings.name)
+
+
+class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+    daemon_threads = True
+    service: SiteService
+
+
+class _Handler(socketserver.BaseRequestHandler):
+    def handle(self) -> None:
+        service: SiteService = self.server.service  # type: ignore[attr-defined]
+        sock: socket.socket = self.request
+        sock.settimeout(_READ_TIMEOUT_S)
+        try:
+            kind, payload = read_frame(sock, max_bytes=service.max_frame_bytes)
+            if kind is FrameKind.PING:
+                write_frame(sock, FrameKind.STATUS, json.dumps(service.status()).encode())
+            elif kind is FrameKind.MESSAGE:
+                write_frame(sock, FrameKind.REPLY, service.handle_bytes(payload))
+            else:
+                write_frame(sock, FrameKind.ERROR, f"unexpected frame kind {kind.name}".encode())
+        except (ServiceError, OSError) as exc:
+            _log.warning("relay connection refused: %s", exc)
+            with contextlib.suppress(OSError):  # the relay may be gone: nothing to tell it
+                write_frame(sock, FrameKind.ERROR, b"request refused by the site service")
+
+
+class _Sweeper(threading.Thread):
+    def __init__(self, service: SiteService, *, interval: float) -> None:
+        super().__init__(name="dpmtv-sweeper", daemon=True)
+        self._service = service
+        self._interval = interval
+        self._stopped = threading.Event()
+
+    def run(self) -> None:
+        while not self._stopped.wait(self._interval):
+            try:
+                self._service.sweep()
+            except Exception:  # a sweep failure must not stop the service; it is logged
+                _log.exception("sweep failed")
+
+    def stop(self) -> None:
+        self._stopped.set()
+
+
+def _lock_ledger(ledger: Path) -> IO[str]:
+    ledger.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+    handle = ledger.with_name(ledger.name + ".service-lock").open("a+", encoding="utf-8")
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        handle.seek(0)
+        holder = handle.read().strip() or "unknown"
+        handle.close()
+        raise ServiceError(
+            f"another dpmtv-site service already serves ledger {ledger} (pid {holder}); "
+            "stop it first, or give this one another --ledger or --state-dir."
+        ) from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    return handle
+
+
+def _prepare_socket_path(path: Path) -> None:
+    """Make the socket's folder; remove a stale socket (we hold the lock), never a file."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    if not (path.exists() or path.is_symlink()):
+        return
+    if not stat.S_ISSOCK(path.lstat().st_mode):
+        raise ServiceError(f"socket path must be free or a stale socket, got a file at {path}.")
+    path.unlink()

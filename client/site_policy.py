@@ -1,0 +1,329 @@
+"""What a site checks before it lets anything of its data move: pure functions, no I/O.
+
+How this connects: :class:`client.site.Site` calls one check per message, with the plan the
+site accepted (from its own :mod:`client.release_record`) and the site's own settings; a
+check raises a typed error and the service turns it into a fixed-text ``ErrorReply``.
+
+* :func:`check_plan` — before any reservation: protocol version, model, trust mode, the
+  site's minimum number of sites, its per-release (ε, δ) caps, head counts inside the model,
+  and the privacy unit of its data.
+* :func:`check_secure_sum` — before a contribution: a stage the plan has, once, in the plan's
+  order, with the plan's clip norm, top-r and head scope (a coordinator asking for a larger
+  clip norm, another head set or a second sum gets nothing).
+* :func:`check_reference` — the noisy all-head vector of a release-first plan, once.
+* :func:`check_artifact` — the signed artifact must be the one this plan produces: same plan
+  hash and id, ε and σ recomputed here from the plan, heads and unit as accepted, and (when
+  the site holds the noisy vector) the very values it was sent.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from client.release_record import ReleaseRecord
+from client.settings import SiteSettings
+from dpmtv_common.aliases import Float64Array, LayerHead
+from dpmtv_common.artifact import TaskVectorArtifact
+from dpmtv_common.errors import ConfigError, ModelMismatchError, PolicyError
+from dpmtv_common.heads import HeadSet
+from protocol import (
+    PlanMismatchError,
+    ReleaseOrder,
+    ReleasePlan,
+    SecureSumRequest,
+    SelectionMode,
+    StageOrderError,
+    check_compatible,
+    plan_calibration,
+)
+
+__all__ = [
+    "ModelShape",
+    "check_artifact",
+    "check_plan",
+    "check_reference",
+    "check_secure_sum",
+    "gaussian_scope",
+    "secure_sum_stages",
+]
+
+ModelShape = tuple[int, int, int]
+"""(L, H, D) of the site's model."""
+
+_REL_TOLERANCE = 1e-9  # ε and σ are recomputed by the same code: only float noise may differ
+
+
+def check_plan(
+    plan: ReleasePlan,
+    *,
+    settings: SiteSettings,
+    fingerprint: str,
+    shape: ModelShape,
+    data_unit: str,
+) -> None:
+    """Refuse a plan this site must not serve; runs before any reservation or data access.
+
+    Raises:
+        VersionMismatchError, ModelMismatchError, PolicyError, ConfigError: as the
+            check that failed says.
+    """
+    check_compatible(plan.protocol_version)
+    if plan.model_fingerprint != fingerprint:
+        raise ModelMismatchError(
+            f"plan model_fingerprint must be this site's {fingerprint!r}, "
+            f"got {plan.model_fingerprint!r}."
+        )
+    _check_policy(plan, settings, data_unit)
+    _check_heads_fit(plan, shape)
+
+
+def _check_policy(plan: ReleasePlan, settings: SiteSettings, data_unit: str) -> None:
+    if plan.noise_mode.value != settings.noise_mode:
+        raise PolicyError(
+            f"plan noise_mode must be this site's {settings.noise_mode!r}, "
+            f"got {plan.noise_mode.value!r}."
+        )
+    if plan.min_sites < settings.min_sites:
+        raise PolicyError(
+            f"plan min_sites must be at least this site's minimum {settings.min_sites}, "
+            f"got {plan.min_sites}."
+        )
+    if plan.epsilon > settings.max_release_epsilon or plan.delta > settings.max_release_delta:
+        raise PolicyError(
+            f"plan (epsilon, delta) must lie within this site's per-release cap "
+            f"({settings.max_release_epsilon}, {settings.max_release_delta}), "
+            f"got ({plan.epsilon}, {plan.delta})."
+        )
+    if plan.privacy_unit.value != data_unit:
+        raise PolicyError(
+            f"plan privacy_unit must be the unit of this site's data {data_unit!r}, "
+            f"got {plan.privacy_unit.value!r}."
+        )
+
+
+def _check_heads_fit(plan: ReleasePlan, shape: ModelShape) -> None:
+    num_layers, num_heads, _ = shape
+    total = num_layers * num_heads
+    if plan.selection is not SelectionMode.ALL and plan.num_selected_heads > total:
+        raise ConfigError(
+            f"plan num_selected_heads must be at most the model's {total} heads, "
+            f"got {plan.num_selected_heads}."
+        )
+    if plan.selection is SelectionMode.PRIVATE and plan.score_top_r > total:
+        raise ConfigError(
+            f"plan score_top_r must be at most the model's {total} heads, got {plan.score_top_r}."
+        )
+    _check_within(plan.public_heads or (), shape, "plan public_heads")
+
+
+def _check_within(heads: tuple[LayerHead, ...], shape: ModelShape, name: str) -> None:
+    num_layers, num_heads, _ = shape
+    outside = [head for head in heads if head[0] >= num_layers or head[1] >= num_heads]
+    if outside:
+        raise ConfigError(
+            f"{name} must lie within {num_layers} layers x {num_heads} heads, "
+            f"got {len(outside)} outside, first {outside[0]!r}."
+        )
+
+
+def secure_sum_stages(plan: ReleasePlan) -> tuple[str, ...]:
+    """The secure sums a plan has, in the order it runs them."""
+    if plan.selection is not SelectionMode.PRIVATE:
+        return ("extract",)
+    if plan.order is ReleaseOrder.SELECT_FIRST:
+        return ("select", "extract")
+    return ("extract", "select")
+
+
+def check_secure_sum(record: ReleaseRecord, request: SecureSumRequest) -> None:
+    """Refuse a secure sum the accepted plan does not call for, now, exactly as asked.
+
+    Raises:
+        StageOrderError: Not a stage of the plan, already contributed, or out of order.
+        PlanMismatchError: A field differs from the plan (clip norm, top-r, heads).
+    """
+    plan = record.plan
+    stages = secure_sum_stages(plan)
+    if request.stage not in stages:
+        raise StageOrderError(
+            f"secure sum stage must be one of the plan's {stages}, got {request.stage!r}."
+        )
+    if request.stage in record.sent:
+        raise StageOrderError(
+            f"secure sum {request.stage!r} of release {record.release_id!r} must run once; "
+            "this site already contributed to it."
+        )
+    before = stages[: stages.index(request.stage)]
+    if any(stage not in record.sent for stage in before):
+        raise StageOrderError(
+            f"secure sum {request.stage!r} must follow {before}, got it after {record.sent}."
+        )
+    if request.clip_norm != plan.clip_norm:
+        raise PlanMismatchError(
+            f"secure sum clip_norm must be the plan's {plan.clip_norm}, got {request.clip_norm}."
+        )
+    if request.stage == "select":
+        _check_select(record, request)
+    else:
+        _check_extract_heads(record, request)
+
+
+def _check_select(record: ReleaseRecord, request: SecureSumRequest) -> None:
+    plan = record.plan
+    if request.score_top_r != plan.score_top_r or request.heads is not None:
+        raise PlanMismatchError(
+            f"select sum must ask for top-{plan.score_top_r} votes over every head, "
+            f"got top-{request.score_top_r} over {request.heads!r}."
+        )
+    if plan.order is ReleaseOrder.RELEASE_FIRST and record.reference_sha256 is None:
+        raise StageOrderError("select sum of a release-first plan must follow the noisy vector.")
+
+
+def _check_extract_heads(record: ReleaseRecord, request: SecureSumRequest) -> None:
+    plan = record.plan
+    shape = (record.num_layers, record.num_heads, record.head_dim)
+    expected = _expected_extract_heads(plan)
+    asked = request.heads
+    if expected is None:
+        if asked is not None and asked != _all_heads(shape).heads:
+            raise PlanMismatchError(
+                f"extract sum of this plan must cover every head, got {len(asked)} heads."
+            )
+        return
+    if asked is None:
+        raise PlanMismatchError("extract sum of this plan must name its heads, got None.")
+    _check_within(asked, shape, "extract heads")
+    if expected and asked != expected:
+        raise PlanMismatchError("extract heads must be the plan's public heads, got others.")
+    if len(asked) != plan.num_selected_heads:
+        raise PlanMismatchError(
+            f"extract sum must cover the plan's k={plan.num_selected_heads} selected heads, "
+            f"got {len(asked)}."
+        )
+
+
+def _expected_extract_heads(plan: ReleasePlan) -> tuple[LayerHead, ...] | None:
+    """None: every head; () : k heads picked privately; else the public list."""
+    if plan.selection is SelectionMode.ALL or plan.order is ReleaseOrder.RELEASE_FIRST:
+        return None
+    if plan.selection is SelectionMode.PUBLIC:
+        return plan.public_heads
+    return ()
+
+
+def check_reference(record: ReleaseRecord, heads: tuple[LayerHead, ...], values: object) -> None:
+    """Refuse a noisy all-head vector the plan does not call for, or one of the wrong shape.
+
+    Raises:
+        StageOrderError: Not a release-first private plan, before extract, or a second one.
+        PlanMismatchError: Heads or shape differ from the site's model.
+    """
+    plan = record.plan
+    if plan.selection is not SelectionMode.PRIVATE or plan.order is not ReleaseOrder.RELEASE_FIRST:
+        raise StageOrderError("a noisy vector is only sent in release-first private plans.")
+    if "extract" not in record.sent or record.reference_sha256 is not None:
+        raise StageOrderError("the noisy vector must come once, after the extract sum.")
+    shape = (record.num_layers, record.num_heads, record.head_dim)
+    array = np.asarray(values)
+    expected = (record.num_layers, record.num_heads, record.head_dim)
+    if heads != _all_heads(shape).heads or array.shape != expected:
+        raise PlanMismatchError(
+            f"noisy vector must have shape (L, H, D) = {expected}, got {array.shape}."
+        )
+    if not np.isfinite(array).all():
+        raise PlanMismatchError("noisy vector must be finite, got NaN or infinity.")
+
+
+def gaussian_scope(record: ReleaseRecord, released: HeadSet) -> HeadSet:
+    """The heads the plan's Gaussian draw covered: what its σ was calibrated for."""
+    plan = record.plan
+    expected = _expected_extract_heads(plan)
+    if expected is None:
+        return _all_heads((record.num_layers, record.num_heads, record.head_dim))
+    return HeadSet(expected) if expected else released
+
+
+def check_artifact(
+    record: ReleaseRecord, artifact: TaskVectorArtifact, reference: Float64Array | None
+) -> None:
+    """Refuse a (validly signed) artifact that is not what the accepted plan produces.
+
+    Raises:
+        PlanMismatchError: Any field differs from what the site recomputes from its plan.
+    """
+    plan, manifest = record.plan, artifact.manifest
+    _same("release_id", manifest.release_id, record.release_id)
+    _same("plan_hash", manifest.plan_hash, record.plan_hash)
+    _same("delta", manifest.delta, plan.delta)
+    _same("clip_norm", manifest.clip_norm, plan.clip_norm)
+    _same("shots", manifest.shots, plan.shots)
+    parameters = manifest.accountant_parameters
+    _same("privacy_unit", parameters.get("privacy_unit"), plan.privacy_unit.value)
+    _same("neighbouring", parameters.get("neighbouring"), plan.neighbouring.value)
+    _check_released_heads(record, artifact.heads)
+    calibration = plan_calibration(plan)
+    _close("epsilon", manifest.epsilon, calibration.bound.epsilon)
+    scope = gaussian_scope(record, artifact.heads)
+    sigma = calibration.gaussian(clip_norm=plan.clip_norm, heads=scope).noise_std
+    _close("noise_std", manifest.noise_std, sigma)
+    if "extract" in record.sent and manifest.num_chunks < record.num_chunks:
+        raise PlanMismatchError(
+            f"artifact num_chunks must count this site's {record.num_chunks} chunks, "
+            f"got {manifest.num_chunks}."
+        )
+    if reference is not None:
+        _check_values_match_reference(record, artifact, reference)
+
+
+def _check_released_heads(record: ReleaseRecord, heads: HeadSet) -> None:
+    plan = record.plan
+    shape = (record.num_layers, record.num_heads, record.head_dim)
+    _check_within(heads.heads, shape, "artifact heads")
+    if plan.selection is SelectionMode.ALL:
+        _same("heads", heads.heads, _all_heads(shape).heads)
+    elif plan.selection is SelectionMode.PUBLIC:
+        _same("heads", heads.heads, plan.public_heads)
+    else:
+        _same("number of heads", len(heads), plan.num_selected_heads)
+        if record.extract_heads is not None:
+            _same("heads", heads.heads, record.extract_heads)
+
+
+def _check_values_match_reference(
+    record: ReleaseRecord, artifact: TaskVectorArtifact, reference: Float64Array
+) -> None:
+    # Release-first: the artifact's rows must be the noisy vector the site was sent, so a
+    # coordinator cannot score against one vector and publish another.
+    all_heads = _all_heads((record.num_layers, record.num_heads, record.head_dim))
+    row = {head: index for index, head in enumerate(all_heads.heads)}
+    rows = reference.reshape(-1, record.head_dim)
+    expected = rows[[row[head] for head in artifact.heads.heads]].astype(np.float32)
+    if not np.allclose(artifact.values, expected, rtol=1e-6, atol=0.0):
+        raise PlanMismatchError(
+            "artifact values must be the rows of the noisy vector this site was sent, got others."
+        )
+
+
+def _all_heads(shape: ModelShape) -> HeadSet:
+    return HeadSet.all_heads(num_layers=shape[0], num_heads=shape[1])
+
+
+def _same(name: str, got: object, expected: object) -> None:
+    if got != expected:
+        raise PlanMismatchError(
+            f"artifact {name} must be the accepted plan's {_short(expected)}, got {_short(got)}."
+        )
+
+
+def _close(name: str, got: float, expected: float) -> None:
+    if not math.isclose(got, expected, rel_tol=_REL_TOLERANCE):
+        raise PlanMismatchError(
+            f"artifact {name} must be {expected!r} as recomputed from the plan, got {got!r}."
+        )
+
+
+def _short(value: object) -> str:
+    text = repr(value)
+    return text if len(text) <= 120 else f"{text[:117]}..."
