@@ -38,8 +38,8 @@ for activations, √(2r) for top-r votes, inflated to Δ̃ = γΔ₂ + √d by r
 rounded). Noise: each share is N_Z(0, σ_l²)^d with σ_l = z·Δ̃/√t, sized for t = ``min_honest``
 honest shares (t ≥ 2 by default; t = 1: a site protects itself alone). Accounting: KLS21
 Thm 1 as zCDP, composed in RDP (``_accounting`` says why no PLD is claimed). Overflow: a share
-beyond Flower's ±c aborts the round (probability ≤ p = ``overflow_probability`` per sum,
-added to δ).
+beyond Flower's ±c aborts the round (probability ≤ p = ``overflow_probability`` per sum;
+(1 + e^ε)·p of δ, :func:`mechanism_delta`).
 
 Dropouts and t (the choice made here): the *plan* fixes t, so every share is sized σ²/t, and
 fixes ``min_sites`` ≥ t; the coordinator aborts below ``min_sites`` survivors (nothing is
@@ -54,8 +54,6 @@ and for the survivors (if all are honest).
 
 from __future__ import annotations
 
-from dpmtv_common.errors import ConfigError
-from dpmtv_common.privacy.accounting import EpsilonBound
 from dpmtv_common.privacy.distributed._accounting import (
     XI_RESERVE,
     DistributedCalibration,
@@ -64,6 +62,7 @@ from dpmtv_common.privacy.distributed._accounting import (
     distributed_epsilon_bound,
     kls21_tau,
     kls21_tau_upper_bound,
+    mechanism_delta,
 )
 from dpmtv_common.privacy.distributed._codec import (
     decode_noisy_sum,
@@ -80,6 +79,7 @@ from dpmtv_common.privacy.distributed._params import (
     distributed_noise_for,
     vote_noise,
 )
+from dpmtv_common.privacy.distributed._release import release_epsilon
 
 __all__ = [
     "MAX_MODULUS_RANGE",
@@ -98,36 +98,8 @@ __all__ = [
     "encode_site_share",
     "kls21_tau",
     "kls21_tau_upper_bound",
+    "mechanism_delta",
     "release_epsilon",
     "top_k_from_noisy_votes",
     "vote_noise",
 ]
-
-
-def release_epsilon(
-    activations: DistributedNoise,
-    votes: DistributedNoise | None,
-    *,
-    honest_shares: int,
-    delta: float,
-) -> EpsilonBound:
-    """ε at total ``delta`` for the noise actually present: ``honest_shares`` shares per sum.
-
-    The mechanisms get ``delta`` minus every sum's overflow probability. Call it with the
-    number of survivors for the manifest's "all survivors honest" figure, and with the
-    survivors minus any assumed fakes (at least t) for the guarantee a site relies on.
-
-    Raises:
-        ConfigError: if the overflow probabilities leave no δ for the mechanisms.
-    """
-    sums = [activations] if votes is None else [activations, votes]
-    overflow = sum(params.overflow_probability for params in sums)
-    if not (0.0 < overflow < delta < 1.0):
-        raise ConfigError(
-            f"delta must lie in ({overflow!r}, 1) (above the sums' overflow probability), "
-            f"got {delta!r}."
-        )
-    bound = distributed_epsilon_bound(
-        [params.event(honest_shares) for params in sums], delta=delta - overflow
-    )
-    return EpsilonBound(bound.epsilon, delta, bound.accountant, dict(bound.by_accountant))

@@ -45,6 +45,7 @@ __all__ = [
     "distributed_epsilon_bound",
     "kls21_tau",
     "kls21_tau_upper_bound",
+    "mechanism_delta",
 ]
 
 XI_RESERVE = 1e-9
@@ -150,8 +151,8 @@ def distributed_epsilon_bound(
 ) -> EpsilonBound:
     """ε at ``delta`` of the composition of ``events`` (RDP; the order does not matter).
 
-    ``delta`` is the δ of the mechanisms alone; the caller adds the probability that a
-    share overflowed its range (see ``DistributedNoise.wrap_probability``).
+    ``delta`` is the δ of the mechanisms alone; :func:`mechanism_delta` says how much of a
+    total δ is left for them once the sums' overflow aborts are counted.
     """
     _check_delta(delta)
     if not events:
@@ -166,8 +167,8 @@ class DistributedCalibration:
 
     Attributes:
         epsilon: total ε target.
-        delta: total δ target (mechanisms plus every sum's overflow probability).
-        mechanism_delta: δ left for the mechanisms, ``delta − overflow_probability``.
+        delta: total δ target (mechanisms plus the overflow aborts).
+        mechanism_delta: δ left for the mechanisms, ``delta − (1 + e^ε)·overflow_probability``.
         overflow_probability: total probability, over the release's sums, that a share
             leaves its SecAgg+ range (then the round aborts; counted in δ). Pass
             ``overflow_probability_per_sum`` to every ``DistributedNoise`` of the release.
@@ -205,8 +206,8 @@ def calibrate_distributed(
 
     The release is one activation sum and, unless ``selection_share`` is None, one vote sum.
     The total zCDP budget ρ is the largest whose RDP conversion, with ξ = ``XI_RESERVE`` per
-    sum, stays within ``epsilon`` at δ minus every sum's overflow probability (bisection,
-    rounded towards privacy); the votes get ``selection_share·ρ``, the activations the rest, and
+    sum, stays within ``epsilon`` at :func:`mechanism_delta` (bisection, rounded towards
+    privacy); the votes get ``selection_share·ρ``, the activations the rest, and
     z = 1/√(2ρ_part) for each (ρ = t/(2·n_h·z²) at n_h = t honest shares).
 
     Raises:
@@ -216,31 +217,47 @@ def calibrate_distributed(
     _check_delta(delta)
     if not (math.isfinite(epsilon) and epsilon > 0):
         raise ConfigError(f"epsilon must be finite and > 0, got {epsilon!r}.")
-    if not (0.0 < overflow_probability_per_sum < delta / 20):
-        raise ConfigError(
-            f"overflow_probability_per_sum must lie in (0, delta/20) = (0, {delta / 20!r}), "
-            f"got {overflow_probability_per_sum!r}."
-        )
     if selection_share is not None and not (0.0 < selection_share < 1.0):
         raise ConfigError(
             f"selection_share must lie in (0, 1) or be None, got {selection_share!r}."
         )
     sums = 1 if selection_share is None else 2
     overflow_probability = sums * overflow_probability_per_sum
-    mechanism_delta = delta - overflow_probability
+    left = mechanism_delta(epsilon=epsilon, delta=delta, overflow_probability=overflow_probability)
     # The margin keeps the split (ρ_a + ρ_s in float) from landing an ulp above the target.
-    rho = _largest_rho(epsilon, mechanism_delta, sums) * (1.0 - 1e-9)
+    rho = _largest_rho(epsilon, left, sums) * (1.0 - 1e-9)
     share = 0.0 if selection_share is None else selection_share
     z_act = 1.0 / math.sqrt(2.0 * (1.0 - share) * rho)
     z_sel = None if selection_share is None else 1.0 / math.sqrt(2.0 * share * rho)
     parts = [((1.0 - share) * rho, XI_RESERVE)]
     if selection_share is not None:
         parts.append((share * rho, XI_RESERVE))
-    achieved = _epsilon_zcdp(parts, mechanism_delta)
-    bound = EpsilonBound(achieved, mechanism_delta, "rdp", {"rdp": achieved})
+    achieved = _epsilon_zcdp(parts, left)
+    bound = EpsilonBound(achieved, left, "rdp", {"rdp": achieved})
     return DistributedCalibration(
-        epsilon, delta, mechanism_delta, overflow_probability, selection_share, z_act, z_sel, bound
+        epsilon, delta, left, overflow_probability, selection_share, z_act, z_sel, bound
     )
+
+
+def mechanism_delta(*, epsilon: float, delta: float, overflow_probability: float) -> float:
+    """δ left for the mechanisms when the sums abort with total probability p: δ − (1 + e^ε)·p.
+
+    Why (1 + e^ε): the real protocol M' equals the analysed mechanism M except on the abort
+    event, so TV(M(D), M'(D)) ≤ p on every dataset, and
+    P[M'(D) ∈ S] ≤ P[M(D) ∈ S] + p ≤ e^ε·(P[M'(D') ∈ S] + p) + δ_M + p.
+
+    Raises:
+        ConfigError: if p is not in (0, 1) or (1 + e^ε)·p exceeds δ/10.
+    """
+    _check_delta(delta)
+    cost = (1.0 + math.exp(min(epsilon, 700.0))) * overflow_probability
+    if not (0.0 < overflow_probability < 1.0 and cost <= delta / 10):
+        raise ConfigError(
+            f"overflow_probability must be in (0, 1) with (1 + e^epsilon)*p <= delta/10 = "
+            f"{delta / 10!r}, got p={overflow_probability!r} (cost {cost!r} at "
+            f"epsilon={epsilon!r}); lower the overflow probability."
+        )
+    return delta - cost
 
 
 def _largest_rho(epsilon: float, delta: float, sums: int) -> float:

@@ -14,6 +14,7 @@ from dpmtv_common.privacy.distributed import (
     calibrate_distributed,
     distributed_epsilon_bound,
     kls21_tau,
+    mechanism_delta,
     release_epsilon,
     vote_noise,
 )
@@ -247,3 +248,17 @@ def test_the_tau_term_is_needed_for_small_shares():
     _, log_pmf = summed_discrete_gaussian_log_pmf(0.6, 3)
     small = event(z=0.6 * math.sqrt(3), t=3, n=3, share_std=0.6, d=1)
     assert renyi_divergence_of_shift(log_pmf, 1, 10.0) > small.rho * 10.0
+
+
+def test_overflow_aborts_cost_one_plus_e_to_the_epsilon_times_p_of_delta():
+    left = mechanism_delta(epsilon=2.0, delta=1e-5, overflow_probability=1e-9)
+    assert left == pytest.approx(1e-5 - (1 + math.exp(2.0)) * 1e-9, rel=1e-12)
+    with pytest.raises(ConfigError, match="overflow_probability"):
+        mechanism_delta(epsilon=8.0, delta=1e-5, overflow_probability=1e-9)
+
+
+def test_calibration_leaves_room_for_the_overflow_aborts():
+    cal = calibrate_distributed(epsilon=EPSILON, delta=DELTA, selection_share=0.2)
+    assert cal.overflow_probability == 2e-12
+    assert cal.mechanism_delta == pytest.approx(DELTA - (1 + math.e) * 2e-12, rel=1e-12)
+    assert cal.bound.epsilon <= EPSILON
