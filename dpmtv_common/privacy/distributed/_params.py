@@ -59,6 +59,9 @@ class SecAggRangeError(ConfigError):
 class DistributedNoise:
     """Public parameters of one distributed-noise secure sum (identical at every party).
 
+    Build it with :func:`distributed_noise_for` (or :func:`activation_noise`,
+    :func:`vote_noise`), which checks the headroom; the fields are not re-validated here.
+
     Privacy unit: one example (or group); relation: replace-one (one chunk changes).
     Sensitivity: ``l2_sensitivity`` Δ₂ in real units, ``grid_l2_sensitivity`` Δ̃ = γΔ₂ + √d
     after rounding (Δ₂ for integral inputs). Noise: each site adds N_Z(0, σ_l²)^d with
@@ -172,6 +175,8 @@ def distributed_noise_for(
         ("overflow_probability", overflow_probability),
     ):
         check_positive(name, value)
+    if overflow_probability >= 1.0:
+        raise ConfigError(f"overflow_probability must be < 1, got {overflow_probability!r}.")
     for name, count in (("dimension", dimension), ("min_honest", min_honest)):
         check_positive_int(name, count)
     if not isinstance(max_sites, int) or max_sites < max(2, min_honest):
