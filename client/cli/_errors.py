@@ -41,7 +41,11 @@ def validation_line(exc: ValidationError, *, options: dict[str, str] | None = No
     for error in exc.errors(include_url=False):
         field = ".".join(str(part) for part in error["loc"]) or exc.title
         shown = names.get(field, field)
-        parts.append(f"{shown}: {error['msg']}, got {error.get('input')!r}")
+        # Our own validators already say "x must ..., got ..."; pydantic's need the value.
+        message = str(error["msg"]).removeprefix("Value error, ")
+        if "got " not in message:
+            message += f", got {error.get('input')!r}"
+        parts.append(f"{shown}: {message}")
     return f"invalid {exc.title}: " + "; ".join(parts)
 
 
