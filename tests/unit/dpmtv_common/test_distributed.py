@@ -80,6 +80,7 @@ def test_parameters_fit_flower_limits_and_grid_step_is_one():
     assert p.clipping_range == p.quantization_range / 2  # step 2c/Q = 1
     assert p.modulus_range > p.max_sites * p.quantization_range
     assert p.modulus_range & (p.modulus_range - 1) == 0
+    assert p.modulus_range == 2**p.modulus_bits
     assert math.log2(p.scale).is_integer()
 
 
@@ -149,6 +150,23 @@ def test_headroom_refuses_shares_too_small_for_kls21():
 def test_parameters_refuse_bad_arguments(name, value):
     with pytest.raises(ConfigError, match=name):
         params(**{name: value})
+
+
+def test_overflow_probability_must_be_below_one():
+    with pytest.raises(ConfigError, match="overflow_probability"):
+        params(overflow_probability=1.0)
+
+
+def test_more_votes_per_chunk_than_heads_is_refused():
+    with pytest.raises(ConfigError, match="top_r"):
+        vote_noise(
+            top_r=9,
+            num_heads=8,
+            max_chunks_per_site=1,
+            noise_multiplier=9.0,
+            min_honest=2,
+            max_sites=4,
+        )
 
 
 def test_min_honest_above_max_sites_is_refused():
@@ -313,6 +331,8 @@ def test_top_k_of_noisy_votes_is_best_first_with_ties_by_index():
     assert top_k_from_noisy_votes(np.array([1.0, 5.0, 3.0, 5.0]), k=3) == (1, 3, 2)
     with pytest.raises(ConfigError, match="k must"):
         top_k_from_noisy_votes(np.array([1.0, 2.0]), k=3)
+    with pytest.raises(ConfigError, match="1-d"):
+        top_k_from_noisy_votes(np.ones((2, 2)), k=1)
 
 
 # --- plan acceptance -----------------------------------------------------------------------

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 from scipy import special, stats
 
-from dpmtv_common.errors import ConfigError
+from dpmtv_common.errors import CalibrationError, ConfigError
 from dpmtv_common.privacy.distributed import (
     DistributedGaussianEvent,
     activation_noise,
@@ -262,3 +262,27 @@ def test_calibration_leaves_room_for_the_overflow_aborts():
     assert cal.overflow_probability == 2e-12
     assert cal.mechanism_delta == pytest.approx(DELTA - (1 + math.e) * 2e-12, rel=1e-12)
     assert cal.bound.epsilon <= EPSILON
+
+
+def test_calibration_refuses_an_epsilon_no_noise_level_meets():
+    with pytest.raises(CalibrationError, match="rho"):
+        calibrate_distributed(epsilon=1e-5, delta=DELTA, selection_share=None)
+
+
+def test_a_large_epsilon_needs_a_smaller_overflow_probability():
+    # (1 + e^20)·1e-12 = 4.9e-4 > δ/10: the aborts alone would spend the δ.
+    with pytest.raises(ConfigError, match="lower the overflow probability"):
+        calibrate_distributed(epsilon=20.0, delta=DELTA, selection_share=None)
+    cal = calibrate_distributed(
+        epsilon=20.0, delta=DELTA, selection_share=None, overflow_probability_per_sum=1e-20
+    )
+    assert cal.bound.epsilon <= 20.0
+
+
+def test_accounting_refuses_empty_events_bad_delta_and_zero_shares():
+    with pytest.raises(ConfigError, match="empty"):
+        distributed_epsilon_bound([], delta=DELTA)
+    with pytest.raises(ConfigError, match="delta"):
+        distributed_epsilon_bound([event()], delta=1.0)
+    with pytest.raises(ConfigError, match="num_shares"):
+        kls21_tau(share_noise_std=1.0, num_shares=0)
