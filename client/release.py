@@ -5,10 +5,18 @@ ledger reserves the plan's cost before any work, marks the release exposed just 
 first noisy output, and commits once the signed artifact is on disk. Any failure before the
 first noisy output aborts the reservation (nothing spent); after it, the release counts as
 spent even if writing the artifact fails (fail closed).
+
+**Validate before spending.** Every check that can fail on the caller's input runs before
+the ledger reservation (:func:`check_release_inputs`): the model fingerprint, the chunks, the
+heads and top-r against the model, the accountant's calibration, and the output path (free,
+inside a folder, writable; replacing an existing artifact needs ``overwrite=True``). So a
+typo costs no epsilon; what can still fail after the first noisy output is I/O, and then the
+release is counted, never silently lost.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -34,24 +42,35 @@ from protocol import (
     ActivationSum,
     ReleaseOutcome,
     ReleasePlan,
+    SelectionMode,
     VoteSum,
+    plan_calibration,
     release_description,
     reserve_plan,
     run_release,
 )
 
-__all__ = ["LocalSums", "SingleHolderRelease", "run_single_holder_release"]
+__all__ = ["LocalSums", "SingleHolderRelease", "check_release_inputs", "run_single_holder_release"]
 
 
 @dataclass
 class LocalSums:
-    """:class:`protocol.ReleaseSums` over one holder's chunks, computed on its own model."""
+    """:class:`protocol.ReleaseSums` over one holder's chunks, computed on its own model.
+
+    Every chunk runs in its own forward pass and a failed chunk contributes the public
+    fallback (zeros) while still counting in m (``client.extraction``), so both sums have
+    ``num_chunks == len(chunks)`` whatever the records hold.
+
+    Attributes:
+        batch_size: Not used: private sums run one chunk per forward pass so that no record
+            can move another chunk's activations. Kept so existing callers keep working.
+    """
 
     loaded: LoadedModel
     chunks: Sequence[Chunk]
     plan: ReleasePlan
     score_method: ScoreMethod = ScoreMethod.SHIFT
-    batch_size: int = 4
+    batch_size: int = 1
     instruction: str | None = None
     progress: bool = True
 
@@ -62,7 +81,6 @@ class LocalSums:
             self.chunks,
             heads=heads,
             clip_norm=self.plan.clip_norm,
-            batch_size=self.batch_size,
             instruction=self.instruction,
             progress=self.progress,
         )
@@ -77,7 +95,6 @@ class LocalSums:
             top_r=self.plan.score_top_r,
             method=method,
             reference=reference,
-            batch_size=self.batch_size,
             instruction=self.instruction,
             progress=self.progress,
         )
@@ -93,16 +110,17 @@ class SingleHolderRelease:
     outcome: ReleaseOutcome
 
 
-def run_single_holder_release(
-    plan: ReleasePlan,
-    *,
-    sums: LocalSums,
-    ledger: PrivacyLedger,
-    signing_key: SigningKey,
-    output: Path,
-    noise: NoiseSource,
-) -> SingleHolderRelease:
-    """Reserve, release, sign, write, commit; see the module docstring."""
+def check_release_inputs(
+    plan: ReleasePlan, *, sums: LocalSums, output: Path, overwrite: bool = False
+) -> None:
+    """Every check that can fail on the inputs of a release, run before any reservation.
+
+    Raises:
+        ModelMismatchError: The plan names another model.
+        ConfigError: No chunks; heads, k or top-r do not fit the model; the output path
+            exists (without ``overwrite``), is not a folder, lies under a file or cannot be
+            written; or the plan cannot be calibrated.
+    """
     loaded = sums.loaded
     if plan.model_fingerprint != loaded.fingerprint:
         raise ModelMismatchError(
@@ -111,6 +129,83 @@ def run_single_holder_release(
         )
     if not sums.chunks:
         raise ConfigError("chunks must hold at least one chunk, got none.")
+    _check_heads_fit(plan, loaded)
+    _check_output(output, overwrite=overwrite)
+    plan_calibration(plan)  # the accountant's answer is cached: run_release reuses it
+
+
+def _check_heads_fit(plan: ReleasePlan, loaded: LoadedModel) -> None:
+    shape = loaded.adapter.head_shape(loaded.model)
+    total = shape.num_layers * shape.num_heads
+    for layer, head in plan.public_heads or ():
+        if layer >= shape.num_layers or head >= shape.num_heads:
+            raise ConfigError(
+                f"public heads must lie within {shape.num_layers} layers x {shape.num_heads} "
+                f"heads, got {(layer, head)!r}."
+            )
+    if plan.selection is SelectionMode.PRIVATE:
+        if plan.num_selected_heads > total:
+            raise ConfigError(
+                f"heads (num_selected_heads) must be at most the model's {total} heads "
+                f"({shape.num_layers} layers x {shape.num_heads}), got {plan.num_selected_heads}."
+            )
+        if plan.score_top_r > total:
+            raise ConfigError(
+                f"top-r (score_top_r) must be at most the model's {total} heads "
+                f"({shape.num_layers} layers x {shape.num_heads}), got {plan.score_top_r}."
+            )
+
+
+def _check_output(output: Path, *, overwrite: bool) -> None:
+    target = Path(output)
+    if target.exists() or target.is_symlink():
+        if not overwrite:
+            raise ConfigError(
+                f"output must not exist yet, got {str(target)!r} which exists; choose a new "
+                "path, or allow replacing it (overwrite)."
+            )
+        if not target.is_dir():
+            raise ConfigError(
+                f"output must be an artifact folder to replace, got {str(target)!r} which is "
+                "not a folder."
+            )
+    parent = target.absolute().parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError(
+            f"output must lie inside a folder, got {str(target)!r} under the file {str(parent)!r}."
+        )
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError(
+            f"output must be writable, got {str(target)!r} in {str(parent)!r}, which this user "
+            "cannot write."
+        )
+
+
+def run_single_holder_release(
+    plan: ReleasePlan,
+    *,
+    sums: LocalSums,
+    ledger: PrivacyLedger,
+    signing_key: SigningKey,
+    output: Path,
+    noise: NoiseSource,
+    overwrite: bool = False,
+) -> SingleHolderRelease:
+    """Check, reserve, release, sign, write, commit; see the module docstring.
+
+    Args:
+        plan: The release plan (its cost is reserved in ``ledger``).
+        sums: The holder's chunks on its model.
+        ledger: The holder's privacy ledger.
+        signing_key: Signs the artifact.
+        output: The artifact folder to create.
+        noise: The DP noise source.
+        overwrite: Replace an existing artifact folder at ``output``.
+    """
+    check_release_inputs(plan, sums=sums, output=output, overwrite=overwrite)
+    loaded = sums.loaded
     reserve_plan(ledger, plan)
     exposed = False
 
@@ -135,6 +230,7 @@ def run_single_holder_release(
             values=np.asarray(outcome.values),
             release=release_description(plan, outcome),
             signing_key=signing_key,
+            overwrite=overwrite,
         )
     except BaseException as exc:
         if exposed:

@@ -11,10 +11,16 @@ by at most 1 (Δ∞ = 1, the sensitivity the Gumbel top-k is calibrated to). Two
   reference value, (ref_h − z_h)·∂log p/∂z_h. One forward and one backward pass a chunk. The
   reference is the chunk's own K-shot activation (select-first) or the released noisy vector
   (release-first, where selection happens after the Gaussian release).
+
+Like extraction (``client.extraction``), every chunk runs in its own forward (and backward)
+pass, so no chunk's prompt can move another's scores, and a chunk that fails (an image that
+no longer decodes, a pass that raises, non-finite scores) casts zero votes and still counts
+in m: the fixed public fallback, logged locally with the count.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,7 +33,12 @@ from torch import nn
 from tqdm import tqdm
 
 from client.chunking import Chunk
-from client.extraction import batched, chunk_prompt, forward_last_token_heads, zero_shot_prompt
+from client.extraction import (
+    chunk_prompt,
+    forward_last_token_heads,
+    log_replaced_chunks,
+    zero_shot_prompt,
+)
 from client.hooks import registered_pre_hooks
 from client.models import LoadedModel, Prompt
 from dpmtv_common.aliases import Float64Array
@@ -38,6 +49,7 @@ __all__ = [
     "ScoreMethod",
     "answer_token_ids",
     "chunk_head_votes",
+    "chunk_votes",
     "last_token_attribution",
     "top_r_votes",
 ]
@@ -52,10 +64,17 @@ class ScoreMethod(StrEnum):
 
 @dataclass(frozen=True)
 class HeadVotes:
-    """Summed votes: ``total[l * H + h]`` counts the chunks that voted for head (l, h)."""
+    """Summed votes: ``total[l * H + h]`` counts the chunks that voted for head (l, h).
+
+    Attributes:
+        total: float64, shape ``(L * H,)``.
+        num_chunks: m, every chunk counted (failed ones included).
+        num_replaced: Chunks that failed and cast zero votes (local bookkeeping only).
+    """
 
     total: Float64Array
     num_chunks: int
+    num_replaced: int = 0
 
 
 def top_r_votes(scores: np.ndarray, top_r: int) -> Float64Array:
@@ -158,6 +177,57 @@ def _chunk_scores(
     return np.asarray(scores.reshape(len(batch), -1).to(torch.float64).numpy())
 
 
+def _checked_reference(loaded: LoadedModel, reference: np.ndarray | None) -> torch.Tensor | None:
+    if reference is None:
+        return None
+    shape = loaded.adapter.head_shape(loaded.model)
+    expected = (shape.num_layers, shape.num_heads, shape.head_dim)
+    ref = torch.as_tensor(np.asarray(reference), dtype=torch.float32)
+    if tuple(ref.shape) != expected or not torch.isfinite(ref).all():
+        raise ConfigError(
+            f"reference must be finite with shape (L, H, D) = {expected}, "
+            f"got shape {tuple(ref.shape)}."
+        )
+    return ref
+
+
+def chunk_votes(
+    loaded: LoadedModel,
+    chunks: Sequence[Chunk],
+    *,
+    top_r: int,
+    method: ScoreMethod = ScoreMethod.SHIFT,
+    reference: np.ndarray | None = None,
+    instruction: str | None = None,
+    failures: Counter[str] | None = None,
+) -> Iterator[Float64Array]:
+    """Each chunk's top-r vote vector ``(L * H,)``, one pass a chunk; zeros for a failed one.
+
+    The exception type of each failed chunk is counted in ``failures`` when given.
+
+    Raises:
+        ConfigError: ``top_r`` outside ``[1, L * H]``, or a bad ``reference`` (checked
+            before any chunk runs).
+    """
+    method = ScoreMethod(method)
+    shape = loaded.adapter.head_shape(loaded.model)
+    num_heads = shape.num_layers * shape.num_heads
+    if not 1 <= top_r <= num_heads:
+        raise ConfigError(f"top_r must lie in [1, {num_heads}] (L * H), got {top_r!r}.")
+    ref = _checked_reference(loaded, reference)
+    for chunk in chunks:
+        try:
+            scores = _chunk_scores(loaded, [chunk], method, ref, instruction)
+            if not np.isfinite(scores).all():
+                raise FloatingPointError("non-finite head scores")
+            yield top_r_votes(scores, top_r)[0]
+        # As in extraction: a failure inside one chunk costs that chunk's votes only.
+        except Exception as exc:
+            if failures is not None:
+                failures[type(exc).__name__] += 1
+            yield np.zeros(num_heads)
+
+
 def chunk_head_votes(
     loaded: LoadedModel,
     chunks: Sequence[Chunk],
@@ -165,24 +235,29 @@ def chunk_head_votes(
     top_r: int,
     method: ScoreMethod = ScoreMethod.SHIFT,
     reference: np.ndarray | None = None,
-    batch_size: int = 4,
     instruction: str | None = None,
     progress: bool = True,
 ) -> HeadVotes:
-    """Sum every chunk's top-r vote over all heads of the model.
+    """Sum every chunk's top-r vote over all heads of the model (see :func:`chunk_votes`).
 
     Args:
         reference: For ``attribution``: values ``(L, H, D)`` to score against (the released
             noisy vector in release-first order); None scores against each chunk's own
             K-shot activation.
     """
-    method = ScoreMethod(method)
-    ref = None if reference is None else torch.as_tensor(reference, dtype=torch.float32)
     shape = loaded.adapter.head_shape(loaded.model)
     total = np.zeros(shape.num_layers * shape.num_heads)
-    with tqdm(total=len(chunks), desc="score", unit="chunk", disable=not progress) as bar:
-        for batch in batched(chunks, batch_size):
-            scores = _chunk_scores(loaded, batch, method, ref, instruction)
-            total += top_r_votes(scores, top_r).sum(axis=0)
-            bar.update(len(batch))
-    return HeadVotes(total, len(chunks))
+    failures: Counter[str] = Counter()
+    votes = chunk_votes(
+        loaded,
+        chunks,
+        top_r=top_r,
+        method=method,
+        reference=reference,
+        instruction=instruction,
+        failures=failures,
+    )
+    for vote in tqdm(votes, total=len(chunks), desc="score", unit="chunk", disable=not progress):
+        total += vote
+    log_replaced_chunks("score", failures, len(chunks))
+    return HeadVotes(total, len(chunks), num_replaced=sum(failures.values()))

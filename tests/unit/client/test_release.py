@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import pytest
 
+import client.release as release_module
 from client.chunking import Chunk, make_chunks
 from client.models import LoadedModel
 from client.release import LocalSums, run_single_holder_release
@@ -228,15 +230,20 @@ def test_a_failure_after_the_noisy_release_keeps_the_cost_spent(
     assert ledger.spent() is not None
 
 
-def test_a_failed_artifact_write_keeps_the_cost_spent(loaded, chunks, ledger, key, tmp_path):
-    # Arrange: the output directory exists and is not empty, so write_artifact refuses it
+def test_a_failed_artifact_write_keeps_the_cost_spent(
+    loaded, chunks, ledger, key, tmp_path, monkeypatch
+):
+    # Arrange: the disk fails while the signed artifact is written, after the noise
     plan = make_plan(loaded)
-    output = tmp_path / "occupied"
-    output.mkdir()
-    (output / "notes.txt").write_text("mine")
+    output = tmp_path / "artifact"
+
+    def full_disk(*args, **kwargs):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(release_module, "write_artifact", full_disk)
 
     # Act
-    with pytest.raises(ConfigError, match="must not exist"):
+    with pytest.raises(OSError, match="No space left"):
         release(plan, spy(loaded, chunks, plan), ledger, key, output)
 
     # Assert: noise was drawn, so the release counts (fail closed)
@@ -245,7 +252,114 @@ def test_a_failed_artifact_write_keeps_the_cost_spent(loaded, chunks, ledger, ke
     assert spent is not None
     event = plan_calibration(plan).event
     assert spent.epsilon == pytest.approx(epsilon_bound([event], delta=DELTA).epsilon)
-    assert (output / "notes.txt").read_text() == "mine"
+
+
+def _occupied(tmp_path: Path) -> Path:
+    output = tmp_path / "occupied"
+    output.mkdir()
+    (output / "notes.txt").write_text("mine")
+    return output
+
+
+def _under_a_file(tmp_path: Path) -> Path:
+    (tmp_path / "a-file").write_text("x")
+    return tmp_path / "a-file" / "artifact"
+
+
+@pytest.mark.parametrize(
+    ("output_of", "overrides", "problem"),
+    [
+        (_occupied, {}, r"output must not exist yet, got .*occupied.* which exists"),
+        (_under_a_file, {}, r"output must lie inside a folder, got .* under the file"),
+        (
+            None,
+            {"num_selected_heads": 100},
+            r"heads \(num_selected_heads\) must be at most the model's 8 heads",
+        ),
+        (None, {"score_top_r": 100}, r"top-r \(score_top_r\) must be at most the model's 8 heads"),
+    ],
+    ids=["output-exists", "output-under-a-file", "heads-100", "top-r-100"],
+)
+def test_a_mistake_the_holder_could_catch_is_refused_before_any_epsilon_is_reserved(
+    loaded, chunks, ledger, key, tmp_path, output_of, overrides, problem
+):
+    # Arrange
+    plan = make_plan(loaded, **overrides)
+    output = output_of(tmp_path) if output_of else tmp_path / "artifact"
+    sums = spy(loaded, chunks, plan)
+
+    # Act / Assert
+    with pytest.raises(ConfigError, match=problem):
+        release(plan, sums, ledger, key, output)
+    assert ledger.releases() == []
+    assert sums.calls == []
+    if output_of is _occupied:
+        assert (output / "notes.txt").read_text() == "mine"
+
+
+def test_public_heads_outside_the_model_are_refused_before_the_reservation(
+    loaded, chunks, ledger, key, tmp_path
+):
+    plan = make_plan(
+        loaded, SelectionMode.PUBLIC, public_heads=((0, 1), (1, 2), (5, 0)), num_selected_heads=3
+    )
+
+    with pytest.raises(ConfigError, match=r"public heads must lie within 2 layers x 4 heads"):
+        release(plan, spy(loaded, chunks, plan), ledger, key, tmp_path / "artifact")
+    assert ledger.releases() == []
+
+
+def test_overwrite_replaces_an_existing_artifact_and_refuses_a_plain_file(
+    loaded, chunks, ledger, key, tmp_path
+):
+    # Arrange: a first release leaves an artifact at the output path
+    first = make_plan(loaded)
+    output = tmp_path / "artifact"
+    release(first, spy(loaded, chunks, first), ledger, key, output)
+    second = make_plan(loaded, release_id="r2")
+    a_file = tmp_path / "plain.txt"
+    a_file.write_text("x")
+
+    # Act
+    result = run_single_holder_release(
+        second,
+        sums=spy(loaded, chunks, second),
+        ledger=ledger,
+        signing_key=key,
+        output=output,
+        noise=SeededNoise(1),
+        overwrite=True,
+    )
+
+    # Assert
+    assert result.manifest.release_id == "r2"
+    with pytest.raises(ConfigError, match=r"not a folder"):
+        run_single_holder_release(
+            make_plan(loaded, release_id="r3"),
+            sums=spy(loaded, chunks, second),
+            ledger=ledger,
+            signing_key=key,
+            output=a_file,
+            noise=SeededNoise(2),
+            overwrite=True,
+        )
+    assert [e.release_id for e in ledger.releases()] == ["r1", "r2"]
+
+
+@pytest.mark.skipif(os.name != "posix" or os.geteuid() == 0, reason="root writes anywhere")
+def test_an_output_folder_this_user_cannot_write_is_refused_before_the_reservation(
+    loaded, chunks, ledger, key, tmp_path
+):
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    locked.chmod(0o500)
+    plan = make_plan(loaded)
+    try:
+        with pytest.raises(ConfigError, match=r"output must be writable"):
+            release(plan, spy(loaded, chunks, plan), ledger, key, locked / "artifact")
+    finally:
+        locked.chmod(0o700)
+    assert ledger.releases() == []
 
 
 def test_a_release_over_budget_is_refused_before_any_extraction(loaded, chunks, key, tmp_path):

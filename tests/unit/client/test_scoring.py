@@ -1,10 +1,15 @@
 from __future__ import annotations
 
+import dataclasses
+import logging
+from pathlib import Path
+
 import numpy as np
 import pytest
 import torch
 
 from client.chunking import Chunk, make_chunks
+from client.data import Record
 from client.extraction import chunk_prompt, forward_last_token_heads, zero_shot_prompt
 from client.hooks import registered_pre_hooks
 from client.scoring import (
@@ -82,7 +87,7 @@ def test_top_r_outside_one_to_the_head_count_is_a_config_error(top_r):
 @pytest.mark.parametrize("method", list(ScoreMethod))
 def test_chunk_votes_total_lies_in_zero_to_m_and_sums_to_m_times_r(loaded, chunks, method):
     # Act
-    votes = chunk_head_votes(loaded, chunks, top_r=3, method=method, batch_size=2, progress=False)
+    votes = chunk_head_votes(loaded, chunks, top_r=3, method=method, progress=False)
 
     # Assert
     m = len(chunks)
@@ -102,7 +107,7 @@ def test_shift_votes_go_to_the_heads_the_demonstrations_move_most(loaded, chunks
         expected += top_r_votes((shots - plain).norm(dim=-1).reshape(1, -1).numpy(), 2)[0]
 
     # Act
-    votes = chunk_head_votes(loaded, chunks, top_r=2, batch_size=1, progress=False)
+    votes = chunk_head_votes(loaded, chunks, top_r=2, progress=False)
 
     # Assert
     np.testing.assert_array_equal(votes.total, expected)
@@ -126,7 +131,6 @@ def test_attribution_votes_score_against_a_layer_head_dim_reference(loaded, chun
         top_r=2,
         method=ScoreMethod.ATTRIBUTION,
         reference=reference,
-        batch_size=1,
         progress=False,
     )
 
@@ -203,3 +207,49 @@ def test_an_answer_without_tokens_is_a_config_error(loaded):
     # Act / Assert
     with pytest.raises(ConfigError, match="answer"):
         answer_token_ids(loaded, ["red", ""])
+
+
+# ---------------------------------------------------------------- failures and bad input
+
+
+@ONE_ARCH
+@pytest.mark.parametrize("top_r", [0, LAYERS * HEADS + 1])
+def test_chunk_head_votes_refuses_a_top_r_outside_the_model_before_any_pass(loaded, top_r):
+    # A chunk that could never be scored would also fail: the check must come first and
+    # raise, not turn every chunk into zero votes.
+    broken = [Chunk(demonstrations=(), query=Record("x", Path("/absent.png"), "q?", ("a",)))]
+
+    with pytest.raises(ConfigError, match=r"top_r must lie in \[1, 8\]"):
+        chunk_head_votes(loaded, broken, top_r=top_r, progress=False)
+
+
+@ONE_ARCH
+def test_chunk_head_votes_refuses_a_reference_of_the_wrong_shape(loaded, chunks):
+    with pytest.raises(ConfigError, match=r"reference must be finite with shape"):
+        chunk_head_votes(
+            loaded,
+            chunks,
+            top_r=2,
+            method=ScoreMethod.ATTRIBUTION,
+            reference=np.zeros((LAYERS, HEADS, DIM + 1)),
+            progress=False,
+        )
+
+
+@ONE_ARCH
+def test_a_chunk_whose_image_is_gone_casts_zero_votes_and_still_counts(
+    loaded, chunks, tmp_path, caplog
+):
+    # Arrange: the query image of chunk 1 disappears after the dataset was loaded
+    gone = dataclasses.replace(chunks[1].query, image_path=tmp_path / "vanished.png")
+    broken = (chunks[0], dataclasses.replace(chunks[1], query=gone), chunks[2])
+    intact = chunk_head_votes(loaded, [chunks[0], chunks[2]], top_r=2, progress=False)
+
+    # Act
+    with caplog.at_level(logging.WARNING, logger="client.extraction"):
+        votes = chunk_head_votes(loaded, broken, top_r=2, progress=False)
+
+    # Assert
+    assert (votes.num_chunks, votes.num_replaced) == (3, 1)
+    np.testing.assert_array_equal(votes.total, intact.total)
+    assert "score: 1 of 3 chunks failed (FileNotFoundError x1)" in caplog.text
