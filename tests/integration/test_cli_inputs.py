@@ -203,6 +203,44 @@ def test_release_overwrite_replaces_an_artifact_only_after_the_new_one_exists(
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
+def _truncate_first_image(data: Path) -> None:
+    whole = (data / "0.png").read_bytes()
+    (data / "0.png").write_bytes(whole[: len(whole) // 2])
+
+
+def _non_utf8_manifest(data: Path) -> None:
+    manifest = data / "manifest.jsonl"
+    manifest.write_bytes(manifest.read_bytes() + b'{"id": "caf\xe9"}\n')
+
+
+BAD_DATA = {
+    "missing-image": lambda data: (data / "3.png").unlink(),
+    "truncated-image": _truncate_first_image,
+    "non-utf8-manifest": _non_utf8_manifest,
+    "missing-manifest": lambda data: (data / "manifest.jsonl").unlink(),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_DATA))
+def test_a_bad_dataset_is_one_line_exit_2_and_reserves_nothing(site, tmp_path, capsys, case):
+    # Arrange
+    data = tmp_path / "data"
+    shutil.copytree(site.data, data)
+    BAD_DATA[case](data)
+    out, ledger = tmp_path / "artifact", tmp_path / "ledger.sqlite"
+    argv = site.release_argv(out, ledger, "--selection", "all")
+    argv[argv.index("--data") + 1] = str(data)
+
+    # Act
+    code = main(argv)
+
+    # Assert
+    assert code == 2
+    one_line(capsys.readouterr().err, str(data))
+    assert not ledger.exists()
+    assert not out.exists()
+
+
 def png_claiming(width: int, height: int) -> bytes:
     """A PNG whose header claims ``width`` x ``height`` pixels (and holds almost no data)."""
 
