@@ -14,6 +14,11 @@ How this connects:
   back at inference (step 8), under one of two :class:`PatchPolicy` values.
 - **Position.** Both act at position ``-1``. Prompts are left-padded
   (``ModelAdapter.build_batch_inputs``), so ``-1`` is every row's last prompt token.
+- **Layers.** Indices are decoder-layer indices. A hybrid model's layers without heads
+  (linear attention, convolution) read as zeros in a capture and cannot be patched.
+- **Length.** Both refuse a prompt longer than the model's context before the forward runs
+  (``client.models.check_prompt_length``), rather than let positions run past the rotary
+  range or memory run out mid-release.
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 from transformers import PreTrainedModel
 
-from client.models.adapters import HeadShape, ModelAdapter
+from client.models.adapters import HeadShape, ModelAdapter, check_prompt_length
 from dpmtv_common.errors import ConfigError, ModelError
 from dpmtv_common.heads import HeadSet
 
@@ -41,6 +46,7 @@ __all__ = [
     "PatchRecord",
     "capture_last_token_heads",
     "patch_heads",
+    "prompt_length_guard",
     "registered_pre_hooks",
 ]
 
@@ -79,6 +85,28 @@ def registered_pre_hooks(
             handle.remove()
 
 
+@contextmanager
+def prompt_length_guard(model: PreTrainedModel) -> Iterator[None]:
+    """Refuse, before the forward runs, any call whose prompt exceeds the model's context.
+
+    A forward pre-hook on the model itself sees ``input_ids`` before any layer does.
+
+    Raises:
+        PromptTooLongError: on such a call (from ``check_prompt_length``).
+    """
+
+    def hook(module: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        input_ids = kwargs.get("input_ids", args[0] if args else None)
+        if isinstance(input_ids, torch.Tensor) and input_ids.ndim == 2:
+            check_prompt_length(model, int(input_ids.shape[1]))
+
+    handle = model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield
+    finally:
+        handle.remove()
+
+
 def _head_input(args: tuple[Any, ...], shape: HeadShape) -> torch.Tensor:
     """Return ``o_proj``'s input from hook args, checked to be ``(batch, seq, H * D)``."""
     hidden = args[0]
@@ -91,7 +119,9 @@ def _head_input(args: tuple[Any, ...], shape: HeadShape) -> torch.Tensor:
 class HeadCapture:
     """Last-position head activations recorded by :func:`capture_last_token_heads`.
 
-    ``calls[l]`` holds one float32 CPU tensor ``(batch, H, D)`` per forward call of layer ``l``.
+    ``calls[l]`` holds one float32 CPU tensor ``(batch, H, D)`` per forward call of decoder
+    layer ``l``; a layer that carries no heads (``l`` not in ``shape.head_layers``) records
+    nothing and reads as zeros.
     """
 
     shape: HeadShape
@@ -105,13 +135,17 @@ class HeadCapture:
         Raises:
             ModelError: Nothing was recorded, or layers saw different numbers of calls.
         """
-        counts = {len(layer_calls) for layer_calls in self.calls}
+        hooked = [self.calls[layer] for layer in self.shape.head_layers]
+        counts = {len(layer_calls) for layer_calls in hooked}
         if counts == {0}:
             raise ModelError("capture must see at least one forward pass, got none.")
         if len(counts) != 1:
             raise ModelError(f"every layer must see the same calls, got counts {sorted(counts)}.")
-        per_call = [torch.stack(step, dim=1) for step in zip(*self.calls, strict=True)]
-        return torch.cat(per_call, dim=0)
+        per_layer = [torch.cat(layer_calls, dim=0) for layer_calls in hooked]
+        batch, heads, dim = per_layer[0].shape
+        dense = torch.zeros(batch, self.shape.num_layers, heads, dim, dtype=torch.float32)
+        dense[:, list(self.shape.head_layers)] = torch.stack(per_layer, dim=1)
+        return dense
 
 
 @contextmanager
@@ -136,8 +170,11 @@ def capture_last_token_heads(
 
         return hook
 
-    projections = adapter.output_projections(model)
-    with registered_pre_hooks((p, make_hook(i)) for i, p in enumerate(projections)):
+    projections = adapter.projections_by_layer(model)
+    with (
+        prompt_length_guard(model),
+        registered_pre_hooks((p, make_hook(i)) for i, p in projections.items()),
+    ):
         yield capture
 
 
@@ -164,6 +201,12 @@ def _validated_values(
             raise ConfigError(
                 f"heads must lie within {shape.num_layers} layers x {shape.num_heads} heads, "
                 f"got {(layer, head)!r}."
+            )
+        if layer not in shape.head_layers:
+            raise ConfigError(
+                f"heads must lie in layers that carry heads {list(shape.head_layers)}, got "
+                f"{(layer, head)!r}: decoder layer {layer} has no attention heads (a hybrid "
+                "model's linear-attention or convolution layer)."
             )
     # A copy: released artifacts are read-only arrays, which torch cannot wrap safely.
     tensor = torch.tensor(np.asarray(values), dtype=torch.float32)
@@ -225,6 +268,7 @@ def patch_heads(
 
         return hook
 
-    projections = adapter.output_projections(model)
-    with registered_pre_hooks((projections[layer], make_hook(layer)) for layer in heads.layers):
+    projections = adapter.projections_by_layer(model)
+    hooks = ((projections[layer], make_hook(layer)) for layer in heads.layers)
+    with prompt_length_guard(model), registered_pre_hooks(hooks):
         yield record

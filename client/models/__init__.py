@@ -5,14 +5,19 @@ Import from here, not from the modules: ``from client.models import load_model, 
 
 from __future__ import annotations
 
+from client.models._plugins import ADAPTER_ENTRY_POINT_GROUP, load_adapter_plugins
 from client.models.adapters import (
     HeadShape,
     ModelAdapter,
     adapter_for,
+    check_prompt_length,
+    context_length,
+    ensure_pad_token,
     get_adapter,
     register_adapter,
     supported_model_types,
 )
+from client.models.errors import AdapterPluginError, PromptTooLongError
 from client.models.loading import (
     LoadedModel,
     ensure_processor_shim,
@@ -22,6 +27,7 @@ from client.models.loading import (
 )
 from client.models.prompts import Example, Message, Prompt, prompt_to_messages
 from client.models.tiny import (
+    ALL_TINY_ARCHITECTURES,
     TINY_ARCHITECTURES,
     TINY_IMAGE_SIZE,
     build_tiny_model,
@@ -29,18 +35,26 @@ from client.models.tiny import (
 )
 
 __all__ = [
+    "ADAPTER_ENTRY_POINT_GROUP",
+    "ALL_TINY_ARCHITECTURES",
+    "AdapterPluginError",
     "Example",
     "HeadShape",
     "LoadedModel",
     "Message",
     "ModelAdapter",
     "Prompt",
+    "PromptTooLongError",
     "TINY_ARCHITECTURES",
     "TINY_IMAGE_SIZE",
     "adapter_for",
     "build_tiny_model",
+    "check_prompt_length",
+    "context_length",
+    "ensure_pad_token",
     "ensure_processor_shim",
     "get_adapter",
+    "load_adapter_plugins",
     "load_model",
     "prompt_to_messages",
     "register_adapter",

@@ -1,14 +1,21 @@
 """Per-architecture knowledge, kept as data in one registry keyed by ``config.model_type``.
 
-An adapter knows where a model's decoder layers live, that each layer's
-``self_attn.o_proj`` input is the concatenation of its heads' outputs ``(batch, seq, H * D)``
+An adapter knows where a model's decoder layers live, which of them carry attention heads and
+where their output projection is (``self_attn.o_proj`` in most; ``cross_attn.o_proj`` in
+Mllama's cross-attention layers; none in a hybrid's linear-attention or convolution layers),
+that the projection's input is the concatenation of its heads' outputs ``(batch, seq, H * D)``
 with head ``h`` in columns ``h * D:(h + 1) * D``, and how to lay out a K-shot prompt in the
-architecture's chat format. Adding an architecture is one ``register_adapter`` call; nothing
-else branches on model names (the Opacus ``register_grad_sampler`` pattern).
+architecture's chat format. Layers are always counted in DECODER-layer indices, also in
+artifacts: layer ``l`` is ``decoder_layers(model)[l]``, whether or not its neighbours carry
+heads. Adding an architecture is one ``register_adapter`` call; nothing else branches on model
+names (the Opacus ``register_grad_sampler`` pattern). A site adds one without editing dpmtv by
+installing a package that declares it in the ``dpmtv.adapters`` entry point group
+(:mod:`client.models._plugins`).
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -16,43 +23,27 @@ from typing import Any
 from torch import nn
 from transformers import BatchFeature, PreTrainedModel, ProcessorMixin
 
+from client.models import _templates
+from client.models._plugins import ADAPTER_ENTRY_POINT_GROUP, load_adapter_plugins
+from client.models.errors import PromptTooLongError
 from client.models.prompts import Example, Prompt, prompt_to_messages
 from dpmtv_common.errors import ConfigError, ModelError, UnsupportedArchitectureError
+from dpmtv_common.heads import HeadSet
 
 __all__ = [
     "HeadShape",
     "ModelAdapter",
     "adapter_for",
+    "check_prompt_length",
+    "context_length",
+    "ensure_pad_token",
     "get_adapter",
     "register_adapter",
     "supported_model_types",
 ]
 
-# The architectures' documented chat formats, written for content lists. They are used only
-# when a processor ships no chat template of its own (a real checkpoint's always wins).
-_LLAVA_TEMPLATE = (
-    "{% for m in messages %}{{ m['role'].upper() }}: "
-    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>\n"
-    "{% else %}{{ c['text'] }} {% endif %}{% endfor %}{% endfor %}"
-    "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
-)
-_QWEN2_VL_TEMPLATE = (
-    "{% for m in messages %}{% if loop.first and m['role'] != 'system' %}"
-    "<|im_start|>system\nYou are a helpful assistant.<|im_end|>\n{% endif %}"
-    "<|im_start|>{{ m['role'] }}\n{% for c in m['content'] %}{% if c['type'] == 'image' %}"
-    "<|vision_start|><|image_pad|><|vision_end|>{% else %}{{ c['text'] }}{% endif %}"
-    "{% endfor %}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
-_IDEFICS3_TURNS = (
-    "{% for m in messages %}{{ m['role'] | capitalize }}"
-    "{% if m['content'][0]['type'] == 'image' %}:{% else %}: {% endif %}"
-    "{% for c in m['content'] %}{% if c['type'] == 'image' %}<image>{% else %}{{ c['text'] }}"
-    "{% endif %}{% endfor %}<end_of_utterance>\n{% endfor %}"
-    "{% if add_generation_prompt %}Assistant:{% endif %}"
-)
-_IDEFICS3_TEMPLATE = "{{ bos_token }}" + _IDEFICS3_TURNS
-_SMOLVLM_TEMPLATE = "<|im_start|>" + _IDEFICS3_TURNS
+
+_NUMPY_COPY_WARNING = r"__array__ implementation doesn't accept a copy keyword"
 
 
 @dataclass(frozen=True)
@@ -60,14 +51,29 @@ class HeadShape:
     """The per-head layout of a model's attention outputs.
 
     Attributes:
-        num_layers: Decoder layers ``L`` (every one has a hooked projection).
+        num_layers: Decoder layers ``L``; layer indices everywhere are decoder-layer indices.
         num_heads: Query heads ``H`` a layer (GQA shares k/v, not the ``o_proj`` input).
         head_dim: Dimensions ``D`` a head.
+        head_layers: The decoder layers that carry heads, ascending; empty means all of them.
+            A hybrid model's linear-attention or convolution layers carry none.
     """
 
     num_layers: int
     num_heads: int
     head_dim: int
+    head_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.head_layers:
+            object.__setattr__(self, "head_layers", tuple(range(self.num_layers)))
+        if any(not 0 <= layer < self.num_layers for layer in self.head_layers):
+            raise ModelError(
+                f"head_layers must lie in [0, {self.num_layers}), got {self.head_layers!r}."
+            )
+
+    def all_heads(self) -> HeadSet:
+        """Every head the model carries, in decoder-layer indices (headless layers left out)."""
+        return HeadSet.of((layer, h) for layer in self.head_layers for h in range(self.num_heads))
 
 
 @dataclass(frozen=True)
@@ -79,14 +85,19 @@ class ModelAdapter:
         layers_path: Dotted attribute path from the model to its decoder ``ModuleList``.
         chat_template: Jinja template of the architecture's documented chat format, used
             when the processor has none.
-        projection_path: Dotted path from a decoder layer to its attention output projection,
-            whose input holds the per-head outputs.
+        projection_paths: Dotted paths from a decoder layer to its attention output
+            projection, whose input holds the per-head outputs; the first that exists in a
+            layer is used (Mllama: ``self_attn.o_proj``, then ``cross_attn.o_proj``).
+        headless_layers: Whether a layer may have none of ``projection_paths`` (a hybrid's
+            linear-attention or convolution layers); it then carries no heads. When False,
+            such a layer is an error: the adapter is wrong for the model.
     """
 
     model_types: tuple[str, ...]
     layers_path: str
     chat_template: str
-    projection_path: str = "self_attn.o_proj"
+    projection_paths: tuple[str, ...] = ("self_attn.o_proj",)
+    headless_layers: bool = False
 
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         """Return the model's decoder layers, in order."""
@@ -101,23 +112,44 @@ class ModelAdapter:
             raise ModelError(f"{self.layers_path} must be a ModuleList, got {type(layers)}.")
         return layers
 
-    def output_projections(self, model: nn.Module) -> list[nn.Linear]:
-        """Return each decoder layer's attention output projection (index = layer)."""
-        projections = []
-        for index, layer in enumerate(self.decoder_layers(model)):
+    def _layer_projection(self, index: int, layer: nn.Module) -> nn.Linear | None:
+        for path in self.projection_paths:
             try:
-                projection = layer.get_submodule(self.projection_path)
-            except AttributeError as exc:
-                raise ModelError(
-                    f"layer {index} must have {self.projection_path!r}, got {type(layer).__name__}."
-                ) from exc
+                projection = layer.get_submodule(path)
+            except AttributeError:
+                continue
             if not isinstance(projection, nn.Linear):
                 raise ModelError(
-                    f"layer {index} {self.projection_path} must be nn.Linear, "
-                    f"got {type(projection).__name__}."
+                    f"layer {index} {path} must be nn.Linear, got {type(projection).__name__}."
                 )
-            projections.append(projection)
+            return projection
+        if self.headless_layers:
+            return None
+        raise ModelError(
+            f"layer {index} must have one of {list(self.projection_paths)}, "
+            f"got {type(layer).__name__}."
+        )
+
+    def projections_by_layer(self, model: nn.Module) -> dict[int, nn.Linear]:
+        """Return ``{decoder layer: output projection}`` for the layers that carry heads."""
+        found = {
+            index: self._layer_projection(index, layer)
+            for index, layer in enumerate(self.decoder_layers(model))
+        }
+        projections = {index: p for index, p in found.items() if p is not None}
+        if not projections:
+            raise ModelError(
+                f"model must have at least one layer with {list(self.projection_paths)}, got none."
+            )
         return projections
+
+    def output_projections(self, model: nn.Module) -> list[nn.Linear]:
+        """Return the output projections of the layers that carry heads, in layer order.
+
+        For a model where every layer carries heads, item ``l`` is layer ``l``'s; for a hybrid
+        use :meth:`projections_by_layer`, which keeps the decoder-layer index.
+        """
+        return list(self.projections_by_layer(model).values())
 
     def head_shape(self, model: PreTrainedModel) -> HeadShape:
         """Read ``H`` and ``D`` from the text config and check them against the projections.
@@ -130,14 +162,15 @@ class ModelAdapter:
         text_config = model.config.get_text_config()
         num_heads = int(text_config.num_attention_heads)
         head_dim = getattr(text_config, "head_dim", None) or text_config.hidden_size // num_heads
-        projections = self.output_projections(model)
-        for index, projection in enumerate(projections):
+        projections = self.projections_by_layer(model)
+        for index, projection in projections.items():
             if projection.in_features != num_heads * head_dim:
                 raise ModelError(
                     f"layer {index} o_proj.in_features must equal num_heads * head_dim = "
                     f"{num_heads} * {head_dim}, got {projection.in_features}."
                 )
-        return HeadShape(len(projections), num_heads, int(head_dim))
+        num_layers = len(self.decoder_layers(model))
+        return HeadShape(num_layers, num_heads, int(head_dim), tuple(projections))
 
     def build_inputs(
         self,
@@ -161,7 +194,8 @@ class ModelAdapter:
         """Tokenise prompts into one left-padded batch, each ending with the generation cue.
 
         Left padding puts every row's last prompt token at position ``-1``, where hooks read
-        and patch. The query's answer never enters the prompt.
+        and patch. The query's answer never enters the prompt. A tokenizer without a pad
+        token gets one in memory (:func:`ensure_pad_token`).
 
         Returns:
             The processor's tensors (``input_ids`` and ``attention_mask`` of shape
@@ -170,6 +204,7 @@ class ModelAdapter:
         if not prompts:
             raise ConfigError("prompts must hold at least one prompt, got [].")
         tokenizer = processor.tokenizer
+        ensure_pad_token(processor)
         template = getattr(processor, "chat_template", None) or self.chat_template
         # The tokenizer renders the template: some processors' own apply_chat_template
         # (SmolVLM's) insists on a video processor, which an image-only install lacks.
@@ -182,17 +217,87 @@ class ModelAdapter:
         # A template that writes the BOS itself must not get a second one (as transformers'
         # ProcessorMixin.apply_chat_template decides it).
         bos = tokenizer.bos_token
-        outputs: Any = processor(
-            text=texts,
-            images=[p.images for p in prompts],
-            padding=True,
-            padding_side="left",
-            add_special_tokens=not (bos and texts[0].startswith(bos)),
-            return_tensors="pt",
-        )
+        with warnings.catch_warnings():
+            # PaliGemma's processor copies the ids through np.array(BatchEncoding), which numpy 2
+            # flags; harmless (it builds the labels dropped below) and not ours to fix.
+            warnings.filterwarnings("ignore", _NUMPY_COPY_WARNING, DeprecationWarning)
+            outputs: Any = processor(
+                text=texts,
+                images=[p.images for p in prompts],
+                padding=True,
+                padding_side="left",
+                add_special_tokens=not (bos and texts[0].startswith(bos)),
+                return_tensors="pt",
+            )
         if not isinstance(outputs, BatchFeature):
             raise ModelError(f"processor must return a BatchFeature, got {type(outputs)}.")
+        outputs.pop("labels", None)  # PaliGemma's processor adds them; a prompt has no target
         return outputs
+
+    def prompt_lengths(
+        self,
+        processor: ProcessorMixin,
+        prompts: Sequence[Prompt],
+        *,
+        instruction: str | None = None,
+    ) -> list[int]:
+        """Return each prompt's length in tokens, image tokens included (no padding).
+
+        This runs the processor (image preprocessing and tokenisation), never the model: a
+        site can report the prompt lengths of its chunks before spending anything.
+        """
+        lengths = []
+        for prompt in prompts:
+            inputs = self.build_batch_inputs(processor, [prompt], instruction=instruction)
+            lengths.append(int(inputs["input_ids"].shape[1]))
+        return lengths
+
+
+def ensure_pad_token(processor: ProcessorMixin) -> None:
+    """Give a tokenizer without a pad token one, in memory only.
+
+    Left-padded batches need a pad id; the padded positions are masked out, so which token
+    fills them does not matter. The end-of-sequence token is used, else the unknown token,
+    else id 0. The model's files are never edited, so the fingerprint is unchanged (editing
+    ``tokenizer_config.json`` would change it at every site). Idempotent.
+    """
+    tokenizer = processor.tokenizer
+    if tokenizer.pad_token_id is not None:
+        return
+    for candidate in (tokenizer.eos_token, tokenizer.unk_token):
+        if candidate is not None:
+            tokenizer.pad_token = candidate
+            return
+    tokenizer.pad_token = tokenizer.convert_ids_to_tokens(0)
+
+
+def context_length(model: PreTrainedModel) -> int | None:
+    """Return the most tokens the language model was made for, or None if it says nothing.
+
+    Read from the text config's ``max_position_embeddings`` (or ``max_sequence_length``).
+    """
+    text_config = model.config.get_text_config()
+    for name in ("max_position_embeddings", "max_sequence_length"):
+        value = getattr(text_config, name, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def check_prompt_length(model: PreTrainedModel, num_tokens: int) -> None:
+    """Refuse a prompt longer than the model's context, before any forward.
+
+    Raises:
+        PromptTooLongError: ``num_tokens`` exceeds :func:`context_length`.
+    """
+    limit = context_length(model)
+    if limit is not None and num_tokens > limit:
+        raise PromptTooLongError(
+            f"prompt length must be at most the model's context of {limit} tokens, got "
+            f"{num_tokens}. Use fewer shots a chunk, smaller images or fewer crops an image "
+            "(image splitting multiplies image tokens); `dpmtv-site data check DIR --model M` "
+            "prints the prompt lengths."
+        )
 
 
 _REGISTRY: dict[str, ModelAdapter] = {}
@@ -213,21 +318,27 @@ def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
 
 
 def supported_model_types() -> tuple[str, ...]:
-    """Return the registered ``config.model_type`` values, sorted."""
+    """Return the registered ``config.model_type`` values, sorted (installed plugins too)."""
+    load_adapter_plugins()
     return tuple(sorted(_REGISTRY))
 
 
 def get_adapter(model_type: str) -> ModelAdapter:
-    """Return the adapter for ``model_type``.
+    """Return the adapter for ``model_type``, from the built-ins or an installed plugin.
 
     Raises:
         UnsupportedArchitectureError: No adapter serves ``model_type``.
+        AdapterPluginError: An installed ``dpmtv.adapters`` entry point is broken.
     """
+    if model_type not in _REGISTRY:
+        load_adapter_plugins()  # lazily: a site pays for plugins only when it needs one
     try:
         return _REGISTRY[model_type]
     except KeyError:
         raise UnsupportedArchitectureError(
-            f"model_type must be one of {list(supported_model_types())}, got {model_type!r}."
+            f"model_type must be one of {list(supported_model_types())}, got {model_type!r}. "
+            f"Register an adapter with register_adapter(), or install a package that declares "
+            f"one in the {ADAPTER_ENTRY_POINT_GROUP!r} entry point group."
         ) from None
 
 
@@ -236,9 +347,23 @@ def adapter_for(model: PreTrainedModel) -> ModelAdapter:
     return get_adapter(str(model.config.model_type))
 
 
-register_adapter(ModelAdapter(("llava",), "model.language_model.layers", _LLAVA_TEMPLATE))
-register_adapter(
-    ModelAdapter(("qwen2_vl", "qwen2_5_vl"), "model.language_model.layers", _QWEN2_VL_TEMPLATE)
+def _builtin(model_types: tuple[str, ...], layers_path: str, template: str, **kw: Any) -> None:
+    register_adapter(ModelAdapter(model_types, layers_path, template, **kw))
+
+
+_LM = "model.language_model.layers"
+_builtin(("llava", "llava_next"), _LM, _templates.LLAVA)
+_builtin(("llava_onevision",), _LM, _templates.LLAVA_ONEVISION)
+_builtin(("qwen2_vl", "qwen2_5_vl", "qwen3_vl"), _LM, _templates.QWEN_VL)
+_builtin(("idefics2",), "model.text_model.layers", _templates.IDEFICS2)
+_builtin(("idefics3",), "model.text_model.layers", _templates.IDEFICS3)
+_builtin(("smolvlm",), "model.text_model.layers", _templates.SMOLVLM)
+_builtin(("paligemma",), _LM, _templates.PALIGEMMA)
+_builtin(("gemma3",), _LM, _templates.GEMMA3)
+_builtin(("internvl",), _LM, _templates.INTERNVL)
+# Cross-attention stack: every fifth layer or so attends to the image through cross_attn.
+_builtin(
+    ("mllama",), _LM, _templates.MLLAMA, projection_paths=("self_attn.o_proj", "cross_attn.o_proj")
 )
-register_adapter(ModelAdapter(("idefics3",), "model.text_model.layers", _IDEFICS3_TEMPLATE))
-register_adapter(ModelAdapter(("smolvlm",), "model.text_model.layers", _SMOLVLM_TEMPLATE))
+# Hybrid stack: Gated DeltaNet (linear attention) layers carry no softmax heads to patch.
+_builtin(("qwen3_5",), _LM, _templates.QWEN_VL, headless_layers=True)

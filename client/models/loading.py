@@ -6,6 +6,8 @@ Nothing here touches the network: every ``from_pretrained`` call sets
 
 from __future__ import annotations
 
+import importlib.util
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,13 +28,33 @@ from transformers.models.auto.video_processing_auto import AutoVideoProcessor
 from transformers.utils.hub import PushToHubMixin
 from transformers.utils.import_utils import is_torchvision_available
 
-from client.models.adapters import ModelAdapter, get_adapter
+from client.models.adapters import ModelAdapter, ensure_pad_token, get_adapter
 from dpmtv_common.errors import ConfigError, ModelError
 from dpmtv_common.fingerprint import fingerprint_model_dir
 
-__all__ = ["LoadedModel", "ensure_processor_shim", "load_model", "resolve_device", "resolve_dtype"]
+__all__ = [
+    "ATTENTION_IMPLEMENTATIONS",
+    "LoadedModel",
+    "default_fingerprint_cache_dir",
+    "ensure_processor_shim",
+    "load_model",
+    "resolve_device",
+    "resolve_dtype",
+]
 
+_LOG = logging.getLogger(__name__)
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+ATTENTION_IMPLEMENTATIONS = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+"""Values ``load_model(attn_implementation=...)`` accepts (transformers' names).
+
+Every one computes per-head outputs before ``o_proj``, so the hooks read and patch the same
+tensor under each; ``eager`` is the reference, ``sdpa`` the default."""
+_TORCHVISION_FIX = (
+    "This processor needs torchvision. Install the torchvision build that matches your torch "
+    "(e.g. `pip install torchvision==<the version paired with torch {torch}>` from the same "
+    "index as torch); the CPU torch wheel pinned for CI has no matching torchvision on PyPI, "
+    "so use a CUDA machine's torch, or a model whose processor has a PIL image processor."
+)
 
 
 @dataclass(frozen=True)
@@ -51,6 +73,11 @@ class LoadedModel:
     processor: ProcessorMixin
     adapter: ModelAdapter
     fingerprint: str
+
+    @property
+    def dtype_name(self) -> str:
+        """The weights' dtype as a name (``"float32"``, ``"bfloat16"``...), for artifacts."""
+        return str(self.model.dtype).removeprefix("torch.")
 
 
 class _AbsentSubprocessor(PushToHubMixin):
@@ -123,46 +150,127 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
         raise ConfigError(f"dtype must be one of {sorted(_DTYPES)}, got {dtype!r}.") from None
 
 
+def default_fingerprint_cache_dir() -> Path:
+    """Return ``~/.cache/dpmtv/fingerprints``: where a site remembers weight digests by default.
+
+    Pass it (or a site's own cache folder) as ``load_model(fingerprint_cache=...)`` so a
+    deployed site does not re-hash many GB of weights for every command or Flower message.
+    """
+    return Path.home() / ".cache" / "dpmtv" / "fingerprints"
+
+
+def _placement(device: torch.device, device_map: str | dict[str, Any] | None) -> dict[str, Any]:
+    """``from_pretrained`` arguments that put the weights on ``device`` as they are read.
+
+    With accelerate installed, a GPU model is loaded straight to the device (``device_map``)
+    and never staged in host memory; without it, transformers refuses any device_map, so the
+    weights are read to host memory and moved (logged, with the fix).
+    """
+    has_accelerate = importlib.util.find_spec("accelerate") is not None
+    if device_map is not None:
+        if not has_accelerate:
+            raise ConfigError(
+                f"device_map needs the accelerate package, got device_map={device_map!r} "
+                "without it. Install it: `pip install accelerate`."
+            )
+        return {"device_map": device_map}
+    if device.type == "cpu":
+        return {}
+    if has_accelerate:
+        return {"device_map": {"": str(device)}}
+    _LOG.warning(
+        "loading to host memory, then moving to %s: install accelerate to load straight "
+        "to the device (`pip install accelerate`).",
+        device,
+    )
+    return {}
+
+
+def _check_attention(attn_implementation: str | None) -> dict[str, Any]:
+    if attn_implementation is None:
+        return {}
+    if attn_implementation not in ATTENTION_IMPLEMENTATIONS:
+        raise ConfigError(
+            f"attn_implementation must be one of {list(ATTENTION_IMPLEMENTATIONS)}, "
+            f"got {attn_implementation!r}."
+        )
+    return {"attn_implementation": attn_implementation}
+
+
+def _read(
+    directory: Path, path: object, options: dict[str, Any]
+) -> tuple[PreTrainedModel, ProcessorMixin]:
+    """Read the weights and the processor, turning transformers' errors into dpmtv's."""
+    try:
+        model = AutoModelForImageTextToText.from_pretrained(
+            directory, local_files_only=True, **options
+        )
+        processor = AutoProcessor.from_pretrained(  # type: ignore[no-untyped-call]
+            directory, local_files_only=True
+        )
+    except ImportError as exc:
+        message = str(exc)
+        if "orchvision" in message:
+            fix = _TORCHVISION_FIX.format(torch=torch.__version__)
+            raise ModelError(f"processor must load, got {message.splitlines()[0]} {fix}") from exc
+        raise ModelError(
+            f"path must hold a model whose dependencies are installed, got {str(path)!r}: "
+            f"{message.strip()}"
+        ) from exc
+    except (OSError, ValueError, KeyError) as exc:
+        raise ModelError(f"path must hold a saved model and processor, got {str(path)!r}.") from exc
+    return model, processor
+
+
 def load_model(
     path: str | os.PathLike[str],
     *,
     device: str | None = None,
     dtype: str | None = None,
+    device_map: str | dict[str, Any] | None = None,
+    attn_implementation: str | None = None,
     fingerprint_cache: str | os.PathLike[str] | None = None,
 ) -> LoadedModel:
     """Load the model, processor and adapter saved in directory ``path``.
 
     Args:
         path: A local directory written by ``save_pretrained`` (model and processor).
-        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default CUDA when available.
+        device: ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; default CUDA when available. On a GPU
+            the weights go straight to the device when accelerate is installed.
         dtype: ``"float32"``, ``"bfloat16"`` or ``"float16"``; default bfloat16 on GPU,
             float32 on CPU.
+        device_map: Passed to ``from_pretrained`` (``"auto"`` spreads a model too large for
+            one GPU over several); needs accelerate. Overrides ``device`` for placement.
+        attn_implementation: One of :data:`ATTENTION_IMPLEMENTATIONS`; default transformers'
+            choice (``sdpa`` where supported).
         fingerprint_cache: Folder that remembers weight-file digests between loads (see
-            ``dpmtv_common.fingerprint``); None hashes every weight file each time.
+            ``dpmtv_common.fingerprint`` and :func:`default_fingerprint_cache_dir`); None
+            hashes every weight file each time.
 
     Raises:
-        ConfigError: ``path``, ``device`` or ``dtype`` is unusable.
+        ConfigError: ``path``, ``device``, ``dtype``, ``device_map`` or
+            ``attn_implementation`` is unusable.
         UnsupportedArchitectureError: No adapter serves the saved ``model_type``.
-        ModelError: transformers cannot read the model or processor.
+        ModelError: transformers cannot read the model or processor (a processor that needs
+            torchvision says so, with the fix).
     """
     directory = Path(path)
     if not directory.is_dir():
         raise ConfigError(f"path must be an existing model directory, got {str(path)!r}.")
     torch_device = resolve_device(device)
-    torch_dtype = resolve_dtype(dtype, torch_device)
+    options: dict[str, Any] = {"dtype": resolve_dtype(dtype, torch_device)}
+    options |= _check_attention(attn_implementation) | _placement(torch_device, device_map)
     ensure_processor_shim()
     try:
         config = AutoConfig.from_pretrained(directory, local_files_only=True)
-        adapter = get_adapter(str(config.model_type))  # fail before reading any weights
-        model = AutoModelForImageTextToText.from_pretrained(
-            directory, local_files_only=True, dtype=torch_dtype
-        )
-        processor = AutoProcessor.from_pretrained(  # type: ignore[no-untyped-call]
-            directory, local_files_only=True
-        )
     except (OSError, ValueError, KeyError) as exc:
         raise ModelError(f"path must hold a saved model and processor, got {str(path)!r}.") from exc
-    cast(nn.Module, model).to(torch_device).eval()  # in place; the typed .to() is mis-annotated
+    adapter = get_adapter(str(config.model_type))  # fail before reading any weights
+    model, processor = _read(directory, path, options)
+    if "device_map" not in options:
+        cast(nn.Module, model).to(torch_device)  # in place; the typed .to() is mis-annotated
+    model.train(False)  # eval mode; .eval() is untyped in transformers
+    ensure_pad_token(processor)  # in memory only: the files, and the fingerprint, stay as they are
     adapter.head_shape(model)  # validates the hook sites now, not at the first forward
     fingerprint = fingerprint_model_dir(directory, cache_dir=fingerprint_cache)
     return LoadedModel(model, processor, adapter, fingerprint)

@@ -146,4 +146,4 @@ def test_tiny_build_is_seeded_and_leaves_the_global_rng_alone():
 
 def test_unknown_tiny_architecture_is_a_config_error():
     with pytest.raises(ConfigError, match="arch must be one of"):
-        build_tiny_model("mllama", seed=0)
+        build_tiny_model("mistral3", seed=0)
