@@ -24,6 +24,8 @@ API (what the lead's site service and coordinator call)::
     heads = top_k_from_noisy_votes(decode_noisy_sum(vote_sum, params=votes, num_sites=n), k=k)
     # manifest: ε for the noise actually present (survivors, minus any assumed fakes)
     bound = release_epsilon(act, votes, honest_shares=n_h, delta=δ)
+    # ledgers: store act.event(n_h) (distributed_event_to_json); compose a population's
+    # central and distributed releases with combined_epsilon_bound
 
 Mechanism: discrete Gaussian, not Skellam. Both are accounted by the same KLS21/AKL21-style
 zCDP bound at the σ_l used here (≫ 1 grid unit: τ < 1e-15, and Skellam's extra terms are
@@ -69,6 +71,11 @@ from dpmtv_common.privacy.distributed._codec import (
     encode_site_share,
     top_k_from_noisy_votes,
 )
+from dpmtv_common.privacy.distributed._composition import (
+    combined_epsilon_bound,
+    distributed_event_from_json,
+    distributed_event_to_json,
+)
 from dpmtv_common.privacy.distributed._params import (
     MAX_MODULUS_RANGE,
     MAX_QUANTIZATION_RANGE,
@@ -82,18 +89,21 @@ from dpmtv_common.privacy.distributed._params import (
 from dpmtv_common.privacy.distributed._release import release_epsilon
 
 __all__ = [
-    "MAX_MODULUS_RANGE",
-    "MAX_QUANTIZATION_RANGE",
-    "XI_RESERVE",
     "DistributedCalibration",
     "DistributedGaussianEvent",
     "DistributedNoise",
+    "MAX_MODULUS_RANGE",
+    "MAX_QUANTIZATION_RANGE",
     "SecAggRangeError",
+    "XI_RESERVE",
     "activation_noise",
     "calibrate_distributed",
     "check_min_honest",
+    "combined_epsilon_bound",
     "decode_noisy_sum",
     "distributed_epsilon_bound",
+    "distributed_event_from_json",
+    "distributed_event_to_json",
     "distributed_noise_for",
     "encode_site_share",
     "kls21_tau",

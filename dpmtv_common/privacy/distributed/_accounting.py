@@ -38,9 +38,9 @@ from dpmtv_common.errors import CalibrationError, ConfigError
 from dpmtv_common.privacy.accounting import EpsilonBound
 
 __all__ = [
-    "XI_RESERVE",
     "DistributedCalibration",
     "DistributedGaussianEvent",
+    "XI_RESERVE",
     "calibrate_distributed",
     "distributed_epsilon_bound",
     "kls21_tau",

@@ -35,9 +35,9 @@ from dpmtv_common.privacy.distributed._accounting import (
 )
 
 __all__ = [
+    "DistributedNoise",
     "MAX_MODULUS_RANGE",
     "MAX_QUANTIZATION_RANGE",
-    "DistributedNoise",
     "SecAggRangeError",
     "activation_noise",
     "check_min_honest",

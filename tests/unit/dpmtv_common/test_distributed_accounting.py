@@ -8,16 +8,21 @@ import pytest
 from scipy import special, stats
 
 from dpmtv_common.errors import CalibrationError, ConfigError
+from dpmtv_common.privacy.accounting import epsilon_bound
 from dpmtv_common.privacy.distributed import (
     DistributedGaussianEvent,
     activation_noise,
     calibrate_distributed,
+    combined_epsilon_bound,
     distributed_epsilon_bound,
+    distributed_event_from_json,
+    distributed_event_to_json,
     kls21_tau,
     mechanism_delta,
     release_epsilon,
     vote_noise,
 )
+from dpmtv_common.privacy.events import ReleaseEvent
 
 EPSILON, DELTA = 1.0, 1e-5
 
@@ -286,3 +291,47 @@ def test_accounting_refuses_empty_events_bad_delta_and_zero_shares():
         distributed_epsilon_bound([event()], delta=1.0)
     with pytest.raises(ConfigError, match="num_shares"):
         kls21_tau(share_noise_std=1.0, num_shares=0)
+
+
+# --- ledger composition --------------------------------------------------------------------
+
+
+def test_distributed_event_json_round_trips_and_rejects_other_keys():
+    original = event(z=3.5, t=2, n=4, share_std=123.0, d=77)
+    text = distributed_event_to_json(original)
+    assert distributed_event_from_json(text) == original
+    with pytest.raises(ConfigError, match="keys"):
+        distributed_event_from_json('{"noise_multiplier": 1.0}')
+    with pytest.raises(ConfigError, match="JSON"):
+        distributed_event_from_json("not json")
+
+
+def test_central_only_composition_is_the_central_accountant():
+    central = [ReleaseEvent(5.0, picks=8, epsilon_per_pick=0.1)]
+    combined = combined_epsilon_bound(central, [], delta=DELTA)
+    assert combined == epsilon_bound(central, delta=DELTA)
+
+
+def test_mixed_composition_adds_the_rdp_curves():
+    from dp_accounting import dp_event, rdp
+
+    # Arrange: one central release (z = 5, 8 picks at 0.1) and one distributed (z = 4.5).
+    central = [ReleaseEvent(5.0, picks=8, epsilon_per_pick=0.1)]
+    distributed = [event(z=4.5, t=2, n=3)]
+    accountant = rdp.RdpAccountant()
+    accountant.compose(dp_event.GaussianDpEvent(noise_multiplier=5.0))
+    accountant.compose(dp_event.ZCDpEvent(rho=8 * 0.1**2 / 8))
+    accountant.compose(dp_event.ZCDpEvent(rho=2 / (2 * 3 * 4.5**2)))
+    # Act
+    combined = combined_epsilon_bound(central, distributed, delta=DELTA, overflow_probability=1e-12)
+    # Assert: the same curve, at a δ smaller by the aborts' (1 + e^ε)·p.
+    assert combined.accountant == "rdp"
+    assert combined.epsilon == pytest.approx(accountant.get_epsilon(DELTA), rel=1e-5)
+    assert combined.epsilon >= accountant.get_epsilon(DELTA)
+
+
+def test_mixed_composition_needs_the_overflow_probability_and_some_event():
+    with pytest.raises(ConfigError, match="overflow_probability"):
+        combined_epsilon_bound([], [event()], delta=DELTA)
+    with pytest.raises(ConfigError, match="empty"):
+        combined_epsilon_bound([], [], delta=DELTA)
