@@ -1,0 +1,115 @@
+"""``dpmtv-site serve`` and ``dpmtv-site service-status``: the site service and its health.
+
+``serve`` is what a site admin starts, under the site's own user, from the installed package:
+it owns the model, the data, the ledger and the keys, and answers the Flower relay over a
+Unix socket (docs/deployment.md). ``service-status`` asks a running service whether it is up.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+from pathlib import Path
+from types import FrameType
+from typing import Any
+
+from client.cli._common import add_model_options, settings_from
+from client.cli._types import positive_float, positive_int
+from dpmtv_common.errors import ServiceError
+
+__all__ = ["register"]
+
+_EPILOG = """\
+The SuperNode of this site then runs with
+  --node-config "site-socket='SOCKET'"
+and must be able to write to SOCKET (e.g. a shared group and --socket-mode 0o660); it needs
+no access to the data, the ledger or the keys. One service serves one ledger: a second is
+refused. SIGTERM or Ctrl-C stops it cleanly (open releases are resolved from the site's own
+record: nothing sent -> refund; anything sent -> counted).
+"""
+
+
+def register(sub: Any) -> None:
+    """Add ``serve`` and ``service-status``."""
+    parser = sub.add_parser(
+        "serve",
+        help="run the site service that the Flower relay talks to (owns data, ledger, keys)",
+        description="Run this site's service: the only process that reads the site's data, "
+        "model, ledger and keys during a federated release.",
+        epilog=_EPILOG,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    add_model_options(parser)
+    parser.add_argument("--data", type=Path, help="the site's private dataset folder")
+    parser.add_argument("--name", help="how the site names itself to the coordinator")
+    parser.add_argument("--state-dir", type=Path, help="default folder of ledger and artifacts")
+    parser.add_argument("--ledger", dest="ledger_path", type=Path, help="the site's ledger")
+    parser.add_argument("--artifacts-dir", type=Path, help="where received artifacts go")
+    parser.add_argument("--socket", dest="socket_path", type=Path, help="the Unix socket")
+    parser.add_argument("--socket-mode", type=lambda text: int(text, 8), help="e.g. 660")
+    parser.add_argument(
+        "--trusted-key",
+        dest="trusted_keys",
+        type=Path,
+        action="append",
+        help="coordinator public key whose artifacts are accepted (repeat)",
+    )
+    parser.add_argument("--budget-epsilon", type=positive_float, help="total ε of this data")
+    parser.add_argument("--budget-delta", type=positive_float, help="δ of the ledger")
+    parser.add_argument("--min-sites", type=positive_int, help="fewest sites in a plan (>= 2)")
+    parser.add_argument("--max-release-epsilon", type=positive_float, help="per-release ε cap")
+    parser.add_argument("--threads", type=positive_int, help="torch threads (default: cores)")
+    parser.set_defaults(handler=run_serve)
+    status = sub.add_parser("service-status", help="ask a running site service whether it is up")
+    status.add_argument("--socket", dest="socket_path", type=Path, help="the service's socket")
+    status.add_argument("--state-dir", type=Path, help="default folder of the socket")
+    status.set_defaults(handler=run_status)
+
+
+def run_serve(args: argparse.Namespace) -> int:
+    """Start the service and block until SIGTERM/SIGINT."""
+    # Set before torch is imported: its thread pool otherwise spins on shared cores.
+    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    settings = settings_from(args)
+    from client.service.server import SiteService  # loads torch: only here
+
+    _set_threads(args.threads)
+    service = SiteService(settings)
+    service.site.model()  # load once, before the first relay waits on it
+    service.acquire()
+
+    def stop(signum: int, frame: FrameType | None) -> None:
+        service.stop()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    service.serve(settings.socket_file)
+    return 0
+
+
+def _set_threads(threads: int | None) -> None:
+    import torch
+
+    torch.set_num_threads(threads or max(1, os.cpu_count() or 1))
+
+
+def run_status(args: argparse.Namespace) -> int:
+    """Print the service's status line, or say why it is not reachable."""
+    from client.service.wire import FrameKind, read_frame, write_frame
+
+    path = settings_from(args).socket_file
+    try:
+        with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+            sock.settimeout(10.0)
+            sock.connect(str(path))
+            write_frame(sock, FrameKind.PING, b"")
+            kind, payload = read_frame(sock, max_bytes=1 << 16)
+    except OSError as exc:
+        raise ServiceError(f"no site service answers on {path}: {exc}.") from exc
+    if kind is not FrameKind.STATUS:
+        raise ServiceError(f"the service at {path} answered {kind.name}, not a status.")
+    print(json.dumps(json.loads(payload), indent=1, sort_keys=True))
+    return 0
