@@ -11,7 +11,13 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from client.cli import evaluate_command, infer_command, release_command, select_command
+from client.cli import (
+    evaluate_command,
+    infer_command,
+    release_command,
+    select_command,
+    serve_command,
+)
 from client.cli._types import non_negative_int, open_unit_float, positive_float
 from dpmtv_common.crypto import SigningKey
 from dpmtv_common.errors import ConfigError
@@ -158,4 +164,5 @@ REGISTRY: tuple[Callable[[Subparsers], None], ...] = (
     infer_command.register,
     evaluate_command.register,
     register_ledger,
+    serve_command.register,
 )
