@@ -1,8 +1,8 @@
 """The fixed choices of ``dpmtv-site`` options, as plain strings.
 
-The enums they name live in modules that import torch; listing their values here lets the
-parser (and ``--help``, ``keygen``, ``ledger``) start without torch. A unit test keeps each
-tuple equal to its enum, so they cannot drift apart.
+The enums they name live in modules that import torch (or, for ``protocol``, Flower); listing
+their values here lets the parser (and ``--help``, ``keygen``, ``ledger``) start without them.
+A test keeps each tuple equal to its enum, so they cannot drift apart.
 """
 
 from __future__ import annotations
@@ -11,8 +11,10 @@ __all__ = [
     "DTYPES",
     "EVALUATION_MODES",
     "PATCH_POLICIES",
+    "RELEASE_ORDERS",
     "SCORE_METHODS",
     "SELECTION_METHODS",
+    "SELECTION_MODES",
 ]
 
 PATCH_POLICIES = ("prompt-last-token", "every-call")
@@ -25,3 +27,7 @@ SCORE_METHODS = ("shift", "attribution")
 """``client.scoring.ScoreMethod``."""
 DTYPES = ("float32", "bfloat16", "float16")
 """The dtypes ``client.models.resolve_dtype`` accepts."""
+SELECTION_MODES = ("public", "private", "all")
+"""``protocol.SelectionMode``."""
+RELEASE_ORDERS = ("select-first", "release-first")
+"""``protocol.ReleaseOrder``."""

@@ -12,17 +12,19 @@ import secrets
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from client.cli._choices import SCORE_METHODS
+from client.cli._choices import RELEASE_ORDERS, SCORE_METHODS, SELECTION_MODES
 from client.cli._common import add_model_options, load_heads_file, load_site_model, settings_from
 from client.cli._errors import validation_line
 from client.cli._types import open_unit_float, positive_float, positive_int
 from dpmtv_common.artifact import MANIFEST_FILE, SIGNATURE_FILE, TENSORS_FILE
 from dpmtv_common.errors import ConfigError
-from protocol import PROTOCOL_VERSION, ReleaseOrder, ReleasePlan, SelectionMode
+
+if TYPE_CHECKING:
+    from protocol import ReleasePlan
 
 __all__ = ["register"]
 
@@ -71,10 +73,10 @@ def register(sub: Any) -> None:
         help="per-layer L2 bound C; take it from PUBLIC data (select-heads suggests one), "
         "never from the private data",
     )
-    parser.add_argument("--selection", choices=[m.value for m in SelectionMode], default="private")
+    parser.add_argument("--selection", choices=SELECTION_MODES, default="private")
     parser.add_argument(
         "--order",
-        choices=[o.value for o in ReleaseOrder],
+        choices=RELEASE_ORDERS,
         default="release-first",
         help="release-first (default; best in docs/benchmarks.md) or select-first",
     )
@@ -142,9 +144,12 @@ def _clip_norm(args: argparse.Namespace, extras: dict[str, Any]) -> float:
 
 
 def _plan(args: argparse.Namespace, task: str, fingerprint: str) -> ReleasePlan:
+    # Imported here: protocol imports Flower (half a second), which keygen and --help skip.
+    from protocol import PROTOCOL_VERSION, ReleaseOrder, ReleasePlan, SelectionMode
+
     public_heads = None
     extras: dict[str, Any] = {}
-    if args.selection == SelectionMode.PUBLIC:
+    if args.selection == "public":
         if args.public_heads is None:
             raise ConfigError("--selection public needs --public-heads FILE (from select-heads).")
         heads, extras = load_heads_file(args.public_heads)
@@ -179,9 +184,9 @@ def _check_heads(plan: ReleasePlan, args: argparse.Namespace, num_layers: int, h
     """Heads, top-r and a public head list must fit the model (checked before spending)."""
     total = num_layers * heads
     where = f"the model's {total} heads ({num_layers} layers x {heads})"
-    if plan.selection is SelectionMode.PRIVATE and plan.num_selected_heads > total:
+    if plan.selection == "private" and plan.num_selected_heads > total:
         raise ConfigError(f"--heads must be at most {where}, got {plan.num_selected_heads}.")
-    if plan.selection is not SelectionMode.ALL and plan.score_top_r > total:
+    if plan.selection != "all" and plan.score_top_r > total:
         option = "--top-r" if args.top_r else "--top-r (default: --heads)"
         raise ConfigError(f"{option} must be at most {where}, got {plan.score_top_r}.")
     if plan.public_heads is not None:

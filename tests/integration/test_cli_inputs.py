@@ -24,8 +24,10 @@ from client.cli._choices import (
     DTYPES,
     EVALUATION_MODES,
     PATCH_POLICIES,
+    RELEASE_ORDERS,
     SCORE_METHODS,
     SELECTION_METHODS,
+    SELECTION_MODES,
 )
 from client.data import write_jsonl_dataset
 from client.evaluation import EvaluationMode
@@ -37,6 +39,7 @@ from dpmtv_common.artifact import load_artifact
 from dpmtv_common.crypto import TrustedKeys, VerifyKey
 from dpmtv_common.privacy.budget import PrivacyBudget
 from dpmtv_common.privacy.ledger import PrivacyLedger
+from protocol import ReleaseOrder, SelectionMode
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -357,3 +360,5 @@ def test_the_parser_choices_equal_the_enums_they_stand_for():
     assert tuple(m.value for m in SelectionMethod) == SELECTION_METHODS
     assert tuple(m.value for m in ScoreMethod) == SCORE_METHODS
     assert tuple(_DTYPES) == DTYPES
+    assert tuple(m.value for m in SelectionMode) == SELECTION_MODES
+    assert tuple(o.value for o in ReleaseOrder) == RELEASE_ORDERS
