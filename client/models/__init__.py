@@ -19,7 +19,9 @@ from client.models.adapters import (
 )
 from client.models.errors import AdapterPluginError, PromptTooLongError
 from client.models.loading import (
+    ATTENTION_IMPLEMENTATIONS,
     LoadedModel,
+    default_fingerprint_cache_dir,
     ensure_processor_shim,
     load_model,
     resolve_device,
@@ -37,6 +39,7 @@ from client.models.tiny import (
 __all__ = [
     "ADAPTER_ENTRY_POINT_GROUP",
     "ALL_TINY_ARCHITECTURES",
+    "ATTENTION_IMPLEMENTATIONS",
     "AdapterPluginError",
     "Example",
     "HeadShape",
@@ -51,6 +54,7 @@ __all__ = [
     "build_tiny_model",
     "check_prompt_length",
     "context_length",
+    "default_fingerprint_cache_dir",
     "ensure_pad_token",
     "ensure_processor_shim",
     "get_adapter",

@@ -212,7 +212,8 @@ def _read(
         message = str(exc)
         if "orchvision" in message:
             fix = _TORCHVISION_FIX.format(torch=torch.__version__)
-            raise ModelError(f"processor must load, got {message.splitlines()[0]} {fix}") from exc
+            first = next(line.strip() for line in message.splitlines() if line.strip())
+            raise ModelError(f"processor must load, got {first!r}. {fix}") from exc
         raise ModelError(
             f"path must hold a model whose dependencies are installed, got {str(path)!r}: "
             f"{message.strip()}"

@@ -8,9 +8,10 @@ from client.hooks import (
     PatchPolicy,
     capture_last_token_heads,
     patch_heads,
+    prompt_length_guard,
     registered_pre_hooks,
 )
-from client.models import Prompt
+from client.models import Prompt, PromptTooLongError
 from dpmtv_common.errors import ConfigError, ModelError
 from dpmtv_common.heads import HeadSet
 
@@ -195,3 +196,31 @@ def test_patch_heads_validates_heads_and_values(tiny, heads, values, message):
 def test_policy_accepts_its_wire_names():
     assert PatchPolicy("prompt-last-token") is PatchPolicy.PROMPT_LAST_TOKEN
     assert PatchPolicy("every-call") is PatchPolicy.EVERY_CALL
+
+
+def test_patch_refuses_a_prompt_beyond_the_context_before_the_forward(tiny, prompt, monkeypatch):
+    # Arrange: pretend the context is 8 tokens
+    monkeypatch.setattr(tiny.model.config.get_text_config(), "max_position_embeddings", 8)
+    inputs = tiny.inputs([prompt])
+    values = torch.zeros(len(TWO_HEADS), 16)
+
+    # Act / Assert
+    with (
+        pytest.raises(PromptTooLongError, match="context of 8 tokens"),
+        patch_heads(
+            tiny.model, tiny.adapter, TWO_HEADS, values, policy=PatchPolicy.EVERY_CALL
+        ) as record,
+    ):
+        tiny.model(**inputs)
+    assert record.total_calls == 0
+    assert hook_count(tiny) == 0
+    assert len(tiny.model._forward_pre_hooks) == 0
+
+
+def test_the_length_guard_leaves_no_hook_behind(tiny, prompt):
+    inputs = tiny.inputs([prompt])
+
+    with torch.no_grad(), prompt_length_guard(tiny.model):
+        tiny.model(**inputs)
+
+    assert len(tiny.model._forward_pre_hooks) == 0
