@@ -329,12 +329,12 @@ FAST = [
 
 
 @pytest.mark.parametrize("argv", FAST, ids=[" ".join(a[:2]) for a in FAST])
-def test_commands_that_need_no_model_never_import_torch(argv, tmp_path):
+def test_commands_that_need_no_model_never_import_torch_or_flower(argv, tmp_path):
     # Arrange: a fresh interpreter, so nothing imported by other tests counts
     filled = [part.replace("{tmp}", str(tmp_path)) for part in argv]
     code = (
         "import sys; from client.cli.main import main; code = main(sys.argv[1:]); "
-        "heavy = sorted(m for m in ('torch', 'transformers') if m in sys.modules); "
+        "heavy = sorted(m for m in ('torch', 'transformers', 'flwr') if m in sys.modules); "
         "print('HEAVY', heavy, code)"
     )
 
