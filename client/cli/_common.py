@@ -47,6 +47,13 @@ _OPTIONS = {
     "batch_size": "--batch-size",
     "device": "--device",
     "dtype": "--dtype",
+    "name": "--name",
+    "state_dir": "--state-dir",
+    "artifacts_dir": "--artifacts-dir",
+    "socket_path": "--socket",
+    "socket_mode": "--socket-mode",
+    "min_sites": "--min-sites",
+    "max_release_epsilon": "--max-release-epsilon",
 }
 
 

@@ -13,6 +13,7 @@ import argparse
 import math
 
 __all__ = [
+    "file_mode",
     "non_negative_int",
     "open_unit_float",
     "positive_float",
@@ -58,4 +59,17 @@ def open_unit_float(text: str) -> float:
     value = _number(text, float)
     if not 0 < value < 1:
         raise argparse.ArgumentTypeError(f"must be a number strictly between 0 and 1, got {text!r}")
+    return value
+
+
+def file_mode(text: str) -> int:
+    """Permission bits written in octal (``660`` or ``0o660``), at most ``0o777``."""
+    try:
+        value = int(text.removeprefix("0o"), 8)
+    except ValueError:
+        raise argparse.ArgumentTypeError(
+            f"must be octal permission bits such as 660, got {text!r}"
+        ) from None
+    if not 0 <= value <= 0o777:
+        raise argparse.ArgumentTypeError(f"must be at most 777 (octal), got {text!r}")
     return value

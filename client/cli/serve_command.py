@@ -17,7 +17,7 @@ from types import FrameType
 from typing import Any
 
 from client.cli._common import add_model_options, settings_from
-from client.cli._types import positive_float, positive_int
+from client.cli._types import file_mode, open_unit_float, positive_float, positive_int
 from dpmtv_common.errors import ServiceError
 
 __all__ = ["register"]
@@ -49,7 +49,7 @@ def register(sub: Any) -> None:
     parser.add_argument("--ledger", dest="ledger_path", type=Path, help="the site's ledger")
     parser.add_argument("--artifacts-dir", type=Path, help="where received artifacts go")
     parser.add_argument("--socket", dest="socket_path", type=Path, help="the Unix socket")
-    parser.add_argument("--socket-mode", type=lambda text: int(text, 8), help="e.g. 660")
+    parser.add_argument("--socket-mode", type=file_mode, help="octal, e.g. 660")
     parser.add_argument(
         "--trusted-key",
         dest="trusted_keys",
@@ -58,7 +58,7 @@ def register(sub: Any) -> None:
         help="coordinator public key whose artifacts are accepted (repeat)",
     )
     parser.add_argument("--budget-epsilon", type=positive_float, help="total ε of this data")
-    parser.add_argument("--budget-delta", type=positive_float, help="δ of the ledger")
+    parser.add_argument("--budget-delta", type=open_unit_float, help="δ of the ledger")
     parser.add_argument("--min-sites", type=positive_int, help="fewest sites in a plan (>= 2)")
     parser.add_argument("--max-release-epsilon", type=positive_float, help="per-release ε cap")
     parser.add_argument("--threads", type=positive_int, help="torch threads (default: cores)")

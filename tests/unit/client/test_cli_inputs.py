@@ -57,6 +57,10 @@ BAD_VALUES = [
     ("ledger", "--budget-epsilon", "-1"),
     ("ledger", "--budget-delta", "0"),
     ("make-tiny-model", "--seed", "-1"),
+    ("serve", "--socket-mode", "9"),
+    ("serve", "--socket-mode", "1777"),
+    ("serve", "--budget-delta", "1"),
+    ("serve", "--threads", "0"),
 ]
 REQUIRED = {
     "release": ["--out", "out"],
@@ -65,6 +69,7 @@ REQUIRED = {
     "select-heads": ["--out", "heads.json"],
     "ledger": ["--ledger", "ledger.sqlite"],
     "make-tiny-model": ["llava", "model"],
+    "serve": [],
 }
 
 
@@ -115,6 +120,18 @@ def test_a_bad_environment_setting_names_the_option_and_the_variable(command, mo
     # Assert
     assert code == 2
     assert_one_line_error(capsys.readouterr(), "--batch-size", "DPMTV_CLIENT_BATCH_SIZE", "got '0'")
+
+
+def test_serve_names_the_option_of_a_setting_out_of_range(monkeypatch, capsys):
+    # Arrange: serve sets OMP_WAIT_POLICY for torch; keep that out of this process's env
+    monkeypatch.setenv("OMP_WAIT_POLICY", "PASSIVE")
+
+    # Act
+    code = main(["serve", "--min-sites", "1"])
+
+    # Assert
+    assert code == 2
+    assert_one_line_error(capsys.readouterr(), "--min-sites", "got 1")
 
 
 def test_keygen_refuses_a_name_whose_public_key_exists_and_writes_no_private_key(tmp_path, capsys):
