@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from client.cli import (
+    data_command,
     evaluate_command,
     infer_command,
     release_command,
@@ -165,4 +166,5 @@ REGISTRY: tuple[Callable[[Subparsers], None], ...] = (
     evaluate_command.register,
     register_ledger,
     serve_command.register,
+    data_command.register,
 )

@@ -1,0 +1,56 @@
+"""``dpmtv-site data check DIR [--model M]``: look at a dataset before spending anything."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+from typing import Any
+
+from client.cli._common import add_model_options, load_site_model, settings_from
+from client.cli._types import positive_int
+
+__all__ = ["register"]
+
+
+def register(sub: Any) -> None:
+    """Add the ``data`` command group (``data check``)."""
+    parser = sub.add_parser(
+        "data",
+        help="inspect a site dataset (no privacy cost: nothing leaves the site)",
+        description="Dataset tools. The format is in docs/data.md.",
+    )
+    actions = parser.add_subparsers(dest="data_action", required=True, metavar="ACTION")
+    check = actions.add_parser(
+        "check",
+        help="validate a dataset and report what a release would see",
+        description="Loads DIR as a release does (every image decoded) and prints n, the "
+        "privacy unit and groups, the chunks at --shots, image sizes and modes, and the "
+        "answers. With --model it also prints each answer's first token and the share "
+        "outside the model's vocabulary (<unk>), and the prompt length of each chunk against "
+        "the model's context (the processor runs; the model does not). Exits 1 if a release "
+        "would fail (a chunk prompt beyond the context, or no chunk at all).",
+    )
+    check.add_argument("directory", type=Path, metavar="DIR", help="dataset folder")
+    add_model_options(check)
+    check.add_argument("--shots", type=positive_int, default=4, help="K a chunk (default 4)")
+    check.add_argument(
+        "--max-chunks", type=positive_int, default=32, help="chunks to measure (default 32)"
+    )
+    check.add_argument("--question", help="question of image-folder records (overrides)")
+    check.set_defaults(handler=run_check)
+
+
+def run_check(args: argparse.Namespace) -> int:
+    """Print the dataset report; 1 when a release with these settings would fail."""
+    # Imported here: the data and model side need PIL, torch and transformers.
+    from client.data_check import check_dataset, check_with_model, report_lines
+
+    dataset, data = check_dataset(args.directory, shots=args.shots, question=args.question)
+    model = None
+    if args.model is not None:
+        loaded = load_site_model(settings_from(args))
+        model = check_with_model(dataset, data, loaded, max_chunks=args.max_chunks)
+    for line in report_lines(data, model):
+        print(line)
+    failed = data.num_chunks < 1 or (model is not None and bool(model.errors))
+    return 1 if failed else 0
