@@ -18,6 +18,7 @@ from client.cli._choices import DTYPES, PATCH_POLICIES
 from client.cli._errors import validation_line
 from client.cli._types import positive_float, positive_int
 from client.settings import SiteSettings
+from dpmtv_common.artifact import load_artifact
 from dpmtv_common.crypto import TrustedKeys
 from dpmtv_common.errors import ConfigError, ModelError
 from dpmtv_common.heads import HeadSet
@@ -28,6 +29,7 @@ if TYPE_CHECKING:
 __all__ = [
     "add_model_options",
     "add_patch_options",
+    "check_artifact",
     "load_heads_file",
     "load_site_model",
     "settings_from",
@@ -143,6 +145,16 @@ def trusted_keys(settings: SiteSettings) -> TrustedKeys:
             "(the coordinator's or your own public key), or set DPMTV_CLIENT_TRUSTED_KEYS."
         )
     return TrustedKeys.from_files(settings.trusted_keys)
+
+
+def check_artifact(path: Path, keys: TrustedKeys) -> None:
+    """Check ``--artifact``'s format and signature before seconds of model loading.
+
+    The model fingerprint is checked later, once the model is loaded (``artifact_patch``).
+    """
+    if not path.is_dir():
+        raise ConfigError(f"--artifact must be an artifact directory, got {str(path)!r}.")
+    load_artifact(path, trusted_keys=keys, expected_model_fingerprint=None)
 
 
 def write_heads_file(path: Path, heads: HeadSet, **extra: Any) -> None:

@@ -10,6 +10,7 @@ from client.cli._choices import EVALUATION_MODES
 from client.cli._common import (
     add_model_options,
     add_patch_options,
+    check_artifact,
     load_site_model,
     settings_from,
     trusted_keys,
@@ -58,6 +59,8 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError("evaluate needs --data DIR (a labelled set).")
     _check_mode_options(args)
     keys = trusted_keys(settings) if args.mode == "artifact" else None
+    if keys is not None:
+        check_artifact(args.artifact, keys)
     # Imported here: the data and model side need PIL, torch and transformers.
     from client.data import load_dataset
     from client.evaluation import EvaluationMode, evaluate

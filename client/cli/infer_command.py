@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any
 from client.cli._common import (
     add_model_options,
     add_patch_options,
+    check_artifact,
     load_site_model,
     settings_from,
     trusted_keys,
@@ -98,6 +99,7 @@ def run(args: argparse.Namespace) -> int:
     queries = _queries(args)
     images = [_load_image(image) for image, _ in queries]
     keys = trusted_keys(settings)
+    check_artifact(args.artifact, keys)
     loaded = load_site_model(settings)
     # Imported here: the model side needs torch and transformers.
     from client.cli._artifact import artifact_patch

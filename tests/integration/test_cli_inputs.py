@@ -288,9 +288,8 @@ def test_truncated_weights_are_one_line_naming_the_file(site, tmp_path, capsys, 
     # Act
     code = main(
         [
-            "infer", *site.model_args(model), "--artifact", "a",
-            "--trusted-key", str(site.public_key), "--image", str(site.image),
-            "--question", QUESTION,
+            "evaluate", *site.model_args(model), "--data", str(site.data),
+            "--mode", "zero-shot",
         ]
     )  # fmt: skip
 

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 from _pytest.capture import CaptureResult
+from PIL import Image
 from pydantic import BaseModel, Field, ValidationError
 
 from client.cli import commands
@@ -267,6 +268,30 @@ def test_a_non_utf8_batch_file_is_one_line_naming_batch(tmp_path, capsys):
     # Assert
     assert code == 2
     assert_one_line_error(capsys.readouterr(), "--batch", "UTF-8")
+
+
+@pytest.mark.parametrize("command", ["infer", "evaluate"])
+def test_a_missing_artifact_is_named_before_any_model_is_loaded(command, tmp_path, capsys):
+    # Arrange
+    assert main(["keygen", "--out-dir", str(tmp_path / "keys")]) == 0
+    image = tmp_path / "x.png"
+    Image.new("RGB", (8, 8)).save(image)
+    query = {
+        "infer": ["--image", str(image), "--question", "q"],
+        "evaluate": ["--mode", "artifact", "--data", str(tmp_path)],
+    }[command]
+    capsys.readouterr()
+
+    # Act
+    code = main(
+        [command, *query, "--artifact", "nowhere", "--trusted-key", str(tmp_path / "keys/site.pub")]
+    )
+
+    # Assert
+    assert code == 2
+    assert_one_line_error(
+        capsys.readouterr(), "--artifact must be an artifact directory", "nowhere"
+    )
 
 
 def test_a_pydantic_error_becomes_one_line_with_every_field():
