@@ -8,7 +8,6 @@ model, the plan) runs before the ledger reserves the release's cost.
 from __future__ import annotations
 
 import argparse
-import secrets
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -198,17 +197,6 @@ def _check_heads(plan: ReleasePlan, args: argparse.Namespace, num_layers: int, h
             )
 
 
-def _release_target(out: Path, *, overwrite: bool) -> Path:
-    """Where the release writes: ``out``, or a fresh sibling when it will replace ``out``.
-
-    Replacing writes beside the old artifact and swaps it in only once the new one exists,
-    so a failed release never destroys the artifact it was meant to replace.
-    """
-    if overwrite and out.exists():
-        return out.with_name(f".{out.name}.incoming-{secrets.token_hex(8)}")
-    return out
-
-
 def run(args: argparse.Namespace) -> int:
     """Run the release and print what it spent and produced."""
     settings = settings_from(args)
@@ -220,7 +208,6 @@ def run(args: argparse.Namespace) -> int:
     from client.data import load_dataset
     from client.release import LocalSums, run_single_holder_release
     from client.scoring import ScoreMethod
-    from dpmtv_common.artifact.store import move_artifact
     from dpmtv_common.crypto import SigningKey
     from dpmtv_common.privacy.ledger import PrivacyLedger
     from dpmtv_common.privacy.noise import require_cryptographic, secure_noise
@@ -251,14 +238,18 @@ def run(args: argparse.Namespace) -> int:
         instruction=dataset.instruction,
         progress=not args.quiet,
     )
-    target = _release_target(args.out, overwrite=args.overwrite)
     with PrivacyLedger.open(settings.ledger_file, settings.budget) as ledger:
+        # Replacing stages the new artifact beside the old one and swaps it in only once it
+        # is complete: a failed release never destroys the artifact it was meant to replace.
         result = run_single_holder_release(
-            plan, sums=sums, ledger=ledger, signing_key=signing_key, output=target, noise=noise
+            plan,
+            sums=sums,
+            ledger=ledger,
+            signing_key=signing_key,
+            output=args.out,
+            noise=noise,
+            overwrite=args.overwrite,
         )
-    artifact = result.artifact
-    if target != args.out:
-        artifact = move_artifact(target, args.out, overwrite=True)
     outcome, manifest = result.outcome, result.manifest
     print(
         f"released {len(outcome.heads)} heads over {outcome.heads.num_layers_in_scope} layers "
@@ -267,6 +258,6 @@ def run(args: argparse.Namespace) -> int:
         f"privacy: epsilon={manifest.epsilon:.4g}, delta={manifest.delta:g} "
         f"({manifest.accountant}); noise std={outcome.noise_std:.4g} on the sum, "
         f"signal/noise~{outcome.signal_to_noise:.3g}\n"
-        f"artifact: {artifact}"
+        f"artifact: {result.artifact}"
     )
     return 0

@@ -41,7 +41,7 @@ import safetensors
 import safetensors.numpy
 from pydantic import ValidationError
 
-from dpmtv_common.artifact._publish import _check_replaceable, _swap_in, publish_directory
+from dpmtv_common.artifact._publish import publish_directory
 from dpmtv_common.artifact.manifest import (
     FORMAT_VERSION,
     ArtifactManifest,
@@ -67,7 +67,6 @@ __all__ = [
     "TaskVectorArtifact",
     "clean_stale_staging",
     "load_artifact",
-    "move_artifact",
     "write_artifact",
 ]
 
@@ -163,31 +162,6 @@ def write_artifact(
     clean_stale_staging(target.absolute().parent)
     publish_directory(target, files, overwrite=overwrite)
     return target
-
-
-def move_artifact(
-    source: str | os.PathLike[str],
-    target: str | os.PathLike[str],
-    *,
-    overwrite: bool = False,
-) -> Path:
-    """Move a written artifact directory to ``target`` in one rename; return ``target``.
-
-    For callers that write beside the target first (e.g. a release that must not touch the
-    old artifact until the new one exists). Replacing swaps the old one aside first, so at
-    no moment does ``target`` hold a partial artifact.
-
-    Raises:
-        ConfigError: ``target`` exists and ``overwrite`` is false, or it is not a directory
-            holding only artifact files.
-    """
-    source_path, target_path = Path(source).absolute(), Path(target).absolute()
-    exists = _check_replaceable(target_path, frozenset(_FILES), overwrite=overwrite)
-    if exists:
-        _swap_in(source_path, target_path)
-    else:
-        os.rename(source_path, target_path)
-    return Path(target)
 
 
 @dataclass(frozen=True)

@@ -19,9 +19,8 @@ from dpmtv_common.artifact import (
     load_artifact,
     write_artifact,
 )
-from dpmtv_common.artifact.store import STALE_AFTER_S, clean_stale_staging, move_artifact
+from dpmtv_common.artifact.store import STALE_AFTER_S, clean_stale_staging
 from dpmtv_common.crypto import SigningKey, TrustedKeys
-from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
 
 SIGNER = SigningKey.generate()
@@ -175,22 +174,3 @@ def test_folders_not_named_like_staging_are_never_touched(tmp_path, name):
     # Assert
     assert cleanup.removed == cleanup.recovered == cleanup.kept == ()
     assert (folder / TENSORS_FILE).is_file()
-
-
-def test_move_artifact_replaces_an_artifact_only_when_asked(tmp_path):
-    # Arrange
-    old = write(tmp_path / "out", release_id="old")
-    new = write(tmp_path / ".out.incoming-0123456789abcdef", release_id="new")
-
-    # Act / Assert: refused without overwrite, nothing moved
-    with pytest.raises(ConfigError, match="must not exist"):
-        move_artifact(new, old)
-    assert new.is_dir()
-
-    # Act: replaced
-    moved = move_artifact(new, old, overwrite=True)
-
-    # Assert
-    loaded = load_artifact(moved, trusted_keys=TRUSTED, expected_model_fingerprint=None)
-    assert loaded.manifest.release_id == "new"
-    assert sorted(p.name for p in tmp_path.iterdir()) == ["out"]
