@@ -79,10 +79,10 @@ STALE_AFTER_S = 600.0
 """Age (seconds since last change) after which a staging folder counts as left by a dead
 process: a live write stages for well under a second."""
 
-# Hidden staging folders: ``.NAME.tmp-HEX`` and ``.NAME.old-HEX`` (publishing and replacing),
-# ``.NAME.incoming-HEX`` (a caller that releases beside its target), and ``.incoming-XXXX``
-# (a site receiving a broadcast artifact into ``.incoming-XXXX/artifact``).
-_STAGING = re.compile(r"^\..+\.(?:tmp|old|incoming)-[0-9a-f]{16}$|^\.incoming-[A-Za-z0-9_]+$")
+# Hidden staging folders: ``.NAME.tmp-HEX`` and ``.NAME.old-HEX`` (``_publish``: publishing and
+# replacing) and ``.incoming-XXXX`` (client/site.py receiving a broadcast artifact into
+# ``.incoming-XXXX/artifact``).
+_STAGING = re.compile(r"^\..+\.(?:tmp|old)-[0-9a-f]{16}$|^\.incoming-[A-Za-z0-9_]+$")
 _SITE_SUBFOLDER = "artifact"
 
 _log = logging.getLogger(__name__)
