@@ -5,7 +5,7 @@ from __future__ import annotations
 import statistics
 from pathlib import Path
 
-from client.app import app as client_app
+from client.service.inprocess import in_process_sites, site_settings_for_partition
 from dpmtv_common.artifact import load_artifact
 from dpmtv_common.crypto import SigningKey, TrustedKeys
 from dpmtv_common.privacy.noise import secure_noise
@@ -39,6 +39,7 @@ def federated_accuracy(bench, sites: int, root: Path, args):
             "artifacts-dir": str(work / f"site-{i}-artifacts"),
             "trusted-keys": str(root / "coordinator.pub"),
             "budget-epsilon": 1000.0,
+            "min-sites": 2,
         }
         for i in range(sites)
     ]
@@ -62,16 +63,16 @@ def federated_accuracy(bench, sites: int, root: Path, args):
             "release-id": f"curve-{sites}-{draw}",
             "order": args.order,
         }
-        grid = InProcessGrid(
-            client_app, num_nodes=sites, run_config=run_config, node_configs=node_configs
-        )
-        report = run_coordinated_release(
-            grid,
-            make_server_context(run_config),
-            RunConfig.from_context(run_config),
-            settings,
-            secure_noise(),
-        )
+        site_settings = [site_settings_for_partition(i, c) for i, c in enumerate(node_configs)]
+        with in_process_sites(site_settings) as in_process:
+            grid = InProcessGrid(in_process.relays, num_nodes=sites, run_config=run_config)
+            report = run_coordinated_release(
+                grid,
+                make_server_context(run_config),
+                RunConfig.from_context(run_config),
+                settings,
+                secure_noise(),
+            )
         artifact = load_artifact(
             report.artifact,
             trusted_keys=TrustedKeys.from_files([root / "coordinator.pub"]),

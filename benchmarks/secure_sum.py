@@ -43,10 +43,10 @@ from flwr.app import Context, Message
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 
-from client.app import app as client_app
 from client.models import save_tiny_model
 from client.secagg import install_secure_mask_prg as install_site_mask_prg
 from client.secagg import secaggplus_clipping_range, secure_sum_reply
+from client.service.inprocess import in_process_sites, site_settings_for_partition
 from client.synthetic import write_task_datasets
 from dpmtv_common.crypto import SigningKey
 from dpmtv_common.fingerprint import fingerprint_model_dir
@@ -180,6 +180,7 @@ def prepare_release_world(work: Path) -> str:
             "DPMTV_CLIENT_TRUSTED_KEYS": str(work / "coordinator.pub"),
             "DPMTV_CLIENT_DEVICE": "cpu",
             "DPMTV_CLIENT_BUDGET_EPSILON": "1000",
+            "DPMTV_CLIENT_MIN_SITES": "2",
         }
     )
     return fingerprint_model_dir(work / "model")
@@ -204,16 +205,19 @@ def run_release_once(work: Path, fingerprint: str, selection: str, run: int) -> 
     }
     noise = secure_noise()
     require_cryptographic(noise)
-    grid = InProcessGrid(client_app, num_nodes=RELEASE_SITES, run_config=config)
     settings = CoordinatorSettings(
         signing_key=work / "coordinator.key",
         ledger_path=state / "consortium-ledger.sqlite",
         budget_epsilon=1000.0,
         artifacts_dir=state / "coordinator-artifacts",
     )
-    return run_coordinated_release(
-        grid, make_server_context(config), RunConfig.from_context(config), settings, noise
-    )
+    extra = {"ledger-path": str(state / "site-{partition-id}.sqlite")}
+    site_settings = [site_settings_for_partition(i, extra) for i in range(RELEASE_SITES)]
+    with in_process_sites(site_settings) as sites:
+        grid = InProcessGrid(sites.relays, num_nodes=RELEASE_SITES, run_config=config)
+        return run_coordinated_release(
+            grid, make_server_context(config), RunConfig.from_context(config), settings, noise
+        )
 
 
 def time_release(work: Path, fingerprint: str, selection: str, repeats: int) -> ReleaseResult:

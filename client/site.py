@@ -45,7 +45,13 @@ from client.site_policy import (
     check_secure_sum,
 )
 from dpmtv_common.aliases import Float64Array
-from dpmtv_common.artifact import MANIFEST_FILE, SIGNATURE_FILE, TENSORS_FILE, load_artifact
+from dpmtv_common.artifact import (
+    MANIFEST_FILE,
+    SIGNATURE_FILE,
+    TENSORS_FILE,
+    clean_stale_staging,
+    load_artifact,
+)
 from dpmtv_common.crypto import TrustedKeys
 from dpmtv_common.errors import ConfigError, DataError, LedgerError
 from dpmtv_common.heads import HeadSet
@@ -239,6 +245,7 @@ class Site:
         record = self._open_record(request.release_id, run_id, "release")
         folder = self.settings.artifacts_folder
         folder.mkdir(parents=True, exist_ok=True)
+        clean_stale_staging(folder)  # what a killed service left half-written
         target = folder / record.release_id  # a checked token: stays inside the folder
         if target.exists() or target.is_symlink():
             raise StageOrderError(f"artifact {record.release_id!r} is already stored; kept as is.")

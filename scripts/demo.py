@@ -26,7 +26,6 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from client.app import app as client_app
 from client.chunking import make_chunks
 from client.cli._artifact import artifact_patch
 from client.data import load_dataset
@@ -35,6 +34,7 @@ from client.hooks import PatchPolicy
 from client.models import load_model, save_tiny_model
 from client.models.embedded import EMBEDDED_MODEL_DIR
 from client.public_selection import public_activations
+from client.service.inprocess import in_process_sites, site_settings_for_partition
 from client.synthetic import TASKS, write_task_datasets
 from dpmtv_common.crypto import SigningKey, TrustedKeys
 from dpmtv_common.fingerprint import fingerprint_model_dir
@@ -93,6 +93,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path]:
             "DPMTV_CLIENT_LEDGER_PATH": str(work / f"{site}-ledger.sqlite"),
             "DPMTV_CLIENT_ARTIFACTS_DIR": str(work / f"{site}-artifacts"),
             "DPMTV_CLIENT_TRUSTED_KEYS": str(work / "coordinator.pub"),
+            "DPMTV_CLIENT_MIN_SITES": str(min(args.sites, 3)),
             "DPMTV_SERVER_SIGNING_KEY": str(work / "coordinator.key"),
             "DPMTV_SERVER_LEDGER_PATH": str(work / "consortium-ledger.sqlite"),
             "DPMTV_SERVER_ARTIFACTS_DIR": str(work / "coordinator-artifacts"),
@@ -118,18 +119,21 @@ def federated_release(args: argparse.Namespace, model: Path):
         "clip-norm": args.clip_norm,
         "num-selected-heads": args.heads,
         "expected-sites": args.sites,
-        "min-sites": 2,
+        "min-sites": min(args.sites, 3),
     }
-    grid = InProcessGrid(client_app, num_nodes=args.sites, run_config=run_config)
     noise = secure_noise()
     require_cryptographic(noise)
-    return run_coordinated_release(
-        grid,
-        make_server_context(run_config),
-        RunConfig.from_context(run_config),
-        CoordinatorSettings(),
-        noise,
-    )
+    # Every site is a real site service behind a real relay, in this process.
+    settings = [site_settings_for_partition(i) for i in range(args.sites)]
+    with in_process_sites(settings) as sites:
+        grid = InProcessGrid(sites.relays, num_nodes=args.sites, run_config=run_config)
+        return run_coordinated_release(
+            grid,
+            make_server_context(run_config),
+            RunConfig.from_context(run_config),
+            CoordinatorSettings(),
+            noise,
+        )
 
 
 def site_zero_inference(work: Path, model: Path, report, args: argparse.Namespace) -> None:

@@ -9,8 +9,9 @@ Every component is its own process (group), as in a real deployment, on 127.0.0.
 3. ``Consortium``: starts ``flower-superlink`` with TLS and SuperNode authentication (the
    coordinator's ``DPMTV_SERVER_*`` variables set in *its* environment, which its superexec
    and ``flwr-serverapp`` inherit), registers each site's public key with
-   ``flwr supernode register``, starts one ``flower-supernode`` a site (own ``--port``,
-   ``--node-config``), submits ``flwr run . <federation> --stream``, waits for the run's end,
+   ``flwr supernode register``, starts each site's service (``dpmtv-site serve``: the only
+   process given the site's model, data, ledger and keys) and one ``flower-supernode`` a site
+   (own ``--port``, ``--node-config "site-socket=..."``: the socket and nothing else), submits ``flwr run . <federation> --stream``, waits for the run's end,
    and always tears every process group down (bounded waits, then SIGKILL, then a sweep of
    anything that still carries this consortium's marker variable).
 
@@ -234,7 +235,7 @@ def make_credentials(
 
 @dataclass(frozen=True)
 class SiteFiles:
-    """One site's private files, passed to its SuperNode as ``--node-config``."""
+    """One site's private files: given to its site service, never to its SuperNode."""
 
     name: str
     model_path: Path
@@ -242,18 +243,33 @@ class SiteFiles:
     ledger_path: Path
     artifacts_dir: Path
     trusted_keys: Path
+    min_sites: int = 2
+
+    @property
+    def socket_path(self) -> Path:
+        """The site service's socket (the SuperNode's only site setting)."""
+        return self.ledger_path.parent / "site.sock"
 
     def node_config(self) -> str:
-        """The ``--node-config`` string (kebab-case keys of ``client.settings.SiteSettings``)."""
-        values = {
-            "name": self.name,
-            "model-path": self.model_path,
-            "data-path": self.data_path,
-            "ledger-path": self.ledger_path,
-            "artifacts-dir": self.artifacts_dir,
-            "trusted-keys": self.trusted_keys,
-        }
-        return " ".join(f"{key}={json.dumps(str(value))}" for key, value in values.items())
+        """The SuperNode's ``--node-config``: where the site service listens, nothing more."""
+        return f"site-socket={json.dumps(str(self.socket_path))}"
+
+    def service_command(self) -> list[str]:
+        """``dpmtv-site serve`` with every private file of the site."""
+        return [
+            sys.executable, "-m", "client.cli", "serve",
+            "--name", self.name,
+            "--model", str(self.model_path),
+            "--data", str(self.data_path),
+            "--ledger", str(self.ledger_path),
+            "--artifacts-dir", str(self.artifacts_dir),
+            "--trusted-key", str(self.trusted_keys),
+            "--socket", str(self.socket_path),
+            "--socket-mode", "600",
+            "--min-sites", str(self.min_sites),
+            "--device", "cpu",
+            "--threads", "1",
+        ]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -595,6 +611,15 @@ class Consortium:
 
     # -- the sites -------------------------------------------------------------------------
 
+    def start_site_service(self, site: SiteFiles, timeout: float = 120.0) -> Managed:
+        """Start ``site``'s service (its data, model, ledger, keys); wait until it listens."""
+        name = f"{site.name}-service"
+        home = self.workdir / f"flwr-{name}"
+        home.mkdir(parents=True, exist_ok=True)
+        managed = self.start(name, site.service_command(), self._env(home, self.site_env))
+        self.wait_for_line(name, r"serving on", timeout=timeout)
+        return managed
+
     def start_supernode(
         self,
         site: SiteFiles,
@@ -726,6 +751,7 @@ def _run(args: argparse.Namespace) -> int:
         consortium.start_superlink()
         for site in files.sites:
             consortium.register(site.name)
+            consortium.start_site_service(site)
             consortium.start_supernode(site)
         result = consortium.wait_run(consortium.submit(run_config), timeout=args.timeout)
     print(result.log)

@@ -12,8 +12,11 @@ from dpmtv_common.artifact.manifest import (
 from dpmtv_common.artifact.store import (
     MANIFEST_FILE,
     SIGNATURE_FILE,
+    STALE_AFTER_S,
     TENSORS_FILE,
+    StagingCleanup,
     TaskVectorArtifact,
+    clean_stale_staging,
     load_artifact,
     write_artifact,
 )
@@ -24,8 +27,11 @@ __all__ = [
     "MANIFEST_FILE",
     "ReleaseDescription",
     "SIGNATURE_FILE",
+    "STALE_AFTER_S",
+    "StagingCleanup",
     "TENSORS_FILE",
     "TaskVectorArtifact",
+    "clean_stale_staging",
     "hash_plan",
     "load_artifact",
     "manifest_to_canonical_bytes",

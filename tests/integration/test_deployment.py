@@ -63,6 +63,7 @@ def start_sites(consortium: Consortium, files: ConsortiumFiles) -> None:
     consortium.start_superlink()
     for site in files.sites:
         consortium.register(site.name)
+        consortium.start_site_service(site)
         consortium.start_supernode(site)
 
 
@@ -228,7 +229,7 @@ def test_a_site_killed_during_the_activation_secure_sum_leaves_a_release_by_the_
         assert artifact.manifest.num_chunks == len(survivors) * CHUNKS_PER_SITE
         assert states(site.ledger_path) == {release_id: ReleaseState.COMMITTED}
     assert not (victim.artifacts_dir / release_id).exists()
-    # The victim reserved the cost at the plan stage and never heard back: its reservation
-    # stays counted (fail closed) until its operator resolves it.
-    assert states(victim.ledger_path) == {release_id: ReleaseState.RESERVED}
+    # The victim's SuperNode died before its data left: its service, stopped with the
+    # consortium, resolved the release from its own record (nothing sent: refund).
+    assert states(victim.ledger_path) == {release_id: ReleaseState.ABORTED}
     assert states(files.consortium_ledger) == {release_id: ReleaseState.COMMITTED}
