@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import numpy as np
 import pytest
 import torch
@@ -13,6 +15,7 @@ from client.evaluation.run import EvaluationMode, evaluate, icl_prompts
 from client.extraction import forward_last_token_heads, zero_shot_prompt
 from client.hooks import PatchPolicy
 from client.inference import TaskVectorPatch, first_answer_span, generate_answers
+from client.models import LoadedModel, PromptTooLongError
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
 
@@ -270,3 +273,40 @@ def test_rescale_heads_refuses_a_bad_target(target):
 
     with pytest.raises(ConfigError, match="target_norm"):
         rescale_heads(np.ones((1, 2)), target_norm=target)
+
+
+@ONE_ARCH
+def test_answering_a_prompt_beyond_the_context_fails_before_generating(
+    loaded, records, monkeypatch
+):
+    # Arrange: pretend the context is 8 tokens; patched so the length guard is in place
+    monkeypatch.setattr(loaded.model.config.get_text_config(), "max_position_embeddings", 8)
+    prompt = zero_shot_prompt(records[0])
+    patch = own_patch_zeros(loaded)
+
+    # Act / Assert
+    with pytest.raises(PromptTooLongError, match="context of 8 tokens"):
+        generate_answers(loaded, [prompt], patch=patch)
+
+
+@ONE_ARCH
+def test_a_tokenizer_without_pad_token_answers_a_batch_of_two(loaded, records):
+    # Arrange: a deep copy (a shallow one shares the special tokens) without a pad token
+    processor = copy.deepcopy(loaded.processor)
+    tokenizer = processor.tokenizer
+    tokenizer.pad_token = None
+    no_pad = LoadedModel(loaded.model, processor, loaded.adapter, loaded.fingerprint)
+    prompts = [zero_shot_prompt(r) for r in records[:2]]
+
+    # Act
+    answers = generate_answers(no_pad, prompts, batch_size=2, max_new_tokens=3)
+
+    # Assert: the same answers as one by one, with the pad token set in memory only
+    alone = [generate_answers(no_pad, [p], max_new_tokens=3)[0] for p in prompts]
+    assert answers == alone
+    assert tokenizer.pad_token == tokenizer.eos_token
+    assert loaded.processor.tokenizer.pad_token != tokenizer.eos_token
+
+
+def own_patch_zeros(loaded) -> TaskVectorPatch:
+    return TaskVectorPatch(ALL_HEADS, torch.zeros(len(ALL_HEADS), 16))
