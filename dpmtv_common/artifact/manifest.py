@@ -39,6 +39,8 @@ __all__ = [
 
 FORMAT_VERSION = 1
 """The artifact layout this module writes and reads."""
+_MODEL_DTYPES = ("bfloat16", "float16", "float32")
+"""Values of ``ReleaseDescription.model_dtype`` (torch dtype names without ``torch.``)."""
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _KEY_ID_HEX = re.compile(rf"[0-9a-f]{{{KEY_ID_HEX_CHARS}}}")
@@ -95,6 +97,10 @@ class ReleaseDescription(BaseModel):
         shots: In-context examples per chunk ``K``.
         clip_norm: L2 bound C on each chunk's contribution; sets the Gaussian sensitivity.
         noise_std: Standard deviation sigma of the Gaussian noise added to the released sum.
+        model_dtype: The dtype the activations were extracted in (``"float32"``,
+            ``"bfloat16"``, ``"float16"``), or None when the release did not record it
+            (artifacts made before the field existed). A bfloat16 vector is rounded to 8 bits
+            of mantissa; a site may refuse to apply a vector made in another dtype.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -113,6 +119,14 @@ class ReleaseDescription(BaseModel):
     shots: int
     clip_norm: float
     noise_std: float
+    model_dtype: str | None = None
+
+    @field_validator("model_dtype")
+    @classmethod
+    def _known_dtype(cls, value: str | None) -> str | None:
+        known = value is None or value in _MODEL_DTYPES
+        _require(known, "model_dtype", f"be one of {list(_MODEL_DTYPES)} or None", value)
+        return value
 
     @field_validator("protocol_version", "release_id", "model_fingerprint", "task", "accountant")
     @classmethod
@@ -214,5 +228,12 @@ class ArtifactManifest(ReleaseDescription):
 
 
 def manifest_to_canonical_bytes(manifest: ArtifactManifest) -> bytes:
-    """Return the bytes the signature covers: the manifest as canonical, ASCII JSON."""
-    return _canonical_json(manifest.model_dump(mode="json"))
+    """Return the bytes the signature covers: the manifest as canonical, ASCII JSON.
+
+    An unset ``model_dtype`` is left out, so artifacts signed before the field existed still
+    verify (their signed bytes never held the key).
+    """
+    document = manifest.model_dump(mode="json")
+    if document.get("model_dtype") is None:
+        document.pop("model_dtype", None)
+    return _canonical_json(document)
