@@ -11,6 +11,16 @@ canvas. Four tasks ask about the same images with the same question; only the an
 So a model can tell the task only from the demonstrations' answers: zero-shot it must guess,
 with K shots (or a task vector) it can know. Each site, the public set and the test set are
 separate folders (``manifest.jsonl`` + images) that ``client.data.load_dataset`` reads.
+
+**Content-disjoint splits (public rule).** A scene is one of 4 x 4 x 4 x 4 = 256 attribute
+combinations. With each attribute's index (colour, shape and position in the order of
+``COLOURS``, ``SHAPES``, ``POSITIONS``; count - 1), a scene's split is
+``(colour + shape + (count - 1) + position) mod 4``: 0 is ``test``, 1 is ``validation``, 2 and 3
+are ``train``. So 64 scenes are test, 64 validation and 128 train, and inside every split each
+value of each attribute appears equally often (every task's answers are balanced). The embedded
+models are trained on ``train`` scenes only; sites and public data are drawn from ``train``
+scenes; validation queries (for choices: order, rescaling, C) from ``validation`` scenes; test
+queries from ``test`` scenes, which neither the model, nor any site, nor public data ever shows.
 """
 
 from __future__ import annotations
@@ -27,7 +37,17 @@ from client.data import write_jsonl_dataset
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.rng import make_rng
 
-__all__ = ["QUESTION", "TASKS", "SceneSpec", "draw_scene", "random_scene", "write_task_datasets"]
+__all__ = [
+    "QUESTION",
+    "SCENE_SPLITS",
+    "TASKS",
+    "SceneSpec",
+    "all_scenes",
+    "draw_scene",
+    "random_scene",
+    "scene_split",
+    "write_task_datasets",
+]
 
 QUESTION = "What is the answer for this image?"
 COLOURS = {
@@ -40,6 +60,8 @@ SHAPES = ("circle", "square", "triangle", "cross")
 POSITIONS = ("left", "right", "top", "bottom")
 TASKS = ("colour", "shape", "count", "position")
 IMAGE_SIZE = 64
+SCENE_SPLITS = ("train", "validation", "test")
+_SPLIT_OF_RESIDUE = ("test", "validation", "train", "train")
 
 
 @dataclass(frozen=True)
@@ -64,14 +86,35 @@ class SceneSpec:
         return answers[task]
 
 
-def random_scene(rng: np.random.Generator) -> SceneSpec:
-    """A uniformly random scene."""
-    return SceneSpec(
-        colour=str(rng.choice(list(COLOURS))),
-        shape=str(rng.choice(SHAPES)),
-        count=int(rng.integers(1, 5)),
-        position=str(rng.choice(POSITIONS)),
+def scene_split(scene: SceneSpec) -> str:
+    """The split (``train``, ``validation`` or ``test``) that ``scene`` belongs to (module doc)."""
+    residue = (
+        list(COLOURS).index(scene.colour)
+        + SHAPES.index(scene.shape)
+        + (scene.count - 1)
+        + POSITIONS.index(scene.position)
+    ) % 4
+    return _SPLIT_OF_RESIDUE[residue]
+
+
+def all_scenes(split: str | None = None) -> tuple[SceneSpec, ...]:
+    """Every scene (in a fixed order), or only those of ``split``."""
+    if split is not None and split not in SCENE_SPLITS:
+        raise ConfigError(f"split must be one of {list(SCENE_SPLITS)} or None, got {split!r}.")
+    scenes = (
+        SceneSpec(colour, shape, count, position)
+        for colour in COLOURS
+        for shape in SHAPES
+        for count in range(1, 5)
+        for position in POSITIONS
     )
+    return tuple(s for s in scenes if split is None or scene_split(s) == split)
+
+
+def random_scene(rng: np.random.Generator, split: str | None = None) -> SceneSpec:
+    """A uniformly random scene, of ``split`` when given (otherwise of the whole space)."""
+    scenes = all_scenes(split)
+    return scenes[int(rng.integers(len(scenes)))]
 
 
 def _region(position: str) -> tuple[int, int, int, int]:
@@ -120,11 +163,13 @@ def draw_scene(scene: SceneSpec, rng: np.random.Generator) -> Image.Image:
     return image
 
 
-def _write_split(root: Path, task: str, count: int, rng: np.random.Generator, prefix: str) -> None:
+def _write_split(
+    root: Path, task: str, count: int, rng: np.random.Generator, prefix: str, split: str
+) -> None:
     (root / "images").mkdir(parents=True, exist_ok=True)
     records = []
     for index in range(count):
-        scene = random_scene(rng)
+        scene = random_scene(rng, split)
         name = f"images/{prefix}-{index:05d}.png"
         draw_scene(scene, rng).save(root / name)
         records.append(
@@ -139,18 +184,35 @@ def _write_split(root: Path, task: str, count: int, rng: np.random.Generator, pr
 
 
 def write_task_datasets(
-    root: Path, *, task: str, sites: int, per_site: int, public: int, test: int, seed: int
+    root: Path,
+    *,
+    task: str,
+    sites: int,
+    per_site: int,
+    public: int,
+    test: int,
+    seed: int,
+    validation: int = 0,
 ) -> dict[str, Path]:
-    """Write ``site-0`` … ``site-{sites-1}``, ``public`` and ``test`` under ``root``."""
+    """Write ``site-0`` … ``site-{sites-1}``, ``public``, ``validation``, ``test`` in ``root``.
+
+    Sites and public data show ``train`` scenes only, ``validation`` its own scenes and ``test``
+    scenes no other folder (and no embedded model's training) ever shows: the split is by
+    content, not only by record (module docstring). A folder of size 0 is not written.
+    """
     if task not in TASKS:
         raise ConfigError(f"task must be one of {list(TASKS)}, got {task!r}.")
     if sites < 0 or (sites > 0 and per_site < 1):
         raise ConfigError(f"sites must be >= 0 and per_site >= 1, got {sites!r} and {per_site!r}.")
     rng = make_rng(seed)
-    folders = {f"site-{i}": per_site for i in range(sites)} | {"public": public, "test": test}
+    folders = {f"site-{i}": (per_site, "train") for i in range(sites)} | {
+        "public": (public, "train"),
+        "test": (test, "test"),
+        "validation": (validation, "validation"),
+    }
     written = {}
-    for name, count in folders.items():
+    for name, (count, split) in folders.items():
         if count > 0:
-            _write_split(root / name, task, count, rng, name)
+            _write_split(root / name, task, count, rng, name, split)
             written[name] = root / name
     return written

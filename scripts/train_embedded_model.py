@@ -10,9 +10,18 @@ Two stages, both seeded, CPU only:
    end-of-turn token after it: the first answer must be guessed (zero-shot), later ones can
    use the task that the earlier answers show (in-context learning).
 
-Seeded and CPU-only; writes the model directory the project ships. Usage:
-    scripts/train_embedded_model.py --steps 3000 --out client/models/weights/shapes-vlm
-    scripts/train_embedded_model.py --smoke   (a few steps into a temporary directory)
+Only ``train`` scenes of ``client.synthetic``'s content split are shown; the held-out scores
+during training use ``validation`` scenes; test scenes are never seen.
+
+Seeded, CPU-only and deterministic on one machine (``torch.use_deterministic_algorithms``, a
+fixed thread count). Writes the model directory the project ships, with ``training.json``
+(the command, seed, settings, library versions, the held-out scores at each logged step and at
+the end) and ``scores.json`` (per-task scores on test scenes). The shipped weights come from:
+    .venv/bin/python scripts/train_embedded_model.py --size small
+    .venv/bin/python scripts/train_embedded_model.py --size deep
+``--stop-after N`` runs the same schedule but stops after step N (the reproducibility test
+compares its logged scores with the shipped ``training.json``); ``--smoke`` runs a few steps
+into a temporary directory.
 """
 
 from __future__ import annotations
@@ -20,6 +29,8 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import platform
+import shlex
 import sys
 import tempfile
 import time
@@ -33,7 +44,7 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 from client.models import Example, adapter_for
-from client.models.embedded import EMBEDDED_MODEL_DIR, build_embedded_model
+from client.models.embedded import EMBEDDED_MODEL_DIRS, build_embedded_model
 from client.synthetic import QUESTION, TASKS, SceneSpec, draw_scene, random_scene
 from dpmtv_common.rng import make_rng
 
@@ -47,9 +58,9 @@ class ImageBank:
     features: torch.Tensor | None = None  # frozen vision features, once stage 1 is done
 
 
-def render_bank(processor, count: int, seed: int) -> ImageBank:
+def render_bank(processor, count: int, seed: int, split: str) -> ImageBank:
     rng = make_rng(seed)
-    scenes: list[SceneSpec] = [random_scene(rng) for _ in range(count)]
+    scenes: list[SceneSpec] = [random_scene(rng, split) for _ in range(count)]
     images = [draw_scene(scene, rng) for scene in scenes]
     pixels = processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
     answers = {task: [scene.answer(task) for scene in scenes] for task in TASKS}
@@ -170,14 +181,15 @@ def query_accuracy(model, bank, layout, tokenizer, rng, batches: int = 4) -> flo
     return correct / total
 
 
-def train(args: argparse.Namespace) -> dict[str, float]:
+def train(args: argparse.Namespace):
     torch.manual_seed(args.seed)
     torch.set_num_threads(args.threads)
-    model, processor = build_embedded_model()
+    torch.use_deterministic_algorithms(True)
+    model, processor = build_embedded_model(args.size)
     tokenizer = processor.tokenizer
     rng = make_rng(args.seed)
-    bank = render_bank(processor, args.bank, args.seed)
-    held_out = render_bank(processor, min(2000, args.bank), args.seed + 1)
+    bank = render_bank(processor, args.bank, args.seed, "train")
+    held_out = render_bank(processor, min(2000, args.bank), args.seed + 1, "validation")
     layouts = {k: episode_layout(model, processor, k) for k in range(args.max_shots + 1)}
     probe_accuracy = train_vision(model, bank, args.vision_steps, rng)
     bank.features = vision_features(model, bank.pixels)
@@ -191,7 +203,9 @@ def train(args: argparse.Namespace) -> dict[str, float]:
     )
     model.train()
     started = time.monotonic()
-    for step in range(args.steps):
+    checkpoints: list[dict[str, float]] = []
+    last_step = args.steps if args.stop_after is None else min(args.steps, args.stop_after + 1)
+    for step in range(last_step):
         shots = int(rng.integers(1, args.max_shots + 1))
         ids, features, labels = make_batch(bank, layouts[shots], tokenizer, args.batch, rng)
         loss = loss_of(model, ids, features, labels)
@@ -206,6 +220,9 @@ def train(args: argparse.Namespace) -> dict[str, float]:
             zero = query_accuracy(model, held_out, layouts[0], tokenizer, make_rng(7), batches=2)
             model.train()
             elapsed = time.monotonic() - started
+            checkpoints.append(
+                {"step": step, "loss": round(loss.item(), 4), "icl_4_shot": icl, "zero_shot": zero}
+            )
             print(
                 f"step {step:5d} loss {loss.item():.3f} 4-shot {icl:.3f} 0-shot {zero:.3f} "
                 f"({elapsed:.0f} s)",
@@ -220,45 +237,88 @@ def train(args: argparse.Namespace) -> dict[str, float]:
             "icl_4_shot": query_accuracy(model, held_out, layouts[4], tokenizer, make_rng(11), 8),
             "zero_shot": query_accuracy(model, held_out, layouts[0], tokenizer, make_rng(11), 8),
             "seconds": time.monotonic() - started,
+            "checkpoints": checkpoints,
         },
         model,
         processor,
     )
 
 
+def library_versions() -> dict[str, str]:
+    """Versions that decide the weights (and so the scores) on a given CPU."""
+    import tokenizers
+    import transformers
+
+    return {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "transformers": transformers.__version__,
+        "tokenizers": tokenizers.__version__,
+        "numpy": np.__version__,
+        "machine": platform.machine(),
+        "processor": platform.processor() or "unknown",
+    }
+
+
+# The deep model sees at most 4 demonstrations (the benchmark's K) to keep its episodes short.
+SIZE_DEFAULTS = {
+    "small": {"steps": 1500, "max_shots": 6},
+    "deep": {"steps": 1200, "max_shots": 4},
+}
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--steps", type=int, default=1500)
+    parser.add_argument("--size", choices=sorted(EMBEDDED_MODEL_DIRS), default="small")
+    parser.add_argument("--steps", type=int, default=None, help="default: by --size")
     parser.add_argument("--batch", type=int, default=32)
     parser.add_argument("--vision-steps", type=int, default=400)
     parser.add_argument("--lr", type=float, default=2e-3)
-    parser.add_argument("--max-shots", type=int, default=6)
+    parser.add_argument("--max-shots", type=int, default=None, help="default: by --size")
     parser.add_argument("--bank", type=int, default=20000, help="pre-rendered training scenes")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=2)
+    # One thread: on shared cores, more OpenMP threads than free cores spin (measured 4x
+    # slower per step at load 8 on 2 cores), and one thread fixes the reduction order.
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--log-every", type=int, default=100)
-    parser.add_argument("--out", type=Path, default=EMBEDDED_MODEL_DIR)
+    parser.add_argument("--out", type=Path, default=None, help="default: the shipped folder")
+    parser.add_argument(
+        "--stop-after", type=int, default=None, help="stop after this step (same schedule)"
+    )
     parser.add_argument("--smoke", action="store_true", help="5 steps into a temporary folder")
     args = parser.parse_args()
+    for key, value in SIZE_DEFAULTS[args.size].items():
+        if getattr(args, key) is None:
+            setattr(args, key, value)
+    shipped = EMBEDDED_MODEL_DIRS[args.size]
+    partial = args.smoke or args.stop_after is not None
+    if partial and (args.out is None or args.out == shipped):
+        # never overwrite the shipped weights with a partial run
+        args.out = Path(tempfile.mkdtemp(prefix="dpmtv-train-"))
+    args.out = args.out or shipped
     if args.smoke:
         args.steps, args.vision_steps, args.bank, args.log_every = 5, 3, 200, 1
-        if args.out == EMBEDDED_MODEL_DIR:  # never overwrite the shipped weights with a smoke run
-            args.out = Path(tempfile.mkdtemp(prefix="dpmtv-smoke-"))
     metrics, model, processor = train(args)
     args.out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(args.out)
     processor.save_pretrained(args.out)
-    settings = {key: str(value) for key, value in vars(args).items()}
-    (args.out / "training.json").write_text(json.dumps({**metrics, **settings}, indent=2))
-    print(json.dumps(metrics, indent=2))
-    if not args.smoke:
-        write_scores(args.out)
+    record = {
+        "command": " ".join(shlex.quote(a) for a in [".venv/bin/python", *sys.argv]),
+        "seed": args.seed,
+        "settings": {key: str(value) for key, value in vars(args).items()},
+        "libraries": library_versions(),
+        **metrics,
+    }
+    if not partial:
+        record["task_scores"] = write_scores(args.out)
+    (args.out / "training.json").write_text(json.dumps(record, indent=2) + "\n")
+    print(json.dumps({k: v for k, v in metrics.items() if k != "checkpoints"}, indent=2))
     return 0
 
 
-def write_scores(directory: Path) -> None:
+def write_scores(directory: Path) -> list[dict[str, object]]:
     """Score the saved model per task; CI checks the shipped weights against this file."""
     from client.evaluation.task_suite import score_tasks
     from client.models import load_model
@@ -270,12 +330,13 @@ def write_scores(directory: Path) -> None:
         "how": "client.evaluation.task_suite.score_tasks(load_model(dir), tmp) defaults",
         "tasks": [s.as_dict() for s in scores],
     }
-    (directory / "scores.json").write_text(json.dumps(payload, indent=2))
+    (directory / "scores.json").write_text(json.dumps(payload, indent=2) + "\n")
     for s in scores:
         print(
             f"{s.task:9} zero-shot {s.zero_shot:.3f}  4-shot ICL {s.icl:.3f}  "
             f"task vector {s.task_vector:.3f}  heads {s.heads}"
         )
+    return payload["tasks"]
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 from client.cli import (
+    audit_command,
     data_command,
     evaluate_command,
     infer_command,
@@ -167,4 +168,5 @@ REGISTRY: tuple[Callable[[Subparsers], None], ...] = (
     register_ledger,
     serve_command.register,
     data_command.register,
+    audit_command.register,
 )

@@ -6,6 +6,10 @@ the same adapter, prompt, hook and loading code as any other LLaVA checkpoint. I
 trained by ``scripts/train_embedded_model.py`` on episodes of the four ``client.synthetic``
 tasks (colour, shape, count, position) that share one question: the task can only be told
 from the demonstrations' answers, which is what in-context learning and task vectors are for.
+Training sees only the ``train`` scenes of ``client.synthetic``'s content split.
+
+Two sizes ship: ``small`` (3 layers x 4 heads = 12 heads; the fast default) and ``deep``
+(8 layers x 8 heads = 64 heads; the benchmark of selection among many heads).
 """
 
 from __future__ import annotations
@@ -23,13 +27,21 @@ from dpmtv_common.errors import ConfigError
 
 __all__ = [
     "ANSWER_WORDS",
+    "ARCHITECTURES",
     "EMBEDDED_MODEL_DIR",
+    "EMBEDDED_MODEL_DIRS",
     "build_embedded_model",
     "embedded_model_path",
 ]
 
 EMBEDDED_MODEL_DIR = Path(__file__).resolve().parent / "weights" / "shapes-vlm"
-"""Where the shipped weights live (inside the package, so a wheel carries them)."""
+"""Where the shipped default (small) weights live (inside the package, so a wheel carries them)."""
+
+EMBEDDED_MODEL_DIRS = {
+    "small": EMBEDDED_MODEL_DIR,
+    "deep": EMBEDDED_MODEL_DIR.parent / "shapes-vlm-deep",
+}
+"""Every shipped size and its folder."""
 
 ANSWER_WORDS = (*COLOURS, *SHAPES, "1", "2", "3", "4", *POSITIONS)
 _SPECIALS = ("<pad>", "<s>", "</s>", "<unk>", "<image>")
@@ -46,14 +58,13 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}ASSISTANT:{% endif %}"
 )
 
-ARCHITECTURE: dict[str, Any] = {
-    "text_hidden": 96,
-    "text_layers": 3,
-    "text_heads": 4,
-    "vision_hidden": 64,
-    "vision_layers": 2,
-    "vision_heads": 4,
+_VISION: dict[str, Any] = {"vision_hidden": 64, "vision_layers": 2, "vision_heads": 4}
+ARCHITECTURES: dict[str, dict[str, Any]] = {
+    "small": {"text_hidden": 96, "text_layers": 3, "text_heads": 4, **_VISION},
+    # Many narrow heads (head_dim 8): what selection among many heads needs, and still small.
+    "deep": {"text_hidden": 64, "text_layers": 8, "text_heads": 8, **_VISION},
 }
+ARCHITECTURE = ARCHITECTURES["small"]
 
 
 def _tokenizer() -> PreTrainedTokenizerFast:
@@ -79,10 +90,14 @@ def _image_token_id(tok: PreTrainedTokenizerFast) -> int:
     return token_id
 
 
-def build_embedded_model() -> tuple[tf.LlavaForConditionalGeneration, tf.LlavaProcessor]:
-    """A freshly initialised model and its processor (untrained; the seed is the caller's)."""
+def build_embedded_model(
+    size: str = "small",
+) -> tuple[tf.LlavaForConditionalGeneration, tf.LlavaProcessor]:
+    """A fresh model of ``size`` and its processor (untrained; the seed is the caller's)."""
+    if size not in ARCHITECTURES:
+        raise ConfigError(f"size must be one of {list(ARCHITECTURES)}, got {size!r}.")
     tok = _tokenizer()
-    arch = ARCHITECTURE
+    arch = ARCHITECTURES[size]
     config = tf.LlavaConfig(
         vision_config={
             "model_type": "clip_vision_model",
@@ -129,11 +144,14 @@ def build_embedded_model() -> tuple[tf.LlavaForConditionalGeneration, tf.LlavaPr
     return model, processor
 
 
-def embedded_model_path() -> Path:
-    """The shipped model directory, or a clear error saying how to make it."""
-    if not (EMBEDDED_MODEL_DIR / "config.json").is_file():
+def embedded_model_path(size: str = "small") -> Path:
+    """The shipped model directory of ``size``, or a clear error saying how to make it."""
+    if size not in EMBEDDED_MODEL_DIRS:
+        raise ConfigError(f"size must be one of {list(EMBEDDED_MODEL_DIRS)}, got {size!r}.")
+    directory = EMBEDDED_MODEL_DIRS[size]
+    if not (directory / "config.json").is_file():
         raise ConfigError(
-            f"the embedded model must be at {EMBEDDED_MODEL_DIR}, got nothing there; "
-            "train it with scripts/train_embedded_model.py."
+            f"the embedded model must be at {directory}, got nothing there; "
+            f"train it with scripts/train_embedded_model.py --size {size}."
         )
-    return EMBEDDED_MODEL_DIR
+    return directory

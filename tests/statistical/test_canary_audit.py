@@ -1,64 +1,142 @@
-"""End-to-end GDP canary audit of clip -> sum -> one Gaussian draw (notes/dp.md §4.3 test 6).
+"""End-to-end GDP canary audit of the PRODUCTION path (notes/dp.md §4.3 test 6).
 
-A canary chunk with norm 1000*C is replaced by its negation (a replace-one pair). With one
-layer in scope, Delta_2 = 2C and the Gaussian mechanism is mu-GDP with mu = Delta_2/sigma
-= 1/z. The audit estimates mu from N runs per side projected on the canary direction; its
-standard error is sqrt(2/N), and the checks use z = 4.89 (false-failure rate 1e-6).
+A tiny random LLaVA and a small synthetic dataset; one record is replaced by a canary record.
+Both datasets are cut with the same secret chunk seed and summed by ``client.release.LocalSums``
+(per-layer clipping in ``client.extraction``); ``protocol.run_release`` (selection "all") then
+adds the production Gaussian draw N times per side with ``secure_noise()``, through
+``client.audit.audit_pair``. Projected on the canary direction, the outputs are N(a, σ²) and
+N(a + ‖Δ‖, σ²), so μ̂ estimates ‖Δ‖/σ with standard error ≈ sqrt(2/N + μ²/(4N)).
+
+Thresholds: every check is a normal-tail bound at z = 4.89 (two-sided false-failure rate 1e-6
+per check, five checks: at most 5e-6 for the file), applied to μ̂'s standard error.
 """
 
 from __future__ import annotations
 
 import math
+from datetime import UTC, datetime
+from pathlib import Path
 
 import numpy as np
 import pytest
 from scipy import stats
 
-from dpmtv_common.privacy.mechanisms import GaussianSumMechanism, sum_clipped_contributions
+import client.extraction
+from client.audit import (
+    CanaryPair,
+    ScaledNoise,
+    audit_pair,
+    canary_candidates,
+    choose_canary,
+    epsilon_of_gdp,
+    make_canary_pair,
+    plant_canary,
+)
+from client.data import SiteDataset, load_dataset
+from client.models import LoadedModel, load_model, save_tiny_model
+from client.synthetic import write_task_datasets
 from dpmtv_common.privacy.noise import secure_noise
+from protocol import PROTOCOL_VERSION, ReleaseOrder, ReleasePlan, SelectionMode
 
 pytestmark = pytest.mark.statistical
 
 Z_BOUND = float(stats.norm.isf(1e-6 / 2))
-RUNS = 20_000
-CLIP = 1.0
-ROW_LAYERS = np.array([0, 0])  # one layer, two heads of two dimensions
+RUNS = 600
+CHUNK_SEED = 2**200 + 12345  # a fixed "secret" shuffle: the test must be reproducible
+SHAPE = (2, 4)  # the tiny LLaVA: 2 layers x 4 heads
 
 
-def _dataset(canary_sign: float) -> np.ndarray:
-    chunks = np.zeros((5, 2, 2))
-    chunks[0, 0, 0] = canary_sign * 1000.0 * CLIP
-    return chunks
+def _standard_error(mu: float) -> float:
+    return math.sqrt(2 / RUNS + mu * mu / (4 * RUNS))
 
 
-def _clipped_sum(chunks):
-    return sum_clipped_contributions(chunks, row_layers=ROW_LAYERS, clip_norm=CLIP)
+def _plan(loaded: LoadedModel, clip_norm: float) -> ReleasePlan:
+    return ReleasePlan(
+        protocol_version=PROTOCOL_VERSION,
+        release_id="audit-test",
+        task="colour",
+        model_fingerprint=loaded.fingerprint,
+        # epsilon 8 keeps sigma small, so this canary's mu is about 1: a halved sigma moves mu
+        # by ~1, twenty standard errors.
+        epsilon=8.0,
+        delta=1e-5,
+        shots=2,
+        clip_norm=clip_norm,
+        selection=SelectionMode.ALL,
+        order=ReleaseOrder.SELECT_FIRST,
+        num_selected_heads=1,
+        public_heads=None,
+        selection_share=0.3,
+        score_top_r=1,
+        min_sites=1,
+        max_chunks_per_site=None,
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
+    )
 
 
-def _unclipped_sum(chunks):  # the planted bug: clipping skipped
-    return chunks.sum(axis=0)
+@pytest.fixture(scope="module")
+def setting(tmp_path_factory) -> tuple[LoadedModel, SiteDataset, SiteDataset]:
+    root: Path = tmp_path_factory.mktemp("audit")
+    save_tiny_model("llava", root / "model", seed=0)
+    loaded = load_model(root / "model", device="cpu")
+    write_task_datasets(
+        root / "data", task="colour", sites=1, per_site=15, public=0, test=0, seed=0
+    )
+    dataset = load_dataset(root / "data" / "site-0")
+    plan = _plan(loaded, clip_norm=0.05)
+    candidates = canary_candidates(dataset, root / "canaries")
+    canary, index, _ = choose_canary(loaded, dataset, candidates, plan, chunk_seed=CHUNK_SEED)
+    return loaded, dataset, plant_canary(dataset, canary, index=index)
 
 
-def _estimated_mu(pipeline, mechanism) -> float:
-    noise = secure_noise()
-    projections = []
-    for sign in (+1.0, -1.0):
-        summed = pipeline(_dataset(sign))
-        runs = np.broadcast_to(summed, (RUNS, *summed.shape))
-        noisy = mechanism.privatize_sum(runs, noise=noise)
-        projections.append(noisy[:, 0, 0] / mechanism.noise_std)
-    return float(projections[0].mean() - projections[1].mean())
+@pytest.fixture(scope="module")
+def pair(setting) -> tuple[ReleasePlan, CanaryPair]:
+    loaded, dataset, neighbour = setting
+    plan = _plan(loaded, clip_norm=0.05)
+    return plan, make_canary_pair(loaded, dataset, neighbour, plan, chunk_seed=CHUNK_SEED)
 
 
-def test_clipped_pipeline_meets_its_claimed_mu():
-    mechanism = GaussianSumMechanism(clip_norm=CLIP, num_layers_in_scope=1, noise_multiplier=4.0)
-    claimed_mu = mechanism.l2_sensitivity / mechanism.noise_std
-    mu_hat = _estimated_mu(_clipped_sum, mechanism)
-    assert abs(mu_hat - claimed_mu) < Z_BOUND * math.sqrt(2 / RUNS)
+def test_canary_changes_one_chunk_within_the_sensitivity_bound(pair):
+    _, canary = pair
+    assert canary.changed_chunks == 1
+    assert 0.2 * canary.sensitivity < canary.distance <= canary.sensitivity * (1 + 1e-9)
 
 
-def test_skipped_clipping_is_caught_by_the_audit():
-    mechanism = GaussianSumMechanism(clip_norm=CLIP, num_layers_in_scope=1, noise_multiplier=4.0)
-    claimed_mu = mechanism.l2_sensitivity / mechanism.noise_std
-    mu_hat = _estimated_mu(_unclipped_sum, mechanism)
-    assert mu_hat > claimed_mu + Z_BOUND * math.sqrt(2 / RUNS)
+def test_production_noise_shows_the_mu_its_calibration_implies(pair):
+    plan, canary = pair
+    report = audit_pair(plan, canary, noise=secure_noise(), runs=RUNS, shape=SHAPE)
+    assert abs(report.mu_hat - report.mu_canary) < Z_BOUND * _standard_error(report.mu_canary)
+    assert report.mu_hat < report.mu_claimed + Z_BOUND * _standard_error(report.mu_claimed)
+    assert report.epsilon_claimed == pytest.approx(epsilon_of_gdp(report.mu_claimed, 1e-5))
+
+
+def test_halved_noise_is_caught(pair):
+    plan, canary = pair
+    bug = ScaledNoise(secure_noise(), 0.5)
+    report = audit_pair(plan, canary, noise=bug, runs=RUNS, shape=SHAPE, label="sigma halved")
+    assert report.mu_hat > report.mu_canary + Z_BOUND * _standard_error(report.mu_canary)
+
+
+def test_noise_off_gives_a_large_clopper_pearson_lower_bound(pair):
+    plan, canary = pair
+    report = audit_pair(
+        plan, canary, noise=ScaledNoise(secure_noise(), 0.0), runs=RUNS, shape=SHAPE
+    )
+    # 0 errors in 300 trials per rate: CP upper limit 1 - 0.0125^(1/300) ~ 0.0145 -> eps ~ 4.2.
+    assert report.epsilon_lower_cp > 4.0
+    assert report.violates_claim
+
+
+def test_skipped_clipping_is_caught_by_the_audit(setting, monkeypatch):
+    # Arrange: the planted bug — clipping in the production extraction path does nothing.
+    loaded, dataset, neighbour = setting
+    monkeypatch.setattr(
+        client.extraction, "clip_per_layer", lambda rows, **_: np.asarray(rows, dtype=np.float64)
+    )
+    plan = _plan(loaded, clip_norm=0.005)  # far below the activations' norms
+    # Act
+    unclipped = make_canary_pair(loaded, dataset, neighbour, plan, chunk_seed=CHUNK_SEED)
+    report = audit_pair(plan, unclipped, noise=secure_noise(), runs=RUNS, shape=SHAPE)
+    # Assert: the distance exceeds the bound, and the noisy outputs show it.
+    assert unclipped.distance > unclipped.sensitivity
+    assert report.mu_hat > report.mu_claimed + Z_BOUND * _standard_error(report.mu_claimed)
