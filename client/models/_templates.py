@@ -13,6 +13,7 @@ __all__ = [
     "IDEFICS2",
     "IDEFICS3",
     "INTERNVL",
+    "LFM2_VL",
     "LLAVA",
     "LLAVA_ONEVISION",
     "MLLAMA",
@@ -47,6 +48,7 @@ LLAVA = (
 QWEN_VL = _chatml("<|vision_start|><|image_pad|><|vision_end|>", system=True)
 LLAVA_ONEVISION = _chatml("<image>\n", system=False)
 INTERNVL = _chatml("<IMG_CONTEXT>\n", system=False)
+LFM2_VL = "{{ bos_token }}" + _chatml("<image>", system=False)
 
 _IDEFICS_TURNS = (
     "{% for m in messages %}{{ m['role'] | capitalize }}"

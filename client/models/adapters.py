@@ -367,3 +367,12 @@ _builtin(
 )
 # Hybrid stack: Gated DeltaNet (linear attention) layers carry no softmax heads to patch.
 _builtin(("qwen3_5",), _LM, _templates.QWEN_VL, headless_layers=True)
+# Hybrid stack: short-convolution layers carry no heads; attention ends in out_proj. Its
+# processor needs torchvision, so the tests build the model only (no tiny processor).
+_builtin(
+    ("lfm2_vl",),
+    _LM,
+    _templates.LFM2_VL,
+    projection_paths=("self_attn.out_proj",),
+    headless_layers=True,
+)

@@ -36,8 +36,12 @@ from dpmtv_common.heads import HeadSet
 TOKENS_PER_IMAGE = {"idefics3": 4, "llava": 16, "qwen2_5_vl": 4, "qwen2_vl": 4, "smolvlm": 4}
 
 
+# Registered, but built here without a processor: LFM2-VL's image processor needs torchvision.
+MODEL_ONLY = {"lfm2_vl"}
+
+
 def test_registry_serves_every_required_architecture():
-    assert set(supported_model_types()) == set(ALL_TINY_ARCHITECTURES)
+    assert set(supported_model_types()) == set(ALL_TINY_ARCHITECTURES) | MODEL_ONLY
     assert set(TINY_ARCHITECTURES) <= set(ALL_TINY_ARCHITECTURES)
     assert supported_model_types() == tuple(sorted(supported_model_types()))
 
@@ -360,6 +364,63 @@ def test_a_layer_without_projection_is_an_error_unless_the_adapter_allows_it(sha
 
     with pytest.raises(ModelError, match=r"layer 0 must have one of \['self_attn.o_proj'\]"):
         strict.head_shape(model)
+
+
+def tiny_lfm2_vl():
+    """A tiny LFM2-VL: layers 0 and 2 short convolutions, layer 1 attention (``out_proj``)."""
+    from transformers import Lfm2VlConfig, Lfm2VlForConditionalGeneration
+
+    text = {
+        "vocab_size": 300,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 3,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "layer_types": ["conv", "full_attention", "conv"],
+    }
+    vision = {
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "patch_size": 16,
+        "num_patches": 16,
+    }
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        config = Lfm2VlConfig(text_config=text, vision_config=vision, image_token_id=5)
+        model = Lfm2VlForConditionalGeneration(config)
+    model.train(False)
+    return model
+
+
+def test_a_convolution_hybrid_hooks_its_attention_out_proj_only_and_patches_exactly():
+    # Arrange: text-only input (no processor offline), a fixed token sequence
+    model = tiny_lfm2_vl()
+    adapter = adapter_for(model)
+    ids = torch.arange(10, 40).reshape(1, 30)
+    shape = adapter.head_shape(model)
+    heads = shape.all_heads()
+    with torch.no_grad(), capture_last_token_heads(model, adapter) as capture:
+        clean = model(input_ids=ids).logits
+    activations = capture.activations()
+    values = activations[0, 1]
+
+    # Act
+    with torch.no_grad():
+        policy = PatchPolicy.EVERY_CALL
+        with patch_heads(model, adapter, heads, values, policy=policy):
+            same = model(input_ids=ids).logits
+        with patch_heads(model, adapter, heads, values + 3.0, policy=policy):
+            moved = model(input_ids=ids).logits
+
+    # Assert
+    assert (shape.num_layers, shape.head_layers) == (3, (1,))
+    assert torch.count_nonzero(activations[:, [0, 2]]) == 0
+    assert torch.equal(same, clean)
+    assert not torch.equal(moved[:, -1], clean[:, -1])
+    assert torch.equal(moved[:, :-1], clean[:, :-1])
 
 
 # --- Third-party adapters through the entry point group --------------------------------------
