@@ -179,6 +179,7 @@ def load_dataset(
     *,
     question: str | None = None,
     layout: DatasetLayout | None = None,
+    check_images: bool = True,
 ) -> SiteDataset:
     """Load a site dataset and check every record in full; see the module docstring.
 
@@ -188,6 +189,11 @@ def load_dataset(
             default :data:`DEFAULT_QUESTION`); a manifest brings its own questions.
         layout: ``"manifest"`` or ``"image-folder"``; default: ``dataset.json``'s ``layout``,
             else ``"manifest"``.
+        check_images: Decode and check every image (the default, and what a site must do
+            before it accepts a plan). False lists the records without opening any image:
+            for re-reading, within one release, a dataset already checked at plan time, where
+            a record that fails since then must cost its own chunk only (it contributes zero
+            in extraction) rather than stop the site.
 
     Raises:
         DataError: The folder, a manifest line or ``dataset.json`` is unusable, the chosen
@@ -219,7 +225,8 @@ def load_dataset(
                 f"'image-folder'; remove one of them."
             )
         candidates = _scan_image_folder(root, question or meta.question or DEFAULT_QUESTION)
-    _check_images(root, candidates)
+    if check_images:
+        _check_images(root, candidates)
     records = tuple(record for _, record in candidates)
     return SiteDataset(records, meta.task, meta.privacy_unit, meta.instruction)
 

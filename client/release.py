@@ -57,20 +57,21 @@ __all__ = ["LocalSums", "SingleHolderRelease", "check_release_inputs", "run_sing
 class LocalSums:
     """:class:`protocol.ReleaseSums` over one holder's chunks, computed on its own model.
 
-    Every chunk runs in its own forward pass and a failed chunk contributes the public
-    fallback (zeros) while still counting in m (``client.extraction``), so both sums have
-    ``num_chunks == len(chunks)`` whatever the records hold.
+    Chunks run in fixed-shape batches (so no record moves another chunk's activations) and
+    a failed chunk contributes the public fallback (zeros) while still counting in m
+    (``client.extraction``), so both sums have ``num_chunks == len(chunks)`` whatever the
+    records hold.
 
     Attributes:
-        batch_size: Not used: private sums run one chunk per forward pass so that no record
-            can move another chunk's activations. Kept so existing callers keep working.
+        batch_size: Chunks a forward pass in extraction (a speed setting; the padded shape
+            makes the result independent of batch-mates). Scoring runs one chunk a pass.
     """
 
     loaded: LoadedModel
     chunks: Sequence[Chunk]
     plan: ReleasePlan
     score_method: ScoreMethod = ScoreMethod.SHIFT
-    batch_size: int = 1
+    batch_size: int = 4
     instruction: str | None = None
     progress: bool = True
 
@@ -81,6 +82,7 @@ class LocalSums:
             self.chunks,
             heads=heads,
             clip_norm=self.plan.clip_norm,
+            batch_size=self.batch_size,
             instruction=self.instruction,
             progress=self.progress,
         )

@@ -477,3 +477,20 @@ def test_site_dataset_refuses_ungrouped_records_in_group_mode():
 def test_record_refuses_empty_answers():
     with pytest.raises(DataError, match=r"must not be empty"):
         Record("r1", Path("/x.png"), "Q?", ())
+
+
+def test_check_images_false_lists_the_records_without_opening_them(tmp_path):
+    # Within one release the site re-reads a dataset it checked at plan time: a record that
+    # broke since then must not stop the load (extraction zeroes its chunk instead).
+    _draw(tmp_path / "good.png")
+    rows = [
+        {"image": "good.png", "question": "Q?", "answer": "a"},
+        {"image": "gone.png", "question": "Q?", "answer": "b"},
+    ]
+    write_jsonl_dataset(tmp_path, rows, task="t")
+
+    dataset = load_dataset(tmp_path, check_images=False)
+
+    assert [r.answer for r in dataset.records] == ["a", "b"]
+    with pytest.raises(DataError, match=r"1 of 2 records unusable"):
+        load_dataset(tmp_path)

@@ -96,6 +96,29 @@ def test_batched_refuses_a_size_below_one(chunks, batch_size):
         list(batched(chunks, batch_size))
 
 
+def test_batch_size_does_not_change_the_clipped_sum_beyond_rounding(loaded, chunks):
+    # Act
+    one_at_a_time = extract_clipped_sum(
+        loaded, chunks, heads=SUBSET, clip_norm=0.2, batch_size=1, progress=False
+    )
+    three_at_a_time = extract_clipped_sum(
+        loaded, chunks, heads=SUBSET, clip_norm=0.2, batch_size=3, progress=False
+    )
+
+    # Assert
+    np.testing.assert_allclose(one_at_a_time.total, three_at_a_time.total, rtol=0, atol=1e-5)
+
+
+@ONE_ARCH
+@pytest.mark.parametrize("batch_size", [0, -2])
+def test_a_batch_size_below_one_is_a_config_error(loaded, chunks, batch_size):
+    # Act / Assert
+    with pytest.raises(ConfigError, match="batch_size"):
+        extract_clipped_sum(
+            loaded, chunks, heads=SUBSET, clip_norm=1.0, batch_size=batch_size, progress=False
+        )
+
+
 def test_batched_yields_consecutive_slices_of_at_most_size(chunks):
     # Act
     slices = list(batched(chunks, 3))
