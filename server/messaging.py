@@ -1,4 +1,8 @@
-"""Plain (non-secure) exchanges with the sites: one message per site, replies by site."""
+"""Plain (non-secure) exchanges with the sites: one message per site, replies by site.
+
+Sites are logged by the name they registered with (``flwr supernode register --name``) when
+the grid is a :class:`server.prompt_grid.PromptGrid`, which reads it from the SuperLink.
+"""
 
 from __future__ import annotations
 
@@ -11,6 +15,7 @@ from flwr.serverapp import Grid
 
 from dpmtv_common.errors import DpmtvError
 from protocol import WireMessage, expect, message_to_record
+from server.prompt_grid import site_label
 
 __all__ = ["Exchange", "Replies"]
 
@@ -58,7 +63,9 @@ class Exchange:
             outcome = _decode(reply, expected)
             if isinstance(outcome, str):
                 failures[node_id] = outcome
-                _log.warning("site %s: %s failed: %s", node_id, action, outcome)
+                _log.warning(
+                    "site %s: %s failed: %s", site_label(self.grid, node_id), action, outcome
+                )
             else:
                 answers[node_id] = outcome
         return Replies(answers, failures)
