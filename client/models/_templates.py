@@ -16,6 +16,7 @@ __all__ = [
     "LFM2_VL",
     "LLAVA",
     "LLAVA_ONEVISION",
+    "MISTRAL3",
     "MLLAMA",
     "PALIGEMMA",
     "QWEN_VL",
@@ -74,6 +75,13 @@ MLLAMA = (
     "\n\n{% for c in m['content'] %}{% if c['type'] == 'image' %}<|image|>{% else %}"
     "{{ c['text'] }}{% endif %}{% endfor %}<|eot_id|>{% endfor %}"
     "{% if add_generation_prompt %}<|start_header_id|>assistant<|end_header_id|>\n\n{% endif %}"
+)
+# Mistral 3 (Pixtral vision): [INST] turns; the processor expands [IMG] into rows of image tokens.
+MISTRAL3 = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'user' %}[INST]"
+    "{% for c in m['content'] %}{% if c['type'] == 'image' %}[IMG]{% else %}{{ c['text'] }}"
+    "{% endif %}{% endfor %}[/INST]{% else %}{% for c in m['content'] %}{{ c['text'] }}"
+    "{% endfor %}{{ eos_token }}{% endif %}{% endfor %}"
 )
 # PaliGemma has no chat format: a prefix of text, images in place; its processor adds the BOS
 # after the last image and a newline at the end.

@@ -361,6 +361,8 @@ _builtin(("smolvlm",), "model.text_model.layers", _templates.SMOLVLM)
 _builtin(("paligemma",), _LM, _templates.PALIGEMMA)
 _builtin(("gemma3",), _LM, _templates.GEMMA3)
 _builtin(("internvl",), _LM, _templates.INTERNVL)
+# Its processor (Pixtral) needs torchvision: tested here model-only, like LFM2-VL below.
+_builtin(("mistral3",), _LM, _templates.MISTRAL3)
 # Cross-attention stack: every fifth layer or so attends to the image through cross_attn.
 _builtin(
     ("mllama",), _LM, _templates.MLLAMA, projection_paths=("self_attn.o_proj", "cross_attn.o_proj")

@@ -36,8 +36,9 @@ from dpmtv_common.heads import HeadSet
 TOKENS_PER_IMAGE = {"idefics3": 4, "llava": 16, "qwen2_5_vl": 4, "qwen2_vl": 4, "smolvlm": 4}
 
 
-# Registered, but built here without a processor: LFM2-VL's image processor needs torchvision.
-MODEL_ONLY = {"lfm2_vl"}
+# Registered, but built here without a processor: their image processors need torchvision.
+MODEL_ONLY = {"lfm2_vl", "mistral3"}
+MODEL_ONLY_IDS = ["mistral3", "lfm2_vl"]
 
 
 def test_registry_serves_every_required_architecture():
@@ -395,17 +396,52 @@ def tiny_lfm2_vl():
     return model
 
 
-def test_a_convolution_hybrid_hooks_its_attention_out_proj_only_and_patches_exactly():
-    # Arrange: text-only input (no processor offline), a fixed token sequence
-    model = tiny_lfm2_vl()
+def tiny_mistral3():
+    """A tiny Mistral 3 (Pixtral vision, Mistral text): every layer has self_attn.o_proj."""
+    from transformers import Mistral3Config, Mistral3ForConditionalGeneration
+
+    text = {
+        "model_type": "mistral",
+        "vocab_size": 300,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+    }
+    vision = {
+        "model_type": "pixtral",
+        "hidden_size": 32,
+        "intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "image_size": 56,
+        "patch_size": 14,
+        "head_dim": 8,
+    }
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        config = Mistral3Config(text_config=text, vision_config=vision, image_token_index=5)
+        model = Mistral3ForConditionalGeneration(config)
+    model.train(False)
+    return model
+
+
+@pytest.mark.parametrize(
+    ("build", "head_layers"), [(tiny_mistral3, (0, 1)), (tiny_lfm2_vl, (1,))], ids=MODEL_ONLY_IDS
+)
+def test_model_only_families_patch_exactly_on_text(build, head_layers):
+    # Arrange: text-only input (their processors need torchvision), a fixed token sequence
+    model = build()
     adapter = adapter_for(model)
     ids = torch.arange(10, 40).reshape(1, 30)
     shape = adapter.head_shape(model)
     heads = shape.all_heads()
     with torch.no_grad(), capture_last_token_heads(model, adapter) as capture:
         clean = model(input_ids=ids).logits
-    activations = capture.activations()
-    values = activations[0, 1]
+    rows = heads.to_array()
+    values = capture.activations()[0, rows[:, 0], rows[:, 1]]
 
     # Act
     with torch.no_grad():
@@ -416,11 +452,28 @@ def test_a_convolution_hybrid_hooks_its_attention_out_proj_only_and_patches_exac
             moved = model(input_ids=ids).logits
 
     # Assert
-    assert (shape.num_layers, shape.head_layers) == (3, (1,))
-    assert torch.count_nonzero(activations[:, [0, 2]]) == 0
+    assert shape.head_layers == head_layers
     assert torch.equal(same, clean)
     assert not torch.equal(moved[:, -1], clean[:, -1])
     assert torch.equal(moved[:, :-1], clean[:, :-1])
+
+
+def test_a_convolution_hybrid_hooks_its_attention_out_proj_only():
+    # Arrange
+    model = tiny_lfm2_vl()
+    adapter = adapter_for(model)
+    layers = adapter.decoder_layers(model)
+
+    # Act
+    with torch.no_grad(), capture_last_token_heads(model, adapter) as capture:
+        model(input_ids=torch.arange(10, 40).reshape(1, 30))
+
+    # Assert: layers 0 and 2 are convolutions, whose own out_proj is not a head projection
+    assert adapter.projections_by_layer(model) == {1: layers[1].get_submodule("self_attn.out_proj")}
+    assert adapter.head_shape(model).num_layers == 3
+    activations = capture.activations()
+    assert torch.count_nonzero(activations[:, [0, 2]]) == 0
+    assert torch.count_nonzero(activations[:, 1]) > 0
 
 
 # --- Third-party adapters through the entry point group --------------------------------------
