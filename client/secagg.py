@@ -18,6 +18,7 @@ from __future__ import annotations
 import importlib
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
@@ -37,9 +38,11 @@ from dpmtv_common.crypto import mask_prg
 from dpmtv_common.errors import ConfigError
 
 __all__ = [
+    "SecAggRanges",
     "install_secure_mask_prg",
     "mask_prg_in_use",
     "secaggplus_clipping_range",
+    "secaggplus_ranges",
     "secure_sum_reply",
 ]
 
@@ -106,6 +109,29 @@ def secaggplus_clipping_range(context: Context) -> float:
             f"the collect stage, got stored stage {stage!r}."
         )
     return _checked_bound(state.get(Key.CLIPPING_RANGE))
+
+
+@dataclass(frozen=True)
+class SecAggRanges:
+    """The SecAgg+ grid the coordinator set up: clipping range c, quantization Q, modulus M."""
+
+    clipping_range: float
+    quantization_range: int
+    modulus_range: int
+
+
+def secaggplus_ranges(context: Context) -> SecAggRanges:
+    """The grid of the current secure sum, read like :func:`secaggplus_clipping_range`.
+
+    Raises:
+        ConfigError: If not called at the collect stage, or a range is not an int.
+    """
+    clipping = secaggplus_clipping_range(context)
+    state = context.state.config_records[RECORD_KEY_STATE]
+    quantization, modulus = state.get(Key.TARGET_RANGE), state.get(Key.MOD_RANGE)
+    if not (isinstance(quantization, int) and isinstance(modulus, int)):
+        raise ConfigError(f"SecAgg+ ranges must be ints, got {quantization!r} and {modulus!r}.")
+    return SecAggRanges(clipping, quantization, modulus)
 
 
 def install_secure_mask_prg() -> None:

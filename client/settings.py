@@ -58,6 +58,9 @@ class SiteSettings(BaseSettings):
         max_release_epsilon: Largest ε this site accepts for one release.
         max_release_delta: Largest δ this site accepts for one release.
         noise_mode: The trust mode this site takes part in; a plan of another mode is refused.
+        min_honest: In distributed mode, the fewest honest participants this site assumes in
+            a sum (t): it accepts only plans whose shares are sized for at most t (t = 1: the
+            site's own share alone protects it).
         secagg_min_threshold_fraction: SecAgg+ reconstruction thresholds must exceed this
             fraction of the neighbourhood, so a minority of colluding neighbours cannot rebuild
             this site's mask secrets.
@@ -90,6 +93,7 @@ class SiteSettings(BaseSettings):
     max_release_epsilon: float = Field(default=8.0, gt=0, le=100)
     max_release_delta: float = Field(default=1e-5, gt=0, lt=1)
     noise_mode: Literal["central", "distributed"] = "central"
+    min_honest: int = Field(default=2, ge=1)
     secagg_min_threshold_fraction: float = Field(default=0.5, ge=0.5, lt=1)
     idle_release_seconds: float = Field(default=3600.0, gt=0)
     device: str | None = None

@@ -36,6 +36,7 @@ from client.data import SiteDataset, load_dataset
 from client.models import LoadedModel, load_model
 from client.release import LocalSums
 from client.release_record import ReleaseRecord, ReleaseRecordStore, SiteReleaseState
+from client.secagg import SecAggRanges
 from client.settings import SiteSettings
 from client.site_policy import (
     ModelShape,
@@ -43,6 +44,7 @@ from client.site_policy import (
     check_plan,
     check_reference,
     check_secure_sum,
+    distributed_release,
 )
 from dpmtv_common.aliases import Float64Array
 from dpmtv_common.artifact import (
@@ -55,11 +57,15 @@ from dpmtv_common.artifact import (
 from dpmtv_common.crypto import TrustedKeys
 from dpmtv_common.errors import ConfigError, DataError, LedgerError
 from dpmtv_common.heads import HeadSet
+from dpmtv_common.privacy.distributed import DistributedNoise, encode_site_share
 from dpmtv_common.privacy.ledger import PrivacyLedger, ReleaseState
+from dpmtv_common.privacy.noise import require_cryptographic, secure_noise
 from dpmtv_common.rng import secret_seed
 from protocol import (
     AbortNotice,
+    NoiseMode,
     PlanAccept,
+    PlanMismatchError,
     ReleaseAck,
     ReleasePlan,
     ReleaseRequest,
@@ -167,10 +173,17 @@ class Site:
             head_dim=head_dim,
         )
 
-    def contribution(self, request: SecureSumRequest, *, run_id: int) -> list[np.ndarray]:
-        """[flattened sum, [m_i]] for one secure sum of the accepted plan, exactly once."""
+    def contribution(
+        self, request: SecureSumRequest, *, run_id: int, ranges: SecAggRanges | None = None
+    ) -> list[np.ndarray]:
+        """[flattened sum, [m_i]] for one secure sum of the accepted plan, exactly once.
+
+        In distributed noise mode the sum is this site's encoded noisy share, and ``ranges``
+        (the SecAgg+ grid the coordinator set up) must be the plan's.
+        """
         record = self._open_record(request.release_id, run_id, "secure sum")
         check_secure_sum(record, request)
+        grid = self._distributed_grid(record, request, ranges)
         seed = self.seeds.get(record.release_id)
         if seed is None:
             raise StageOrderError(
@@ -179,8 +192,35 @@ class Site:
             )
         self._require_ledger(record.release_id, (ReleaseState.RESERVED, ReleaseState.EXPOSED))
         arrays = self._compute(record, request, seed)
+        if grid is not None:  # the site's own noise share, from the CSPRNG, inside the sum
+            noise = secure_noise()
+            require_cryptographic(noise)
+            arrays[0] = encode_site_share(arrays[0], params=grid, noise=noise)
         self._mark_sent(record, request)
         return arrays
+
+    def _distributed_grid(
+        self, record: ReleaseRecord, request: SecureSumRequest, ranges: SecAggRanges | None
+    ) -> DistributedNoise | None:
+        plan = record.plan
+        if plan.noise_mode is not NoiseMode.DISTRIBUTED:
+            return None
+        release = distributed_release(plan, (record.num_layers, record.num_heads, record.head_dim))
+        if request.stage == "select":
+            grid = release.votes()
+        else:
+            heads = HeadSet(request.heads) if request.heads is not None else self._all_heads()
+            grid = release.activations(heads)
+        if grid is None:  # a select sum without private selection: check_secure_sum refuses
+            raise StageOrderError("this plan has no vote sum.")
+        expected = (grid.clipping_range, grid.quantization_range, grid.modulus_range)
+        got = None if ranges is None else tuple(vars(ranges).values())
+        if got != expected:
+            raise PlanMismatchError(
+                f"SecAgg+ ranges (c, Q, M) of a distributed sum must be the plan's {expected}, "
+                f"got {got}."
+            )
+        return grid
 
     def _compute(
         self, record: ReleaseRecord, request: SecureSumRequest, seed: int

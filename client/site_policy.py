@@ -28,7 +28,10 @@ from dpmtv_common.aliases import Float64Array, LayerHead
 from dpmtv_common.artifact import TaskVectorArtifact
 from dpmtv_common.errors import ConfigError, ModelMismatchError, PolicyError
 from dpmtv_common.heads import HeadSet
+from dpmtv_common.privacy.distributed import check_min_honest
 from protocol import (
+    DistributedRelease,
+    NoiseMode,
     PlanMismatchError,
     ReleaseOrder,
     ReleasePlan,
@@ -45,6 +48,7 @@ __all__ = [
     "check_plan",
     "check_reference",
     "check_secure_sum",
+    "distributed_release",
     "gaussian_scope",
     "secure_sum_stages",
 ]
@@ -77,6 +81,26 @@ def check_plan(
         )
     _check_policy(plan, settings, data_unit)
     _check_heads_fit(plan, shape)
+    if plan.noise_mode is NoiseMode.DISTRIBUTED:
+        _check_distributed(plan, settings, shape)
+
+
+def _check_distributed(plan: ReleasePlan, settings: SiteSettings, shape: ModelShape) -> None:
+    # Shares sized for more honest sites than this site assumes would leave it less noise
+    # than its ε needs; and the plan's grids must fit SecAgg+ before anything is reserved.
+    check_min_honest(
+        plan_min_honest=plan.min_honest,
+        site_min_honest=settings.min_honest,
+        min_sites=plan.min_sites,
+    )
+    release = distributed_release(plan, shape)
+    release.activations(_all_heads(shape))
+    release.votes()
+
+
+def distributed_release(plan: ReleasePlan, shape: ModelShape) -> DistributedRelease:
+    """The plan's distributed grids for this site's model shape."""
+    return DistributedRelease(plan, shape[0] * shape[1], shape[2])
 
 
 def _check_policy(plan: ReleasePlan, settings: SiteSettings, data_unit: str) -> None:
@@ -263,10 +287,9 @@ def check_artifact(
     _same("privacy_unit", parameters.get("privacy_unit"), plan.privacy_unit.value)
     _same("neighbouring", parameters.get("neighbouring"), plan.neighbouring.value)
     _check_released_heads(record, artifact.heads)
-    calibration = plan_calibration(plan)
-    _close("epsilon", manifest.epsilon, calibration.bound.epsilon)
     scope = gaussian_scope(record, artifact.heads)
-    sigma = calibration.gaussian(clip_norm=plan.clip_norm, heads=scope).noise_std
+    epsilon, sigma = _recomputed_privacy(record, scope)
+    _close("epsilon", manifest.epsilon, epsilon)
     _close("noise_std", manifest.noise_std, sigma)
     if "extract" in record.sent and manifest.num_chunks < record.num_chunks:
         raise PlanMismatchError(
@@ -275,6 +298,19 @@ def check_artifact(
         )
     if reference is not None:
         _check_values_match_reference(record, artifact, reference)
+
+
+def _recomputed_privacy(record: ReleaseRecord, scope: HeadSet) -> tuple[float, float]:
+    """(ε, σ) the artifact must state, recomputed from the accepted plan alone."""
+    plan = record.plan
+    if plan.noise_mode is NoiseMode.DISTRIBUTED:
+        shape = (record.num_layers, record.num_heads, record.head_dim)
+        release = distributed_release(plan, shape)
+        bound = release.bound(scope, honest_shares=plan.min_honest)
+        return bound.epsilon, release.noise_std(scope)
+    calibration = plan_calibration(plan)
+    sigma = calibration.gaussian(clip_norm=plan.clip_norm, heads=scope).noise_std
+    return calibration.bound.epsilon, sigma
 
 
 def _check_released_heads(record: ReleaseRecord, heads: HeadSet) -> None:

@@ -17,6 +17,11 @@ from protocol.codec import (
     secure_sum_request_from_config,
     secure_sum_request_to_config,
 )
+from protocol.distributed import (
+    DistributedRelease,
+    plan_distributed_calibration,
+    plan_distributed_event,
+)
 from protocol.errors import (
     ErrorCode,
     MessageDecodeError,
@@ -53,9 +58,11 @@ from protocol.plan import (
 )
 from protocol.release import (
     ActivationSum,
+    DistributedOutcome,
     ReleaseOutcome,
     ReleaseSums,
     VoteSum,
+    plan_release_event,
     release_description,
     reserve_plan,
     run_release,
@@ -68,6 +75,8 @@ __all__ = [
     "AbortNotice",
     "ActivationSum",
     "AnyMessage",
+    "DistributedOutcome",
+    "DistributedRelease",
     "ErrorCode",
     "ErrorReply",
     "MAX_EPSILON",
@@ -107,7 +116,10 @@ __all__ = [
     "message_from_record",
     "message_to_record",
     "plan_calibration",
+    "plan_distributed_calibration",
+    "plan_distributed_event",
     "plan_hash",
+    "plan_release_event",
     "release_description",
     "reserve_plan",
     "run_release",

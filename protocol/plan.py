@@ -222,7 +222,12 @@ class ReleasePlan(BaseModel):
         score_top_r: Each chunk votes for its top-r heads; bounds a chunk's vote to r.
         min_sites: Fewest surviving sites the release may go on with; fewer aborts it.
         noise_mode: Who adds the noise.
-        max_chunks_per_site: Cap on chunks one site contributes, or ``None`` for no cap.
+        min_honest: t, the honest shares each distributed noise share is sized for
+            (σ_site² = σ²/t); at most ``min_sites``. Unused in central mode.
+        max_sites: Most sites a secure sum may hold (sizes the distributed headroom);
+            required in distributed mode.
+        max_chunks_per_site: Cap on chunks one site contributes, or ``None`` for no cap
+            (required in distributed mode: it bounds a site's sum on SecAgg+'s grid).
         created: ISO-8601 timestamp with a UTC offset.
     """
 
@@ -248,8 +253,26 @@ class ReleasePlan(BaseModel):
     score_top_r: HeadCount
     min_sites: PositiveInt
     noise_mode: NoiseMode = NoiseMode.CENTRAL
+    min_honest: PositiveInt = 2
+    max_sites: PositiveInt | None = None
     max_chunks_per_site: PositiveInt | None
     created: Annotated[str, AfterValidator(_timestamp)]
+
+    @model_validator(mode="after")
+    def _check_distributed(self) -> Self:
+        if self.noise_mode is not NoiseMode.DISTRIBUTED:
+            return self
+        if self.max_sites is None or self.max_chunks_per_site is None:
+            raise ValueError(
+                "max_sites and max_chunks_per_site must be set in distributed noise mode, got "
+                f"{self.max_sites!r} and {self.max_chunks_per_site!r}: they size SecAgg+'s grid."
+            )
+        if not self.min_honest <= self.min_sites <= self.max_sites:
+            raise ValueError(
+                f"min_honest <= min_sites <= max_sites must hold in distributed mode, got "
+                f"{self.min_honest}, {self.min_sites}, {self.max_sites}."
+            )
+        return self
 
     @model_validator(mode="after")
     def _check_public_heads(self) -> Self:

@@ -13,6 +13,11 @@ Orders (design §1 step 6):
 * ``select-first``: votes → Gumbel top-k → S → clipped sum over S → one Gaussian draw.
 * ``release-first``: clipped sum over all heads → one Gaussian draw → votes scored against the
   noisy vector (private mode) or the public list → keep the rows of S (post-processing).
+
+Distributed noise mode (``plan.noise_mode``): the sums arrive already noisy — every site added
+its own discrete-Gaussian share inside SecAgg+ (:mod:`protocol.distributed`) — so no Gaussian
+is drawn here and selection is the top k of the noisy vote histogram (post-processing); the
+order and the ledger marks are the same.
 """
 
 from __future__ import annotations
@@ -28,18 +33,24 @@ from dpmtv_common.aliases import Float64Array
 from dpmtv_common.artifact import ReleaseDescription
 from dpmtv_common.errors import ConfigError, InsufficientSharesError
 from dpmtv_common.heads import HeadSet
+from dpmtv_common.privacy.accounting import EpsilonBound, epsilon_bound
 from dpmtv_common.privacy.calibration import ReleaseCalibration
+from dpmtv_common.privacy.distributed import top_k_from_noisy_votes
+from dpmtv_common.privacy.events import ReleaseEvent
 from dpmtv_common.privacy.ledger import PrivacyLedger
 from dpmtv_common.privacy.noise import NoiseSource
 from protocol.calibration import plan_calibration
-from protocol.plan import ReleaseOrder, ReleasePlan, SelectionMode, plan_hash
+from protocol.distributed import DistributedRelease, plan_distributed_event
+from protocol.plan import NoiseMode, ReleaseOrder, ReleasePlan, SelectionMode, plan_hash
 from protocol.version import PROTOCOL_VERSION
 
 __all__ = [
     "ActivationSum",
     "ReleaseOutcome",
     "ReleaseSums",
+    "DistributedOutcome",
     "VoteSum",
+    "plan_release_event",
     "release_description",
     "reserve_plan",
     "run_release",
@@ -53,6 +64,7 @@ class ActivationSum:
     heads: HeadSet
     total: Float64Array
     num_chunks: int
+    num_sites: int | None = None
 
 
 @dataclass(frozen=True)
@@ -85,9 +97,10 @@ class ReleaseOutcome:
         num_chunks: m of the Gaussian sum (the divisor of the mean).
         noise_std: σ of the Gaussian draw.
         gaussian_heads: The heads the Gaussian ran on (all heads in release-first order).
-        calibration: The calibrated mechanisms and the (ε, δ) bound they meet.
+        calibration: The calibrated mechanisms and the (ε, δ) bound they meet (central mode).
         signal_to_noise: ‖mean‖ / (σ/m · √(coordinates)) of the released vector, a
             diagnostic computed from released (noisy) values only.
+        distributed: The grids and the ε bounds of a distributed-noise release, else None.
     """
 
     heads: HeadSet
@@ -95,8 +108,35 @@ class ReleaseOutcome:
     num_chunks: int
     noise_std: float
     gaussian_heads: HeadSet
-    calibration: ReleaseCalibration
+    calibration: ReleaseCalibration | None
     signal_to_noise: float
+    distributed: DistributedOutcome | None = None
+
+    @property
+    def bound(self) -> EpsilonBound:
+        """The (ε, δ) the release states (central: calibrated; distributed: at t shares)."""
+        if self.distributed is not None:
+            return self.distributed.bound
+        if self.calibration is None:
+            raise ConfigError("a central release outcome must carry its calibration, got None.")
+        return self.calibration.bound
+
+
+@dataclass(frozen=True)
+class DistributedOutcome:
+    """What a distributed-noise release states beyond the central fields.
+
+    Attributes:
+        release: The plan's grids for the model's shape.
+        bound: ε at t = ``plan.min_honest`` honest shares: the guarantee the sites rely on.
+        survivors: Sites whose shares are in the activation sum.
+        bound_if_all_honest: ε if every survivor is honest (more shares, less ε).
+    """
+
+    release: DistributedRelease
+    bound: EpsilonBound
+    survivors: int
+    bound_if_all_honest: EpsilonBound
 
 
 def _noisy_mean(
@@ -168,6 +208,10 @@ def run_release(
 ) -> ReleaseOutcome:
     """Run the plan's selection and its single Gaussian draw; see the module docstring."""
     _check_public_heads(plan, num_layers, num_heads)
+    if plan.noise_mode is NoiseMode.DISTRIBUTED:
+        return _run_distributed(
+            plan, sums=sums, num_layers=num_layers, num_heads=num_heads, exposed=on_first_noise
+        )
     calibration = plan_calibration(plan)
     exposed = _once(on_first_noise)
     all_heads = HeadSet.all_heads(num_layers=num_layers, num_heads=num_heads)
@@ -203,9 +247,80 @@ def run_release(
     )
 
 
+def _run_distributed(
+    plan: ReleasePlan,
+    *,
+    sums: ReleaseSums,
+    num_layers: int,
+    num_heads: int,
+    exposed: Callable[[], None],
+) -> ReleaseOutcome:
+    """Selection and release on sums the sites already noised (no draw here)."""
+    mark = _once(exposed)
+    all_heads = HeadSet.all_heads(num_layers=num_layers, num_heads=num_heads)
+    scope = HeadSet(plan.public_heads) if plan.public_heads else all_heads
+    private = plan.selection is SelectionMode.PRIVATE
+    k = plan.num_selected_heads
+    if plan.order is ReleaseOrder.SELECT_FIRST or plan.selection is SelectionMode.ALL:
+        if private:
+            votes = sums.vote_sum(None)
+            mark()  # the noisy histogram exists: it is the first noisy output
+            scope = _heads_of(top_k_from_noisy_votes(votes.total, k=k), num_heads)
+        summed = _require_chunks(sums.activation_sum(scope))
+        mark()
+        values = summed.total / summed.num_chunks
+        released = scope
+    else:
+        summed = _require_chunks(sums.activation_sum(all_heads))
+        mark()
+        noisy_all = summed.total / summed.num_chunks
+        released = scope
+        if private:
+            reference = noisy_all.reshape(num_layers, num_heads, -1)
+            votes = sums.vote_sum(reference)
+            released = _heads_of(top_k_from_noisy_votes(votes.total, k=k), num_heads)
+        values = noisy_all[_rows(all_heads, released)]
+    return _distributed_outcome(plan, summed, released, values, num_layers * num_heads)
+
+
+def _heads_of(indices: tuple[int, ...], num_heads: int) -> HeadSet:
+    return HeadSet.of((index // num_heads, index % num_heads) for index in indices)
+
+
+def _distributed_outcome(
+    plan: ReleasePlan,
+    summed: ActivationSum,
+    released: HeadSet,
+    values: Float64Array,
+    num_heads_total: int,
+) -> ReleaseOutcome:
+    release = DistributedRelease(plan, num_heads_total, int(summed.total.shape[1]))
+    survivors = summed.num_sites or plan.min_honest
+    noise_std = release.noise_std(summed.heads)
+    return ReleaseOutcome(
+        heads=released,
+        values=values,
+        num_chunks=summed.num_chunks,
+        noise_std=noise_std,
+        gaussian_heads=summed.heads,
+        calibration=None,
+        signal_to_noise=_snr(values, noise_std, summed.num_chunks),
+        distributed=DistributedOutcome(
+            release=release,
+            bound=release.bound(summed.heads, honest_shares=plan.min_honest),
+            survivors=survivors,
+            bound_if_all_honest=release.bound(summed.heads, honest_shares=survivors),
+        ),
+    )
+
+
 def release_description(plan: ReleasePlan, outcome: ReleaseOutcome) -> ReleaseDescription:
     """The manifest fields of a finished release: plan, privacy spent, m, K, C, σ, layout."""
+    if outcome.distributed is not None:
+        return _distributed_description(plan, outcome, outcome.distributed)
     calibration = outcome.calibration
+    if calibration is None:
+        raise ConfigError("a central release outcome must carry its calibration, got None.")
     return ReleaseDescription(
         protocol_version=PROTOCOL_VERSION,
         release_id=plan.release_id,
@@ -230,15 +345,59 @@ def release_description(plan: ReleasePlan, outcome: ReleaseOutcome) -> ReleaseDe
     )
 
 
+def _distributed_description(
+    plan: ReleasePlan, outcome: ReleaseOutcome, details: DistributedOutcome
+) -> ReleaseDescription:
+    activations = details.release.activations(outcome.gaussian_heads)
+    return ReleaseDescription(
+        protocol_version=PROTOCOL_VERSION,
+        release_id=plan.release_id,
+        model_fingerprint=plan.model_fingerprint,
+        task=plan.task,
+        plan=plan.model_dump(mode="json"),
+        epsilon=details.bound.epsilon,
+        delta=plan.delta,
+        accountant=details.bound.accountant,
+        accountant_parameters={
+            **plan_distributed_event(plan).to_dict(),
+            "noise_mode": plan.noise_mode.value,
+            "min_honest": plan.min_honest,
+            "mechanism": "distributed discrete Gaussian (KLS21), shares sized for min_honest",
+            "scale": activations.scale,
+            "grid_l2_sensitivity": activations.grid_l2_sensitivity,
+            "share_noise_multiplier": activations.noise_multiplier,
+            "survivors": details.survivors,
+            "epsilon_if_all_survivors_honest": details.bound_if_all_honest.epsilon,
+            "neighbouring": plan.neighbouring.value,
+            "privacy_unit": plan.privacy_unit.value,
+            "num_layers_in_scope": outcome.gaussian_heads.num_layers_in_scope,
+            "gaussian_heads": len(outcome.gaussian_heads),
+            "signal_to_noise": outcome.signal_to_noise,
+        },
+        num_chunks=outcome.num_chunks,
+        shots=plan.shots,
+        clip_norm=plan.clip_norm,
+        noise_std=outcome.noise_std,
+    )
+
+
+def plan_release_event(plan: ReleasePlan) -> ReleaseEvent:
+    """The event a ledger reserves for ``plan`` (its mechanisms at the plan's noise)."""
+    if plan.noise_mode is NoiseMode.DISTRIBUTED:
+        return plan_distributed_event(plan)
+    return plan_calibration(plan).event
+
+
 def reserve_plan(ledger: PrivacyLedger, plan: ReleasePlan, *, owned_by_run: bool = False) -> None:
     """Reserve the plan's calibrated cost in a ledger (refused with the numbers if over)."""
-    calibration = plan_calibration(plan)
+    event = plan_release_event(plan)
+    bound = epsilon_bound([event], delta=plan.delta)
     ledger.reserve(
         release_id=plan.release_id,
         plan_hash=plan_hash(plan),
-        event=calibration.event,
-        epsilon=calibration.bound.epsilon,
+        event=event,
+        epsilon=bound.epsilon,
         delta=plan.delta,
-        accountant=calibration.bound.accountant,
+        accountant=bound.accountant,
         owned_by_run=owned_by_run,
     )

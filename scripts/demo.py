@@ -173,7 +173,7 @@ def main() -> int:
     print(f"      clip norm C = {args.clip_norm:.3g} (median layer norm on public data)")
     report = federated_release(args, model)
     outcome = report.outcome
-    bound = outcome.calibration.bound
+    bound = outcome.bound
     stages = ", ".join(f"{name} {seconds:.1f}" for name, seconds in report.stage_seconds.items())
     print(
         f"[2/3] federated release {report.plan.release_id}: {len(outcome.heads)} heads over "

@@ -65,10 +65,12 @@ class ReleaseReport:
 def build_plan(run: RunConfig) -> ReleasePlan:
     """The release plan of a run config (validated by ``ReleasePlan``)."""
     public = run.heads()
-    if NoiseMode(run.noise_mode) is not NoiseMode.CENTRAL:
+    mode = NoiseMode(run.noise_mode)
+    distributed = mode is NoiseMode.DISTRIBUTED
+    if distributed and not run.max_chunks_per_site:
         raise ConfigError(
-            f"noise-mode must be 'central' in this version, got {run.noise_mode!r}: distributed "
-            "(site-added discrete Gaussian) noise is not implemented yet."
+            "max-chunks-per-site must be > 0 in distributed noise mode, got 0: it bounds every "
+            "site's sum on SecAgg+'s integer grid."
         )
     k = len(public) if public is not None else run.num_selected_heads
     return ReleasePlan(
@@ -87,6 +89,11 @@ def build_plan(run: RunConfig) -> ReleasePlan:
         selection_share=run.selection_share,
         score_top_r=run.score_top_r or k,
         min_sites=run.min_sites,
+        noise_mode=mode,
+        min_honest=run.min_honest,
+        max_sites=(run.max_sites or max(run.expected_sites, run.min_sites))
+        if distributed
+        else None,
         max_chunks_per_site=run.max_chunks_per_site or None,
         created=datetime.now(UTC).isoformat(timespec="seconds"),
     )

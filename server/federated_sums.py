@@ -4,6 +4,10 @@ Every site returns ``[flattened sum, [m_i]]``; the secure sum gives the coordina
 totals over the surviving sites, including the public chunk count m = Σ m_i. A site lost in
 one secure sum is left out of the later ones; fewer survivors than the plan's minimum raise
 ``InsufficientSharesError`` and the release aborts.
+
+In distributed noise mode each site's sum is already its encoded noisy share on an integer
+grid (:mod:`protocol.distributed`): the SecAgg+ ranges are the plan's (the sites refuse
+others), and the total is decoded here; the coordinator never holds an un-noised sum.
 """
 
 from __future__ import annotations
@@ -18,8 +22,11 @@ from flwr.serverapp import Grid
 from dpmtv_common.aliases import Float64Array
 from dpmtv_common.errors import InsufficientSharesError
 from dpmtv_common.heads import HeadSet
+from dpmtv_common.privacy.distributed import DistributedNoise, decode_noisy_sum
 from protocol import (
     ActivationSum,
+    DistributedRelease,
+    NoiseMode,
     NoisyVectorBroadcast,
     ReleasePlan,
     SecureSumRequest,
@@ -56,11 +63,28 @@ class FederatedSums:
     def __post_init__(self) -> None:
         install_secure_mask_prg()  # idempotent; the sites refuse any other mask expansion
 
-    def _settings(self) -> SecureSumSettings:
+    @property
+    def distributed(self) -> DistributedRelease | None:
+        """The plan's grids in distributed noise mode, else None."""
+        if self.plan.noise_mode is not NoiseMode.DISTRIBUTED:
+            return None
+        return DistributedRelease(self.plan, len(self.all_heads), self.head_dim)
+
+    def _settings(self, grid: DistributedNoise | None) -> SecureSumSettings:
+        shares, threshold = _neighbourhood(len(self.sites))
+        if grid is not None:  # the plan's integer grid: sites refuse any other
+            return SecureSumSettings(
+                clipping_range=grid.clipping_range,
+                quantization_range=grid.quantization_range,
+                modulus_range=grid.modulus_range,
+                timeout=self.stage_timeout,
+                max_sites=grid.max_sites,
+                num_shares=shares,
+                reconstruction_threshold=threshold,
+            )
         # A site's sum of m_i clipped chunks reaches m_i * C per coordinate; votes and the
         # count reach m_i. The range covers both, so SecAgg+ never clips silently.
         m_max = max(self.sites.values())
-        shares, threshold = _neighbourhood(len(self.sites))
         return SecureSumSettings.for_plan(
             max_abs_coordinate=float(m_max) * max(self.plan.clip_norm, 1.0),
             max_sites=len(self.sites),
@@ -69,7 +93,9 @@ class FederatedSums:
             reconstruction_threshold=threshold,
         )
 
-    def _secure_sum(self, request: SecureSumRequest) -> tuple[list[Float64Array], int]:
+    def _secure_sum(
+        self, request: SecureSumRequest, grid: DistributedNoise | None
+    ) -> tuple[list[Float64Array], int, int]:
         self.rounds += 1
         result = secure_sum(
             self.grid,
@@ -77,7 +103,7 @@ class FederatedSums:
             sorted(self.sites),
             secure_sum_request_to_config(request),
             round_id=self.rounds,
-            settings=self._settings(),
+            settings=self._settings(grid),
             min_sites=self.plan.min_sites,
         )
         if result is None:
@@ -88,7 +114,10 @@ class FederatedSums:
         self.sites = {node: self.sites[node] for node in result.site_ids}
         self.log.append(f"{request.stage}: {result.num_sites} sites")
         count = round(float(result.arrays[1][0]))
-        return result.arrays, count
+        total = result.arrays[0]
+        if grid is not None:  # the sum of the sites' noisy shares, back to real units
+            total = decode_noisy_sum(total, params=grid, num_sites=result.num_sites)
+        return [total, *result.arrays[1:]], count, result.num_sites
 
     def activation_sum(self, heads: HeadSet) -> ActivationSum:
         """Σ over surviving sites of their clipped activation sums over ``heads``."""
@@ -99,9 +128,11 @@ class FederatedSums:
             clip_norm=self.plan.clip_norm,
             score_top_r=None,
         )
-        arrays, count = self._secure_sum(request)
+        release = self.distributed
+        grid = release.activations(heads) if release is not None else None
+        arrays, count, num_sites = self._secure_sum(request, grid)
         total = np.asarray(arrays[0], dtype=np.float64).reshape(len(heads), self.head_dim)
-        return ActivationSum(heads, total, count)
+        return ActivationSum(heads, total, count, num_sites)
 
     def vote_sum(self, reference: Float64Array | None) -> VoteSum:
         """Σ over surviving sites of top-r votes (against ``reference`` when given)."""
@@ -114,7 +145,9 @@ class FederatedSums:
             clip_norm=self.plan.clip_norm,
             score_top_r=self.plan.score_top_r,
         )
-        arrays, count = self._secure_sum(request)
+        release = self.distributed
+        grid = release.votes() if release is not None else None
+        arrays, count, _ = self._secure_sum(request, grid)
         return VoteSum(np.asarray(arrays[0], dtype=np.float64), count)
 
     def _broadcast_reference(self, reference: Float64Array) -> None:

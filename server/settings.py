@@ -51,6 +51,8 @@ class RunConfig(BaseModel):
     expected_sites: int = 3
     max_chunks_per_site: int = 0
     noise_mode: str = "central"
+    min_honest: int = Field(default=2, ge=1)  # distributed mode: shares sized for t honest
+    max_sites: int = Field(default=0, ge=0)  # distributed mode: 0 = expected-sites
     release_id: str = ""
     node_wait_timeout: float = Field(default=120.0, gt=0)
     stage_timeout: float = Field(default=600.0, gt=0)

@@ -27,7 +27,7 @@ from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode as FlowerErrorCode
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 
-from client.secagg import install_secure_mask_prg, secaggplus_clipping_range, secure_sum_reply
+from client.secagg import install_secure_mask_prg, secaggplus_ranges, secure_sum_reply
 from client.settings import SiteSettings
 from client.site import Site
 from dpmtv_common.errors import DpmtvError, PolicyError
@@ -66,8 +66,9 @@ def build_site_app(site: Site) -> ClientApp:
     @app.train(mods=[secagg_policy_mod(site.settings), secaggplus_mod])
     def contribute(msg: Message, context: Context) -> Message:
         request = secure_sum_request_from_config(msg.content.config_records["fitins.config"])
-        arrays = site.contribution(request, run_id=msg.metadata.run_id)
-        return secure_sum_reply(msg, arrays, clipping_range=secaggplus_clipping_range(context))
+        ranges = secaggplus_ranges(context)
+        arrays = site.contribution(request, run_id=msg.metadata.run_id, ranges=ranges)
+        return secure_sum_reply(msg, arrays, clipping_range=ranges.clipping_range)
 
     @app.query("noisy_vector")
     def noisy_vector(msg: Message, context: Context) -> Message:

@@ -135,10 +135,19 @@ def _epsilon_analytic(events: Sequence[ReleaseEvent], delta: float) -> float | N
 
 
 def epsilon_bound(events: Sequence[ReleaseEvent], *, delta: float) -> EpsilonBound:
-    """The smallest valid ε at ``delta`` for the sequential composition of ``events``."""
+    """The smallest valid ε at ``delta`` for the sequential composition of ``events``.
+
+    Events with distributed-noise sums are composed in RDP only, with their overflow aborts
+    counted in δ (``dpmtv_common.privacy.distributed`` says why no PLD is claimed for them).
+    """
     _check_delta(delta)
     if not events:
         raise ConfigError("events must not be empty, got [].")
+    if any(event.is_distributed for event in events):
+        # Imported here: the distributed package builds on this module.
+        from dpmtv_common.privacy.distributed import release_events_epsilon_bound
+
+        return release_events_epsilon_bound(events, delta=delta)
     bounds = {"rdp": _epsilon_rdp(events, delta), "pld": _epsilon_pld(events, delta)}
     analytic = _epsilon_analytic(events, delta)
     if analytic is not None:

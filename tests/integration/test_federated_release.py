@@ -5,9 +5,10 @@ over ``server.simulation.InProcessGrid``: the plan exchange, SecAgg+ secure sums
 ChaCha20 masks, Gumbel picks, the single Gaussian draw, the signed broadcast, abort notices,
 and the ledgers on both sides. Every site is a real site service behind a real relay
 (``client.service.inprocess``); sites read their settings from ``DPMTV_CLIENT_*`` variables
-with ``{partition-id}`` placeholders, and a test overrides one site's settings. The model is a tiny random LLaVA (L = 2 layers,
-H = 4 heads, D = 16); the sites hold 24, 21, 18 and 15 records, so with K = 2 shots they
-cut 8, 7, 6 and 5 chunks, and m tells which sites are in a sum.
+with ``{partition-id}`` placeholders, and a test overrides one site's settings. The model is
+a tiny random LLaVA (L = 2 layers, H = 4 heads, D = 16); the sites hold 24, 21, 18 and 15
+records, so with K = 2 shots they cut 8, 7, 6 and 5 chunks, and m tells which sites are in
+a sum.
 """
 
 from __future__ import annotations
@@ -28,9 +29,9 @@ import pytest
 from flwr.app import Message
 
 import server.app
-from client.service.inprocess import open_in_process_sites, site_settings_for_partition
 from client.chunking import num_chunks
 from client.models import save_tiny_model
+from client.service.inprocess import open_in_process_sites, site_settings_for_partition
 from client.synthetic import write_task_datasets
 from dpmtv_common.artifact import TaskVectorArtifact, load_artifact
 from dpmtv_common.crypto import SigningKey, TrustedKeys

@@ -273,7 +273,10 @@ def error_code(reply: Any) -> ErrorCode | None:
         ({"min_sites": 2}, ErrorCode.POLICY),  # below the site's own minimum of 3
         ({"epsilon": 50.0}, ErrorCode.POLICY),  # above the site's per-release cap of 8
         ({"delta": 1e-3}, ErrorCode.POLICY),
-        ({"noise_mode": NoiseMode.DISTRIBUTED}, ErrorCode.POLICY),  # the site runs central only
+        (
+            {"noise_mode": NoiseMode.DISTRIBUTED, "max_sites": 3, "max_chunks_per_site": 5},
+            ErrorCode.POLICY,
+        ),  # the site runs central only
         ({"selection": SelectionMode.PRIVATE, "num_selected_heads": 100}, ErrorCode.BAD_REQUEST),
         ({"selection": SelectionMode.PRIVATE, "score_top_r": 9}, ErrorCode.BAD_REQUEST),
         (

@@ -75,6 +75,7 @@ from dpmtv_common.privacy.distributed._composition import (
     combined_epsilon_bound,
     distributed_event_from_json,
     distributed_event_to_json,
+    release_events_epsilon_bound,
 )
 from dpmtv_common.privacy.distributed._params import (
     MAX_MODULUS_RANGE,
@@ -110,6 +111,7 @@ __all__ = [
     "kls21_tau_upper_bound",
     "mechanism_delta",
     "release_epsilon",
+    "release_events_epsilon_bound",
     "top_k_from_noisy_votes",
     "vote_noise",
 ]

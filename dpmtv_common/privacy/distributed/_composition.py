@@ -29,6 +29,7 @@ from dpmtv_common.privacy.events import ReleaseEvent
 
 __all__ = [
     "combined_epsilon_bound",
+    "release_events_epsilon_bound",
     "distributed_event_from_json",
     "distributed_event_to_json",
 ]
@@ -124,4 +125,33 @@ def combined_epsilon_bound(
     epsilon = _with_overflow(
         lambda left: _rdp_epsilon(central, distributed, left), delta, overflow_probability
     )
+    return EpsilonBound(epsilon, delta, "rdp", {"rdp": epsilon})
+
+
+def release_events_epsilon_bound(events: Sequence[ReleaseEvent], *, delta: float) -> EpsilonBound:
+    """ε at total ``delta`` of ledger events, some carrying distributed sums as (ρ, ξ)-zCDP.
+
+    Every event's Gaussian draw, Gumbel picks and distributed sums are RDP curves and add up
+    (order-free); the distributed sums' overflow aborts cost (1 + e^ε)·Σp of ``delta``.
+    """
+    overflow = sum(event.overflow_probability for event in events)
+
+    def epsilon_at(left: float) -> float:
+        from dp_accounting import dp_event, rdp
+
+        accountant = rdp.RdpAccountant()
+        for event in events:
+            if event.noise_multiplier is not None:
+                accountant.compose(
+                    dp_event.GaussianDpEvent(noise_multiplier=event.noise_multiplier)
+                )
+            if event.picks > 0:
+                accountant.compose(dp_event.ZCDpEvent(rho=event.selection_rho))
+            if event.is_distributed:
+                accountant.compose(
+                    dp_event.ZCDpEvent(rho=event.distributed_rho, xi=event.distributed_xi)
+                )
+        return float(accountant.get_epsilon(left))
+
+    epsilon = _with_overflow(epsilon_at, delta, overflow) if overflow > 0 else epsilon_at(delta)
     return EpsilonBound(epsilon, delta, "rdp", {"rdp": epsilon})

@@ -42,7 +42,7 @@ VALID: dict[str, Any] = {
 }
 PUBLIC_HEADS = ((0, 3), (2, 1), (2, 5))
 # plan_hash(make_plan()), pinned: a change invalidates every ledger entry written before it.
-PINNED_HASH = "ea45f2d020a1c90601cf5d3799422a9bd4526ca84b2aafbc40e6b81c7e56b44a"
+PINNED_HASH = "c7c9e8decd6127d536e96ae9fce0b4558fd74d4be301cf12b98d1a934d238390"
 
 
 def make_plan(**overrides: Any) -> ReleasePlan:
@@ -199,7 +199,8 @@ def test_plan_hash_survives_a_json_round_trip() -> None:
         ("release_id", "release-0002"),
         ("clip_norm", 2.0),
         ("order", ReleaseOrder.RELEASE_FIRST),
-        ("noise_mode", NoiseMode.DISTRIBUTED),
+        ("min_honest", 3),
+        ("max_sites", 10),
         ("max_chunks_per_site", 100),
     ],
 )
@@ -230,6 +231,9 @@ timestamps = st.builds(lambda at, tz: at.replace(tzinfo=tz).isoformat(), st.date
 def plans(draw: st.DrawFn) -> ReleasePlan:
     selection = draw(st.sampled_from(SelectionMode))
     public_heads = draw(head_lists) if selection is SelectionMode.PUBLIC else None
+    noise_mode = draw(st.sampled_from(NoiseMode))
+    min_sites = draw(counts)
+    distributed = noise_mode is NoiseMode.DISTRIBUTED
     return ReleasePlan(
         protocol_version=PROTOCOL_VERSION,
         release_id=draw(release_ids),
@@ -245,9 +249,11 @@ def plans(draw: st.DrawFn) -> ReleasePlan:
         public_heads=public_heads,
         selection_share=draw(open_unit),
         score_top_r=draw(counts),
-        min_sites=draw(counts),
-        noise_mode=draw(st.sampled_from(NoiseMode)),
-        max_chunks_per_site=draw(st.none() | counts),
+        min_sites=min_sites,
+        noise_mode=noise_mode,
+        min_honest=draw(st.integers(1, min_sites)),
+        max_sites=draw(st.integers(min_sites, 20_000)) if distributed else None,
+        max_chunks_per_site=draw(counts if distributed else st.none() | counts),
         created=draw(timestamps),
     )
 
@@ -261,3 +267,19 @@ def test_decode_of_encode_is_identity_for_plans(plan: ReleasePlan) -> None:
     # Assert
     assert decoded == plan
     assert plan_hash(decoded) == plan_hash(plan)
+
+
+def test_a_distributed_plan_must_bound_sites_and_chunks() -> None:
+    with pytest.raises(ValidationError, match="max_sites and max_chunks_per_site must be set"):
+        make_plan(noise_mode=NoiseMode.DISTRIBUTED)
+
+
+def test_a_distributed_plan_orders_min_honest_min_sites_and_max_sites() -> None:
+    with pytest.raises(ValidationError, match="min_honest <= min_sites <= max_sites"):
+        make_plan(
+            noise_mode=NoiseMode.DISTRIBUTED,
+            max_sites=3,
+            max_chunks_per_site=10,
+            min_sites=2,
+            min_honest=3,
+        )
