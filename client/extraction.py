@@ -38,9 +38,10 @@ Data independence (design §6), the two rules every private sum here follows:
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import Counter
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,6 +64,7 @@ __all__ = [
     "chunk_contributions",
     "chunk_prompt",
     "extract_clipped_sum",
+    "fixed_shape_heads",
     "forward_last_token_heads",
     "log_replaced_chunks",
     "record_example",
@@ -173,11 +175,9 @@ _Inputs = dict[str, torch.Tensor]
 _Signature = tuple[int, tuple[tuple[str, tuple[int, ...]], ...]]
 
 
-def _chunk_inputs(loaded: LoadedModel, chunk: Chunk, instruction: str | None) -> _Inputs:
-    """One chunk's unpadded model inputs (batch of one); raises if its records fail."""
-    built = loaded.adapter.build_batch_inputs(
-        loaded.processor, [chunk_prompt(chunk)], instruction=instruction
-    )
+def _prompt_inputs(loaded: LoadedModel, prompt: Prompt, instruction: str | None) -> _Inputs:
+    """One prompt's unpadded model inputs (batch of one)."""
+    built = loaded.adapter.build_batch_inputs(loaded.processor, [prompt], instruction=instruction)
     inputs = {key: value for key, value in built.items() if isinstance(value, torch.Tensor)}
     if len(inputs) != len(built):
         raise ConfigError("processor outputs must all be tensors to be batched.")
@@ -260,21 +260,52 @@ def _group_heads(
 
 
 def _window_heads(
-    loaded: LoadedModel, window: Sequence[Chunk], batch_size: int, instruction: str | None
+    loaded: LoadedModel,
+    window: Sequence[Callable[[], Prompt]],
+    batch_size: int,
+    instruction: str | None,
 ) -> list[torch.Tensor | Exception]:
-    """Activations ``(L, H, D)`` (or the failure) of each chunk of one window, in order."""
+    """Activations ``(L, H, D)`` (or the failure) of each prompt of one window, in order."""
     results: list[torch.Tensor | Exception | None] = [None] * len(window)
     groups: dict[_Signature, dict[int, _Inputs]] = {}
-    for position, chunk in enumerate(window):
+    for position, build in enumerate(window):
         try:
-            inputs = _chunk_inputs(loaded, chunk, instruction)
+            inputs = _prompt_inputs(loaded, build(), instruction)
             groups.setdefault(_signature(inputs), {})[position] = inputs
         except Exception as exc:
             results[position] = exc
     for (length, _), members in groups.items():
         for position, output in _group_heads(loaded, members, length, batch_size).items():
             results[position] = output
-    return [r if r is not None else RuntimeError("chunk was not run") for r in results]
+    return [r if r is not None else RuntimeError("prompt was not run") for r in results]
+
+
+def fixed_shape_heads(
+    loaded: LoadedModel,
+    prompts: Sequence[Callable[[], Prompt]],
+    *,
+    batch_size: int,
+    instruction: str | None,
+) -> Iterator[torch.Tensor | Exception]:
+    """Last-token heads ``(L, H, D)`` of each prompt, in order, in fixed-shape batches.
+
+    ``prompts`` are builders, called inside the batch loop so that a record that fails to
+    load (an image that no longer decodes) yields its exception in its place instead of
+    raising: what to do with a failed item is the caller's (a chunk's fallback). See the
+    module docstring for why a result does not depend on the other prompts by a single bit.
+
+    Raises:
+        ConfigError: ``batch_size`` < 1.
+    """
+    for start in range(0, len(prompts), _positive_batch_size(batch_size)):
+        window = prompts[start : start + batch_size]
+        yield from _window_heads(loaded, window, batch_size, instruction)
+
+
+def _positive_batch_size(batch_size: int) -> int:
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size!r}.")
+    return batch_size
 
 
 def _clipped(
@@ -315,17 +346,17 @@ def chunk_contributions(
     clip_per_layer(
         np.zeros((len(heads), head_dim)), row_layers=heads.row_layers(), clip_norm=clip_norm
     )
-    for window in batched(chunks, batch_size):
-        for acts in _window_heads(loaded, window, batch_size, instruction):
-            result = _clipped(acts, heads, clip_norm)
-            if isinstance(result, Exception):
-                # Whatever goes wrong inside one chunk (a decoder, the processor, the model)
-                # is a function of that chunk's records: it must cost that chunk only.
-                if failures is not None:
-                    failures[type(result).__name__] += 1
-                yield np.zeros((len(heads), head_dim))
-            else:
-                yield result
+    builders = [functools.partial(chunk_prompt, chunk) for chunk in chunks]
+    for acts in fixed_shape_heads(loaded, builders, batch_size=batch_size, instruction=instruction):
+        result = _clipped(acts, heads, clip_norm)
+        if isinstance(result, Exception):
+            # Whatever goes wrong inside one chunk (a decoder, the processor, the model) is
+            # a function of that chunk's records: it must cost that chunk only.
+            if failures is not None:
+                failures[type(result).__name__] += 1
+            yield np.zeros((len(heads), head_dim))
+        else:
+            yield result
 
 
 def extract_clipped_sum(

@@ -63,8 +63,8 @@ class LocalSums:
     records hold.
 
     Attributes:
-        batch_size: Chunks a forward pass in extraction (a speed setting; the padded shape
-            makes the result independent of batch-mates). Scoring runs one chunk a pass.
+        batch_size: Chunks a forward pass in extraction and shift scoring (a speed setting:
+            the fixed padded shape makes each chunk's result independent of its batch-mates).
     """
 
     loaded: LoadedModel
@@ -97,6 +97,7 @@ class LocalSums:
             top_r=self.plan.score_top_r,
             method=method,
             reference=reference,
+            batch_size=self.batch_size,
             instruction=self.instruction,
             progress=self.progress,
         )

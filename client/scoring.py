@@ -12,14 +12,15 @@ by at most 1 (Δ∞ = 1, the sensitivity the Gumbel top-k is calibrated to). Two
   reference is the chunk's own K-shot activation (select-first) or the released noisy vector
   (release-first, where selection happens after the Gaussian release).
 
-Like extraction (``client.extraction``), every chunk runs in its own forward (and backward)
-pass, so no chunk's prompt can move another's scores, and a chunk that fails (an image that
-no longer decodes, a pass that raises, non-finite scores) casts zero votes and still counts
-in m: the fixed public fallback, logged locally with the count.
+As in extraction (``client.extraction``), no chunk's prompt can move another's scores
+(``shift`` runs in its fixed-shape batches, ``attribution`` one chunk a pass), and a chunk
+that fails (an image that no longer decodes, a pass that raises, non-finite scores) casts
+zero votes and still counts in m: the fixed public fallback, logged locally with the count.
 """
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -35,6 +36,7 @@ from tqdm import tqdm
 from client.chunking import Chunk
 from client.extraction import (
     chunk_prompt,
+    fixed_shape_heads,
     forward_last_token_heads,
     log_replaced_chunks,
     zero_shot_prompt,
@@ -191,6 +193,45 @@ def _checked_reference(loaded: LoadedModel, reference: np.ndarray | None) -> tor
     return ref
 
 
+def _shift_scores(
+    loaded: LoadedModel, chunks: Sequence[Chunk], batch_size: int, instruction: str | None
+) -> Iterator[np.ndarray | Exception]:
+    """Each chunk's shift scores ``(L * H,)`` from fixed-shape batches, or its failure."""
+    shots = fixed_shape_heads(
+        loaded,
+        [functools.partial(chunk_prompt, c) for c in chunks],
+        batch_size=batch_size,
+        instruction=instruction,
+    )
+    plain = fixed_shape_heads(
+        loaded,
+        [functools.partial(zero_shot_prompt, c.query) for c in chunks],
+        batch_size=batch_size,
+        instruction=instruction,
+    )
+    for with_shots, zero_shot in zip(shots, plain, strict=True):
+        if isinstance(with_shots, Exception):
+            yield with_shots
+        elif isinstance(zero_shot, Exception):
+            yield zero_shot
+        else:
+            yield (with_shots - zero_shot).norm(dim=-1).reshape(-1).to(torch.float64).numpy()
+
+
+def _attribution_scores(
+    loaded: LoadedModel,
+    chunks: Sequence[Chunk],
+    reference: torch.Tensor | None,
+    instruction: str | None,
+) -> Iterator[np.ndarray | Exception]:
+    """Each chunk's attribution scores ``(L * H,)``, one unpadded pass a chunk, or its failure."""
+    for chunk in chunks:
+        try:
+            yield _chunk_scores(loaded, [chunk], ScoreMethod.ATTRIBUTION, reference, instruction)[0]
+        except Exception as exc:
+            yield exc
+
+
 def chunk_votes(
     loaded: LoadedModel,
     chunks: Sequence[Chunk],
@@ -198,34 +239,43 @@ def chunk_votes(
     top_r: int,
     method: ScoreMethod = ScoreMethod.SHIFT,
     reference: np.ndarray | None = None,
+    batch_size: int = 4,
     instruction: str | None = None,
     failures: Counter[str] | None = None,
 ) -> Iterator[Float64Array]:
-    """Each chunk's top-r vote vector ``(L * H,)``, one pass a chunk; zeros for a failed one.
+    """Each chunk's top-r vote vector ``(L * H,)``, zeros for a failed one.
 
-    The exception type of each failed chunk is counted in ``failures`` when given.
+    ``shift`` runs in the fixed-shape batches of ``client.extraction`` (``batch_size``
+    chunks a pass); ``attribution`` runs one unpadded forward and backward pass a chunk.
+    Either way no chunk's scores depend on another chunk by a single bit. The exception
+    type of each failed chunk is counted in ``failures`` when given.
 
     Raises:
-        ConfigError: ``top_r`` outside ``[1, L * H]``, or a bad ``reference`` (checked
-            before any chunk runs).
+        ConfigError: ``top_r`` outside ``[1, L * H]``, a bad ``reference`` or ``batch_size``
+            < 1 (checked before any chunk runs).
     """
     method = ScoreMethod(method)
     shape = loaded.adapter.head_shape(loaded.model)
     num_heads = shape.num_layers * shape.num_heads
     if not 1 <= top_r <= num_heads:
         raise ConfigError(f"top_r must lie in [1, {num_heads}] (L * H), got {top_r!r}.")
+    if batch_size < 1:
+        raise ConfigError(f"batch_size must be >= 1, got {batch_size!r}.")
     ref = _checked_reference(loaded, reference)
-    for chunk in chunks:
-        try:
-            scores = _chunk_scores(loaded, [chunk], method, ref, instruction)
-            if not np.isfinite(scores).all():
-                raise FloatingPointError("non-finite head scores")
-            yield top_r_votes(scores, top_r)[0]
-        # As in extraction: a failure inside one chunk costs that chunk's votes only.
-        except Exception as exc:
+    if method is ScoreMethod.SHIFT:
+        scores = _shift_scores(loaded, chunks, batch_size, instruction)
+    else:
+        scores = _attribution_scores(loaded, chunks, ref, instruction)
+    for chunk_scores in scores:
+        if not isinstance(chunk_scores, Exception) and not np.isfinite(chunk_scores).all():
+            chunk_scores = FloatingPointError("non-finite head scores")
+        if isinstance(chunk_scores, Exception):
+            # As in extraction: a failure inside one chunk costs that chunk's votes only.
             if failures is not None:
-                failures[type(exc).__name__] += 1
+                failures[type(chunk_scores).__name__] += 1
             yield np.zeros(num_heads)
+        else:
+            yield top_r_votes(chunk_scores[None, :], top_r)[0]
 
 
 def chunk_head_votes(
@@ -235,6 +285,7 @@ def chunk_head_votes(
     top_r: int,
     method: ScoreMethod = ScoreMethod.SHIFT,
     reference: np.ndarray | None = None,
+    batch_size: int = 4,
     instruction: str | None = None,
     progress: bool = True,
 ) -> HeadVotes:
@@ -254,6 +305,7 @@ def chunk_head_votes(
         top_r=top_r,
         method=method,
         reference=reference,
+        batch_size=batch_size,
         instruction=instruction,
         failures=failures,
     )
