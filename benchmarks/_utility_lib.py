@@ -1,10 +1,15 @@
-"""Building blocks of the utility benchmark: cached sums, fast accuracy, one DP release."""
+"""Building blocks of the utility benchmark: cached sums, predictions, one DP release."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
+import numpy as np
+import torch
+
+from client.evaluation.first_token import QuerySet
+from client.hooks import PatchPolicy, patch_heads
 from client.models import LoadedModel
 from client.release import LocalSums
 from dpmtv_common.heads import HeadSet
@@ -23,11 +28,14 @@ from protocol import (
 
 @dataclass
 class CachedSums:
-    """LocalSums whose noise-free sums are computed once (only the noise differs per draw)."""
+    """LocalSums whose noise-free sums are computed once (only the noise differs per draw).
+
+    ``votes`` may be shared between instances that differ only in C: votes do not depend on C.
+    """
 
     inner: LocalSums
     activations: dict[HeadSet, ActivationSum] = field(default_factory=dict)
-    votes: VoteSum | None = None
+    votes: dict[str, VoteSum] = field(default_factory=dict)
 
     def activation_sum(self, heads: HeadSet) -> ActivationSum:
         if heads not in self.activations:
@@ -37,9 +45,9 @@ class CachedSums:
     def vote_sum(self, reference):
         if reference is not None:  # scored against this draw's noisy vector: not cacheable
             return self.inner.vote_sum(reference)
-        if self.votes is None:
-            self.votes = self.inner.vote_sum(None)
-        return self.votes
+        if "plain" not in self.votes:
+            self.votes["plain"] = self.inner.vote_sum(None)
+        return self.votes["plain"]
 
 
 def make_plan(
@@ -86,3 +94,32 @@ def release(plan: ReleasePlan, sums, loaded: LoadedModel, noise: NoiseSource) ->
         noise=noise,
         on_first_noise=lambda: None,
     )
+
+
+@dataclass(frozen=True)
+class Scored:
+    """Accuracy, and the share of queries given the most frequent prediction (1.0: collapse)."""
+
+    accuracy: float
+    modal_share: float
+
+
+@torch.no_grad()
+def score(loaded: LoadedModel, queries: QuerySet, patch=None) -> Scored:
+    """Greedy first-token predictions on ``queries``, optionally patched (heads, values)."""
+    predicted, expected = [], []
+    for inputs, target in zip(queries.batches, queries.targets, strict=True):
+        batch = inputs.to(loaded.model.device)
+        if patch is None:
+            logits = loaded.model(**batch).logits[:, -1]
+        else:
+            heads, values = patch
+            with patch_heads(
+                loaded.model, loaded.adapter, heads, values, policy=PatchPolicy.EVERY_CALL
+            ):
+                logits = loaded.model(**batch).logits[:, -1]
+        predicted.append(logits.argmax(-1).cpu().numpy())
+        expected.append(target.numpy())
+    guesses, answers = np.concatenate(predicted), np.concatenate(expected)
+    _, counts = np.unique(guesses, return_counts=True)
+    return Scored(float(np.mean(guesses == answers)), float(counts.max() / len(guesses)))
