@@ -69,8 +69,11 @@ class SiteSettings(BaseSettings):
         device: ``cpu``, ``cuda``...; default CUDA when available.
         dtype: ``float32``, ``bfloat16``...; default bf16 on GPU, float32 on CPU.
         batch_size: Prompts per forward pass.
-        cache_dir: Where weight-file digests are remembered, so a deployed site (one process
-            per message) does not re-hash its weights every time; None disables it.
+        cache_dir: Where weight-file digests are remembered, so a command does not re-hash
+            the weights at every start; default ``~/.cache/dpmtv/fingerprints``.
+        device_map: ``from_pretrained``'s device map (e.g. ``auto`` over several GPUs; needs
+            accelerate); overrides ``device`` for placement.
+        attn_implementation: ``eager``, ``sdpa`` or ``flash_attention_2``; default transformers'.
     """
 
     model_config = SettingsConfigDict(
@@ -100,6 +103,8 @@ class SiteSettings(BaseSettings):
     dtype: str | None = None
     batch_size: int = Field(default=4, ge=1)
     cache_dir: Path | None = None
+    device_map: str | None = None
+    attn_implementation: str | None = None
 
     @model_validator(mode="after")
     def _resolve_state_paths(self) -> Self:

@@ -33,7 +33,7 @@ import numpy as np
 
 from client.chunking import make_chunks, planned_num_chunks
 from client.data import SiteDataset, load_dataset
-from client.models import LoadedModel, load_model
+from client.models import LoadedModel, default_fingerprint_cache_dir, load_model
 from client.release import LocalSums
 from client.release_record import ReleaseRecord, ReleaseRecordStore, SiteReleaseState
 from client.secagg import SecAggRanges
@@ -80,11 +80,18 @@ _log = logging.getLogger(__name__)
 
 
 @lru_cache(maxsize=2)
-def cached_model(
-    path: Path, device: str | None, dtype: str | None, cache_dir: Path | None
-) -> LoadedModel:
+def cached_model(settings: SiteSettings) -> LoadedModel:
     """Load once per process: the service keeps its model loaded between messages."""
-    return load_model(path, device=device, dtype=dtype, fingerprint_cache=cache_dir)
+    if settings.model_path is None:
+        raise ConfigError("the site needs --model (or DPMTV_CLIENT_MODEL_PATH).")
+    return load_model(
+        settings.model_path,
+        device=settings.device,
+        dtype=settings.dtype,
+        device_map=settings.device_map,
+        attn_implementation=settings.attn_implementation,
+        fingerprint_cache=settings.cache_dir or default_fingerprint_cache_dir(),
+    )
 
 
 @dataclass
@@ -109,12 +116,7 @@ class Site:
 
     def model(self) -> LoadedModel:
         """The site's model (loaded once per process)."""
-        if self.settings.model_path is None:
-            raise ConfigError("the site needs --model (or DPMTV_CLIENT_MODEL_PATH).")
-        settings = self.settings
-        return cached_model(
-            settings.model_path, settings.device, settings.dtype, settings.cache_dir
-        )
+        return cached_model(self.settings)
 
     def shape(self) -> ModelShape:
         """(L, H, D) of the site's model."""

@@ -12,9 +12,11 @@ when there is one. Across the wire an error is never pickled: it travels as
 
     DpmtvError
     ├── ConfigError (ValueError)                bad settings, plan or argument values
+    │   └── PromptTooLongError (client.models)  a prompt exceeds the model's context
     ├── DataError (ValueError)                  a site dataset or manifest is unusable
     ├── ModelError                              a model cannot be loaded, adapted or hooked
-    │   └── UnsupportedArchitectureError        no adapter is registered for the architecture
+    │   ├── UnsupportedArchitectureError        no adapter is registered for the architecture
+    │   └── AdapterPluginError (client.models)  an installed adapter plugin cannot be used
     ├── PrivacyError                            a privacy guarantee would not hold: fail closed
     │   ├── CalibrationError (ValueError)       no noise level meets the requested (epsilon, delta)
     │   ├── InsecureRandomnessError             a non-cryptographic noise source reached a DP path

@@ -8,6 +8,7 @@ A test keeps each tuple equal to its enum, so they cannot drift apart.
 from __future__ import annotations
 
 __all__ = [
+    "ATTENTION_CHOICES",
     "DTYPES",
     "EVALUATION_MODES",
     "PATCH_POLICIES",
@@ -31,3 +32,5 @@ SELECTION_MODES = ("public", "private", "all")
 """``protocol.SelectionMode``."""
 RELEASE_ORDERS = ("select-first", "release-first")
 """``protocol.ReleaseOrder``."""
+ATTENTION_CHOICES = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
+"""``client.models.ATTENTION_IMPLEMENTATIONS``."""

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from client.cli._choices import DTYPES, PATCH_POLICIES
+from client.cli._choices import ATTENTION_CHOICES, DTYPES, PATCH_POLICIES
 from client.cli._errors import validation_line
 from client.cli._types import positive_float, positive_int
 from client.settings import SiteSettings
@@ -65,6 +65,14 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--device", help="cpu, cuda, cuda:1 ... (default: CUDA if available)")
     parser.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on GPU, else float32")
     parser.add_argument("--batch-size", type=positive_int, help="prompts per forward (default 4)")
+    parser.add_argument(
+        "--attn-implementation",
+        choices=ATTENTION_CHOICES,
+        help="attention kernel (default: transformers' choice, sdpa where supported)",
+    )
+    parser.add_argument(
+        "--device-map", help="from_pretrained device map, e.g. auto (needs accelerate)"
+    )
 
 
 def add_patch_options(parser: argparse.ArgumentParser) -> None:
@@ -126,10 +134,17 @@ def load_site_model(settings: SiteSettings) -> LoadedModel:
     # Imported here, not at the top: torch and transformers take seconds to import.
     import safetensors
 
-    from client.models import load_model
+    from client.models import default_fingerprint_cache_dir, load_model
 
     try:
-        return load_model(path, device=settings.device, dtype=settings.dtype)
+        return load_model(
+            path,
+            device=settings.device,
+            dtype=settings.dtype,
+            device_map=settings.device_map,
+            attn_implementation=settings.attn_implementation,
+            fingerprint_cache=settings.cache_dir or default_fingerprint_cache_dir(),
+        )
     except safetensors.SafetensorError as exc:
         raise ModelError(
             f"--model weights must be complete safetensors files, got a damaged or truncated "

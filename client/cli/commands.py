@@ -84,7 +84,8 @@ def _make_tiny(args: argparse.Namespace) -> int:
             "Pass --overwrite to replace a model there."
         )
     # Imported here: building a model needs torch and transformers (seconds to import).
-    from client.models import TINY_ARCHITECTURES, save_tiny_model
+    from client.models import ALL_TINY_ARCHITECTURES as TINY_ARCHITECTURES
+    from client.models import save_tiny_model
 
     if args.arch not in TINY_ARCHITECTURES:
         raise ConfigError(f"arch must be one of {list(TINY_ARCHITECTURES)}, got {args.arch!r}.")

@@ -21,6 +21,7 @@ from PIL import Image
 
 from client.cli import main
 from client.cli._choices import (
+    ATTENTION_CHOICES,
     DTYPES,
     EVALUATION_MODES,
     PATCH_POLICIES,
@@ -32,6 +33,7 @@ from client.cli._choices import (
 from client.data import write_jsonl_dataset
 from client.evaluation import EvaluationMode
 from client.hooks import PatchPolicy
+from client.models import ATTENTION_IMPLEMENTATIONS
 from client.models.loading import _DTYPES
 from client.public_selection import SelectionMethod
 from client.scoring import ScoreMethod
@@ -361,3 +363,4 @@ def test_the_parser_choices_equal_the_enums_they_stand_for():
     assert tuple(_DTYPES) == DTYPES
     assert tuple(m.value for m in SelectionMode) == SELECTION_MODES
     assert tuple(o.value for o in ReleaseOrder) == RELEASE_ORDERS
+    assert ATTENTION_IMPLEMENTATIONS == ATTENTION_CHOICES
