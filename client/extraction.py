@@ -58,6 +58,7 @@ from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.mechanisms import clip_per_layer
 
 __all__ = [
+    "PAD_MULTIPLE",
     "ClippedSum",
     "batched",
     "check_heads_in_model",

@@ -29,6 +29,9 @@ from client.models import LoadedModel
 from client.scoring import ScoreMethod, chunk_head_votes
 from dpmtv_common.aliases import Float64Array
 from dpmtv_common.artifact import (
+    MANIFEST_FILE,
+    SIGNATURE_FILE,
+    TENSORS_FILE,
     ArtifactManifest,
     load_artifact,
     write_artifact,
@@ -49,6 +52,8 @@ from protocol import (
     reserve_plan,
     run_release,
 )
+
+_ARTIFACT_FILES = frozenset({MANIFEST_FILE, SIGNATURE_FILE, TENSORS_FILE})
 
 __all__ = ["LocalSums", "SingleHolderRelease", "check_release_inputs", "run_single_holder_release"]
 
@@ -167,10 +172,17 @@ def _check_output(output: Path, *, overwrite: bool) -> None:
                 f"output must not exist yet, got {str(target)!r} which exists; choose a new "
                 "path, or allow replacing it (overwrite)."
             )
-        if not target.is_dir():
+        if target.is_symlink() or not target.is_dir():
             raise ConfigError(
                 f"output must be an artifact folder to replace, got {str(target)!r} which is "
                 "not a folder."
+            )
+        # The same rule write_artifact applies, checked here so it cannot fail after noise.
+        foreign = sorted(e.name for e in target.iterdir() if e.name not in _ARTIFACT_FILES)
+        if foreign:
+            raise ConfigError(
+                f"output must be an artifact folder to replace, got {str(target)!r} holding "
+                f"other entries {foreign!r}."
             )
     parent = target.absolute().parent
     while not parent.exists():

@@ -333,6 +333,17 @@ def test_overwrite_replaces_an_existing_artifact_and_refuses_a_plain_file(
 
     # Assert
     assert result.manifest.release_id == "r2"
+    occupied = _occupied(tmp_path)
+    with pytest.raises(ConfigError, match=r"holding other entries \['notes.txt'\]"):
+        run_single_holder_release(
+            make_plan(loaded, release_id="r3"),
+            sums=spy(loaded, chunks, second),
+            ledger=ledger,
+            signing_key=key,
+            output=occupied,
+            noise=SeededNoise(2),
+            overwrite=True,
+        )
     with pytest.raises(ConfigError, match=r"not a folder"):
         run_single_holder_release(
             make_plan(loaded, release_id="r3"),
