@@ -57,6 +57,7 @@ class ReleaseRecord(BaseModel):
         plan_hash: ``protocol.plan_hash`` of that plan.
         num_chunks: m_i the site promised.
         num_layers: L of the site's model; num_heads: H; head_dim: D.
+        model_dtype: The dtype the site extracts in (an artifact of another is refused).
         sent: Secure-sum stages whose (masked) contribution left the site, in order.
         extract_heads: The heads of the activation sum the site contributed (None: all).
         reference_sha256: Hash of the noisy all-head vector received (release-first order).
@@ -76,6 +77,7 @@ class ReleaseRecord(BaseModel):
     num_layers: int
     num_heads: int
     head_dim: int
+    model_dtype: str | None = None
     sent: tuple[str, ...] = ()
     extract_heads: tuple[LayerHead, ...] | None = None
     reference_sha256: str | None = None
@@ -96,11 +98,18 @@ class ReleaseRecord(BaseModel):
 
     @classmethod
     def planned(
-        cls, plan: ReleasePlan, *, run_id: int, num_chunks: int, shape: tuple[int, int, int]
+        cls,
+        plan: ReleasePlan,
+        *,
+        run_id: int,
+        num_chunks: int,
+        shape: tuple[int, int, int],
+        model_dtype: str | None = None,
     ) -> ReleaseRecord:
         """The record of a plan just accepted."""
         num_layers, num_heads, head_dim = shape
         return cls(
+            model_dtype=model_dtype,
             release_id=plan.release_id,
             run_id=run_id,
             plan_json=plan.model_dump_json(),

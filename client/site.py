@@ -153,7 +153,9 @@ class Site:
         with self.ledger() as ledger:
             reserve_plan(ledger, plan)  # owned by this (long-lived) process
         self.records.create(
-            ReleaseRecord.planned(plan, run_id=run_id, num_chunks=chunks, shape=shape)
+            ReleaseRecord.planned(
+                plan, run_id=run_id, num_chunks=chunks, shape=shape, model_dtype=loaded.dtype_name
+            )
         )
         self.seeds[plan.release_id] = secret_seed()
         _log.info(
@@ -173,6 +175,7 @@ class Site:
             num_layers=num_layers,
             num_heads=num_heads,
             head_dim=head_dim,
+            model_dtype=loaded.dtype_name,
         )
 
     def contribution(

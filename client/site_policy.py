@@ -283,6 +283,8 @@ def check_artifact(
     _same("delta", manifest.delta, plan.delta)
     _same("clip_norm", manifest.clip_norm, plan.clip_norm)
     _same("shots", manifest.shots, plan.shots)
+    if manifest.model_dtype is not None:
+        _same("model_dtype", manifest.model_dtype, record.model_dtype)
     parameters = manifest.accountant_parameters
     _same("privacy_unit", parameters.get("privacy_unit"), plan.privacy_unit.value)
     _same("neighbouring", parameters.get("neighbouring"), plan.neighbouring.value)

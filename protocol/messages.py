@@ -98,6 +98,12 @@ def _reason(value: str) -> str:
     return value
 
 
+def _dtype_name(value: str) -> str:
+    if value not in ("float32", "bfloat16", "float16"):
+        raise ValueError(f"model_dtype must be float32, bfloat16 or float16, got {value!r}.")
+    return value
+
+
 def _sha256_hex(value: str) -> str:
     if re.fullmatch(r"[0-9a-f]{64}", value) is None:
         raise ValueError(f"artifact_sha256 must be 64 lowercase hex digits, got {value!r}.")
@@ -125,6 +131,8 @@ class PlanAccept(WireMessage):
         num_layers: L of the site's model (the coordinator needs no model of its own).
         num_heads: H, attention heads a layer.
         head_dim: D, dimensions a head.
+        model_dtype: The dtype the site extracts in (``float32``, ``bfloat16``, ``float16``);
+            the coordinator refuses a consortium that mixes them, and records it.
     """
 
     kind: Literal["plan-accept"] = "plan-accept"
@@ -134,6 +142,7 @@ class PlanAccept(WireMessage):
     num_layers: Annotated[int, Field(ge=1)]
     num_heads: Annotated[int, Field(ge=1)]
     head_dim: Annotated[int, Field(ge=1)]
+    model_dtype: Annotated[str, AfterValidator(_dtype_name)] | None = None
 
 
 class ErrorReply(WireMessage):

@@ -314,8 +314,15 @@ def _distributed_outcome(
     )
 
 
-def release_description(plan: ReleasePlan, outcome: ReleaseOutcome) -> ReleaseDescription:
+def release_description(
+    plan: ReleasePlan, outcome: ReleaseOutcome, *, model_dtype: str | None = None
+) -> ReleaseDescription:
     """The manifest fields of a finished release: plan, privacy spent, m, K, C, σ, layout."""
+    description = _description(plan, outcome)
+    return description.model_copy(update={"model_dtype": model_dtype})
+
+
+def _description(plan: ReleasePlan, outcome: ReleaseOutcome) -> ReleaseDescription:
     if outcome.distributed is not None:
         return _distributed_description(plan, outcome, outcome.distributed)
     calibration = outcome.calibration

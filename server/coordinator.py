@@ -111,6 +111,7 @@ class Coordinator:
     accepted: dict[int, PlanAccept] = field(default_factory=dict)
     exposed: bool = False
     seconds: dict[str, float] = field(default_factory=dict)
+    model_dtype: str | None = None
 
     def wait_for_sites(self) -> list[int]:
         """Poll until ``expected-sites`` nodes are connected, or the timeout; then go on."""
@@ -137,6 +138,10 @@ class Coordinator:
         shapes = {(a.num_layers, a.num_heads, a.head_dim) for a in self.accepted.values()}
         if len(shapes) > 1:
             raise ConfigError(f"sites must share one model shape, got {sorted(shapes)}.")
+        dtypes = {a.model_dtype for a in self.accepted.values()}
+        if len(dtypes) > 1:  # bfloat16 and float32 activations differ; never mix them silently
+            raise ConfigError(f"sites must extract in one dtype, got {sorted(map(str, dtypes))}.")
+        self.model_dtype = dtypes.pop() if dtypes else None
         if len(self.accepted) < plan.min_sites:
             raise InsufficientSharesError(
                 f"accepting sites must number at least min-sites={plan.min_sites}, got "
@@ -178,7 +183,7 @@ class Coordinator:
             self.settings.artifacts_dir / plan.release_id,
             heads=outcome.heads,
             values=np.asarray(outcome.values),
-            release=release_description(plan, outcome),
+            release=release_description(plan, outcome, model_dtype=self.model_dtype),
             signing_key=SigningKey.load(self.settings.signing_key),
         )
         request = ReleaseRequest(

@@ -12,6 +12,7 @@ from client.inference import TaskVectorPatch, rescale_heads
 from client.models import LoadedModel
 from dpmtv_common.artifact import load_artifact
 from dpmtv_common.crypto import TrustedKeys
+from dpmtv_common.errors import ConfigError
 
 __all__ = ["artifact_patch"]
 
@@ -30,6 +31,13 @@ def artifact_patch(
     public data; post-processing, no privacy cost).
     """
     artifact = load_artifact(path, trusted_keys=keys, expected_model_fingerprint=loaded.fingerprint)
+    made_in = artifact.manifest.model_dtype
+    if made_in is not None and made_in != loaded.dtype_name:
+        raise ConfigError(
+            f"--dtype must match the artifact's extraction dtype {made_in!r} (its heads were "
+            f"read in that precision), got a model loaded in {loaded.dtype_name!r}; pass "
+            f"--dtype {made_in}."
+        )
     values = np.array(artifact.values, dtype=np.float64)
     if rescale_norm is not None:
         values = rescale_heads(values, target_norm=rescale_norm)

@@ -217,6 +217,7 @@ def signed_request(
     heads: HeadSet | None = None,
     key: SigningKey | None = None,
     release_id: str | None = None,
+    model_dtype: str | None = None,
 ) -> ReleaseRequest:
     """An artifact as a coordinator would sign it; fields may be forged."""
     from dpmtv_common.artifact import ReleaseDescription
@@ -243,6 +244,7 @@ def signed_request(
         shots=plan.shots,
         clip_norm=plan.clip_norm,
         noise_std=noise_std or sigma,
+        model_dtype=model_dtype,
     )
     path = write_artifact(
         tmp / f"artifact-{len(list(tmp.glob('artifact-*')))}",
@@ -440,7 +442,7 @@ def contributed(consortium: Consortium) -> ReleasePlan:
 
 @pytest.mark.parametrize(
     "forgery",
-    ["epsilon", "noise_std", "other-plan", "untrusted-key", "heads"],
+    ["epsilon", "noise_std", "other-plan", "untrusted-key", "heads", "dtype"],
 )
 def test_an_artifact_unlike_the_plan_is_refused_and_nothing_is_stored(
     consortium: Consortium, forgery: str
@@ -457,6 +459,7 @@ def test_an_artifact_unlike_the_plan_is_refused_and_nothing_is_stored(
         ),
         "untrusted-key": lambda: signed_request(world, tmp, plan, key=SigningKey.generate()),
         "heads": lambda: signed_request(world, tmp, plan, heads=HeadSet.of([(0, 0)])),
+        "dtype": lambda: signed_request(world, tmp, plan, model_dtype="bfloat16"),
     }[forgery]()
     # Act
     reply = consortium.ask(0, "query.release", forged)
