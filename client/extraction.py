@@ -173,7 +173,8 @@ tokens, so the length it runs at depends on its own prompt only (16 keeps the wa
 against the speed of batching; measured in the module docstring)."""
 
 _Inputs = dict[str, torch.Tensor]
-_Signature = tuple[int, tuple[tuple[str, tuple[int, ...]], ...]]
+# (run length, position if the chunk must run alone else -1, other inputs' shapes)
+_Signature = tuple[int, int, tuple[tuple[str, tuple[int, ...]], ...]]
 
 
 def _prompt_inputs(loaded: LoadedModel, prompt: Prompt, instruction: str | None) -> _Inputs:
@@ -191,16 +192,21 @@ def _token_keys(inputs: _Inputs) -> list[str]:
     return [k for k, v in inputs.items() if v.ndim == 2 and v.shape == (1, length)]
 
 
-def _signature(inputs: _Inputs) -> _Signature:
+def _signature(inputs: _Inputs, position: int) -> _Signature:
     """What a chunk's batch-mates must share: its padded length and its other tensors' shapes.
 
     Both are functions of the chunk's own prompt, so the shape of every forward pass a chunk
-    takes part in is fixed by itself and the public batch size.
+    takes part in is fixed by itself and the public batch size. A chunk whose other inputs
+    have a dimension as long as its prompt (a per-token tensor we would not know how to pad,
+    such as a cross-attention mask) runs alone and unpadded at ``position``: slower, never
+    wrong, and still a function of its own prompt only.
     """
-    length = -(-inputs["input_ids"].shape[1] // PAD_MULTIPLE) * PAD_MULTIPLE
+    length = inputs["input_ids"].shape[1]
     tokens = set(_token_keys(inputs))
     others = tuple(sorted((k, tuple(v.shape)) for k, v in inputs.items() if k not in tokens))
-    return length, others
+    if any(length in shape[1:] for _, shape in others):
+        return length, position, others
+    return -(-length // PAD_MULTIPLE) * PAD_MULTIPLE, -1, others
 
 
 def _stacked(rows: list[_Inputs], length: int, pad_id: int) -> _Inputs:
@@ -272,10 +278,13 @@ def _window_heads(
     for position, build in enumerate(window):
         try:
             inputs = _prompt_inputs(loaded, build(), instruction)
-            groups.setdefault(_signature(inputs), {})[position] = inputs
+            groups.setdefault(_signature(inputs, position), {})[position] = inputs
         except Exception as exc:
             results[position] = exc
-    for (length, _), members in groups.items():
+    for (length, alone, _), members in groups.items():
+        if alone >= 0:
+            results[alone] = _group_heads(loaded, {0: members[alone]}, length, 1)[0]
+            continue
         for position, output in _group_heads(loaded, members, length, batch_size).items():
             results[position] = output
     return [r if r is not None else RuntimeError("prompt was not run") for r in results]

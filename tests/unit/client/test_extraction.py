@@ -2,7 +2,9 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
+import client.extraction as extraction
 from client.chunking import Chunk, make_chunks
 from client.extraction import (
     batched,
@@ -159,3 +161,32 @@ def test_zero_shot_prompt_has_no_demonstrations_and_no_answer(chunks):
     # Assert
     assert prompt.demonstrations == ()
     assert prompt.query.answer is None
+
+
+def test_a_prompt_with_an_unpaddable_per_token_input_runs_alone_and_unpadded():
+    # A tensor as long as the prompt that is not (1, seq) (a cross-attention mask, say) is
+    # not something to guess how to pad: such a chunk runs alone, at its own length.
+    plain = {"input_ids": torch.zeros(1, 20), "pixel_values": torch.zeros(3, 3, 8, 8)}
+    crossed = {**plain, "cross_attention_mask": torch.zeros(1, 20, 3, 1)}
+
+    assert extraction._signature(plain, 2) == (32, -1, (("pixel_values", (3, 3, 8, 8)),))
+    length, alone, _ = extraction._signature(crossed, 2)
+    assert (length, alone) == (20, 2)
+
+
+@ONE_ARCH
+def test_the_alone_path_gives_exactly_the_unpadded_single_pass(loaded, chunks, monkeypatch):
+    # Arrange: force every chunk onto the alone path
+    monkeypatch.setattr(
+        extraction,
+        "_signature",
+        lambda inputs, position: (inputs["input_ids"].shape[1], position, ()),
+    )
+
+    # Act
+    summed = extract_clipped_sum(
+        loaded, chunks, heads=SUBSET, clip_norm=TINY_CLIP, batch_size=4, progress=False
+    )
+
+    # Assert: bit for bit the sum of one unpadded pass a chunk
+    np.testing.assert_array_equal(summed.total, hand_clipped_sum(loaded, chunks, SUBSET, TINY_CLIP))
