@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any, get_args
 
 import numpy as np
-from PIL import Image
+from PIL import Image, ImageOps
 
 from client._manifest import (
     MANIFEST_NAME,
@@ -100,15 +100,17 @@ def to_rgb(image: Image.Image) -> Image.Image:
 def read_rgb(path: Path) -> Image.Image:
     """Decode the whole image at ``path`` and return it as RGB (:func:`to_rgb`), file closed.
 
-    A decompression-bomb warning (a header claiming more than PIL's ``MAX_IMAGE_PIXELS``) is
-    raised as :class:`PIL.Image.DecompressionBombWarning` instead of being only printed.
+    The EXIF orientation, when there is one, is applied. A decompression-bomb warning (a
+    header claiming more than PIL's ``MAX_IMAGE_PIXELS``) is raised as
+    :class:`PIL.Image.DecompressionBombWarning` instead of being only printed.
     """
     with warnings.catch_warnings():
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         with Image.open(path) as image:
             # load() decodes every pixel: verify() alone passes a truncated JPEG.
             image.load()
-            return to_rgb(image)
+            # A camera's EXIF orientation is how the image is meant to be seen.
+            return to_rgb(ImageOps.exif_transpose(image))
 
 
 @dataclass(frozen=True)

@@ -494,3 +494,20 @@ def test_check_images_false_lists_the_records_without_opening_them(tmp_path):
     assert [r.answer for r in dataset.records] == ["a", "b"]
     with pytest.raises(DataError, match=r"1 of 2 records unusable"):
         load_dataset(tmp_path)
+
+
+def test_exif_orientation_is_applied(tmp_path):
+    # Arrange: a 4 x 2 photo whose EXIF says "rotate 90 degrees clockwise to view" (6)
+    image = Image.new("RGB", (4, 2), "white")
+    image.putpixel((0, 0), (255, 0, 0))
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    path = tmp_path / "photo.png"
+    image.save(path, exif=exif)
+
+    # Act
+    rgb = np.asarray(Record("x", path, "q?", ("a",)).load_image())
+
+    # Assert: shown upright it is 2 wide and 4 tall, the red corner now top right
+    assert rgb.shape == (4, 2, 3)
+    assert rgb[0, 1].tolist() == [255, 0, 0]
