@@ -1,13 +1,15 @@
-"""``dpmtv-site serve`` and ``dpmtv-site service-status``: the site service and its health.
+"""``dpmtv-site serve``, ``service-status`` and ``ask``: the site service, its health, its answers.
 
 ``serve`` is what a site admin starts, under the site's own user, from the installed package:
 it owns the model, the data, the ledger and the keys, and answers the Flower relay over a
-Unix socket (docs/deployment.md). ``service-status`` asks a running service whether it is up.
+Unix socket (docs/deployment.md). ``service-status`` asks a running service whether it is up;
+``ask`` has it answer questions with an artifact it stores (its model stays loaded).
 """
 
 from __future__ import annotations
 
 import argparse
+import base64
 import json
 import os
 import signal
@@ -18,7 +20,8 @@ from typing import Any
 
 from client.cli._common import add_model_options, settings_from
 from client.cli._types import file_mode, open_unit_float, positive_float, positive_int
-from dpmtv_common.errors import ServiceError
+from client.service.wire import FrameKind, read_frame, write_frame
+from dpmtv_common.errors import ConfigError, DataError, ServiceError
 
 __all__ = ["register"]
 
@@ -33,7 +36,7 @@ record: nothing sent -> refund; anything sent -> counted).
 
 
 def register(sub: Any) -> None:
-    """Add ``serve`` and ``service-status``."""
+    """Add ``serve``, ``service-status`` and ``ask``."""
     parser = sub.add_parser(
         "serve",
         help="run the site service that the Flower relay talks to (owns data, ledger, keys)",
@@ -67,6 +70,20 @@ def register(sub: Any) -> None:
     status.add_argument("--socket", dest="socket_path", type=Path, help="the service's socket")
     status.add_argument("--state-dir", type=Path, help="default folder of the socket")
     status.set_defaults(handler=run_status)
+    ask = sub.add_parser(
+        "ask",
+        help="answer questions with the running service's model and a stored artifact",
+        description="Send images and questions to the running site service, which answers "
+        "with its loaded model patched by the verified artifact of --release-id (no privacy "
+        "cost: the vector is released). Images travel as bytes; the service opens no path.",
+    )
+    ask.add_argument("--release-id", required=True, help="a release whose artifact it stores")
+    ask.add_argument("--image", type=Path, action="append", required=True, help="repeatable")
+    ask.add_argument("--question", action="append", required=True, help="one per --image")
+    ask.add_argument("--max-new-tokens", type=positive_int, default=10)
+    ask.add_argument("--socket", dest="socket_path", type=Path, help="the service's socket")
+    ask.add_argument("--state-dir", type=Path, help="default folder of the socket")
+    ask.set_defaults(handler=run_ask)
 
 
 def run_serve(args: argparse.Namespace) -> int:
@@ -96,20 +113,56 @@ def _set_threads(threads: int | None) -> None:
     torch.set_num_threads(threads or max(1, os.cpu_count() or 1))
 
 
-def run_status(args: argparse.Namespace) -> int:
-    """Print the service's status line, or say why it is not reachable."""
-    from client.service.wire import FrameKind, read_frame, write_frame
-
-    path = settings_from(args).socket_file
+def _exchange(
+    path: Path, kind: FrameKind, payload: bytes, timeout: float
+) -> tuple[FrameKind, bytes]:
     try:
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
-            sock.settimeout(10.0)
+            sock.settimeout(timeout)
             sock.connect(str(path))
-            write_frame(sock, FrameKind.PING, b"")
-            kind, payload = read_frame(sock, max_bytes=1 << 16)
+            write_frame(sock, kind, payload)
+            return read_frame(sock, max_bytes=1 << 24)
     except OSError as exc:
-        raise ServiceError(f"no site service answers on {path}: {exc}.") from exc
+        raise ServiceError(
+            f"no site service answers on {path}: {exc}. Is 'dpmtv-site serve' running? "
+            "(--socket or --state-dir name where it listens)"
+        ) from exc
+
+
+def run_status(args: argparse.Namespace) -> int:
+    """Print the service's status line, or say why it is not reachable."""
+    path = settings_from(args).socket_file
+    kind, payload = _exchange(path, FrameKind.PING, b"", timeout=10.0)
     if kind is not FrameKind.STATUS:
         raise ServiceError(f"the service at {path} answered {kind.name}, not a status.")
     print(json.dumps(json.loads(payload), indent=1, sort_keys=True))
+    return 0
+
+
+def run_ask(args: argparse.Namespace) -> int:
+    """Print one answer per --image/--question pair, as the running service gives them."""
+    if len(args.image) != len(args.question):
+        raise ConfigError(
+            f"--image and --question must pair up, got {len(args.image)} and {len(args.question)}."
+        )
+    images = []
+    for image in args.image:
+        try:
+            images.append(base64.b64encode(image.read_bytes()).decode())
+        except OSError as exc:
+            raise DataError(
+                f"--image must be a readable file, got {str(image)!r} ({exc})."
+            ) from exc
+    request = {
+        "release_id": args.release_id,
+        "questions": args.question,
+        "images": images,
+        "max_new_tokens": args.max_new_tokens,
+    }
+    path = settings_from(args).socket_file
+    kind, payload = _exchange(path, FrameKind.INFER, json.dumps(request).encode(), timeout=600.0)
+    if kind is not FrameKind.ANSWERS:
+        raise ServiceError(f"the site service refused: {payload.decode(errors='replace')}")
+    for answer in json.loads(payload)["answers"]:
+        print(answer)
     return 0

@@ -34,12 +34,13 @@ from typing import IO, Any
 from flwr.app import Context, Message, RecordDict
 from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.proto.message_pb2 import Message as ProtoMessage
+from pydantic import ValidationError
 
 from client.service.handlers import build_site_app, error_message
 from client.service.wire import FrameKind, read_frame, write_frame
 from client.settings import SiteSettings
 from client.site import Site
-from dpmtv_common.errors import ServiceError
+from dpmtv_common.errors import DpmtvError, ServiceError
 
 __all__ = ["SiteService"]
 
@@ -88,6 +89,20 @@ class SiteService:
             raise ServiceError(f"request must be a serialised Flower Message: {exc}") from exc
         reply = self.handle_message(message)
         return bytes(message_to_proto(reply).SerializeToString())
+
+    def handle_inference(self, payload: bytes) -> tuple[FrameKind, bytes]:
+        """Answer a local inference request (JSON) with the loaded model; errors as text."""
+        from client.service.inference import InferRequest, answer_queries
+
+        try:
+            request = InferRequest.model_validate_json(payload)
+            with self._lock:
+                answers = answer_queries(self.site, request)
+        except ValidationError as exc:
+            return FrameKind.ERROR, f"inference request must be valid: {exc}".encode()
+        except DpmtvError as exc:  # no private data in inference: the text helps the admin
+            return FrameKind.ERROR, str(exc).encode()
+        return FrameKind.ANSWERS, answers.model_dump_json().encode()
 
     def status(self) -> dict[str, Any]:
         """What a health check reports."""
@@ -191,6 +206,8 @@ class _Handler(socketserver.BaseRequestHandler):
                 write_frame(sock, FrameKind.STATUS, json.dumps(service.status()).encode())
             elif kind is FrameKind.MESSAGE:
                 write_frame(sock, FrameKind.REPLY, service.handle_bytes(payload))
+            elif kind is FrameKind.INFER:
+                write_frame(sock, *service.handle_inference(payload))
             else:
                 write_frame(sock, FrameKind.ERROR, f"unexpected frame kind {kind.name}".encode())
         except (ServiceError, OSError) as exc:

@@ -6,7 +6,8 @@ A frame is a 12-byte header and a payload::
 
 Kinds: ``MESSAGE`` (a Flower ``Message`` as serialised protobuf: ``flwr.common.serde``),
 ``REPLY`` (the reply ``Message``, same encoding), ``ERROR`` (UTF-8 text: the service could not
-produce a reply at all), ``PING`` / ``STATUS`` (health: JSON). One request, one answer, then
+produce a reply at all), ``PING`` / ``STATUS`` (health: JSON), ``INFER`` / ``ANSWERS`` (local
+inference with a stored artifact: JSON, ``client.service.inference``). One request, one answer, then
 the connection closes. A frame of another version or kind, or longer than the reader's bound,
 is refused before its payload is read, so a hostile peer cannot make either side allocate
 more than the bound. Nothing here unpickles or evaluates peer data.
@@ -45,6 +46,8 @@ class FrameKind(IntEnum):
     ERROR = 3
     PING = 4
     STATUS = 5
+    INFER = 6
+    ANSWERS = 7
 
 
 def write_frame(sock: socket.socket, kind: FrameKind, payload: bytes) -> None:

@@ -1,0 +1,131 @@
+"""Local inference by the site service: its loaded model, patched by an artifact it stores.
+
+A site admin asks the running service (``dpmtv-site ask``) instead of loading the model again.
+The request names a release whose verified artifact the service stored, and carries the
+images as bytes: the service never opens a path it is sent, so whoever can reach the socket
+(the relay included) can query the model with its own inputs and learns nothing of the site's
+data. Released vectors are public post-processing: answering costs no privacy.
+"""
+
+from __future__ import annotations
+
+import io
+import warnings
+from typing import Annotated, Literal
+
+from PIL import Image
+from pydantic import BaseModel, ConfigDict, Field
+
+from client.data import to_rgb
+from client.hooks import PatchPolicy
+from client.inference import TaskVectorPatch, generate_answers
+from client.models import Example, Prompt
+from client.site import Site
+from dpmtv_common.artifact import load_artifact
+from dpmtv_common.crypto import TrustedKeys
+from dpmtv_common.errors import ConfigError, DataError
+from protocol.plan import ReleaseId
+
+__all__ = ["InferAnswers", "InferRequest", "answer_queries"]
+
+_MAX_QUERIES = 64
+_MAX_IMAGE_BYTES = 16 << 20
+
+
+class InferRequest(BaseModel):
+    """Queries for the model patched with the stored artifact of ``release_id``."""
+
+    model_config = ConfigDict(
+        frozen=True, extra="forbid", ser_json_bytes="base64", val_json_bytes="base64"
+    )
+
+    release_id: ReleaseId
+    questions: Annotated[
+        tuple[Annotated[str, Field(min_length=1, max_length=2000)], ...],
+        Field(min_length=1, max_length=_MAX_QUERIES),
+    ]
+    images: Annotated[
+        tuple[Annotated[bytes, Field(max_length=_MAX_IMAGE_BYTES)], ...],
+        Field(min_length=1, max_length=_MAX_QUERIES),
+    ]
+    max_new_tokens: Annotated[int, Field(ge=1, le=64)] = 10
+    policy: Literal["prompt-last-token", "every-call"] = "prompt-last-token"
+
+
+class InferAnswers(BaseModel):
+    """One answer a query, in order."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    answers: tuple[str, ...]
+
+
+def answer_queries(site: Site, request: InferRequest) -> InferAnswers:
+    """Verify the stored artifact (key, model, dtype), decode the images, answer greedily.
+
+    Raises:
+        ConfigError: Questions and images differ in number, or no such artifact is stored.
+        DataError: An image cannot be decoded or is too large.
+    """
+    if len(request.questions) != len(request.images):
+        raise ConfigError(
+            f"questions and images must pair up, got {len(request.questions)} and "
+            f"{len(request.images)}."
+        )
+    loaded = site.model()
+    patch = _patch(site, request)
+    prompts = [
+        Prompt.of([], Example(_decode(image, index), question))
+        for index, (image, question) in enumerate(
+            zip(request.images, request.questions, strict=True)
+        )
+    ]
+    answers = generate_answers(
+        loaded,
+        prompts,
+        patch=patch,
+        max_new_tokens=request.max_new_tokens,
+        batch_size=site.settings.batch_size,
+    )
+    return InferAnswers(answers=tuple(answers))
+
+
+def _patch(site: Site, request: InferRequest) -> TaskVectorPatch:
+    import numpy as np
+    import torch
+
+    folder = site.settings.artifacts_folder / request.release_id  # a checked token
+    if not folder.is_dir():
+        raise ConfigError(
+            f"release_id must name an artifact this site stores, got {request.release_id!r}."
+        )
+    loaded = site.model()
+    artifact = load_artifact(
+        folder,
+        trusted_keys=TrustedKeys.from_files(site.settings.trusted_keys),
+        expected_model_fingerprint=loaded.fingerprint,
+    )
+    made_in = artifact.manifest.model_dtype
+    if made_in is not None and made_in != loaded.dtype_name:
+        raise ConfigError(
+            f"the service's model dtype must be the artifact's {made_in!r}, "
+            f"got {loaded.dtype_name!r}."
+        )
+    values = torch.tensor(np.asarray(artifact.values), dtype=torch.float32)
+    return TaskVectorPatch(artifact.heads, values, PatchPolicy(request.policy))
+
+
+def _decode(data: bytes, index: int) -> Image.Image:
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as image:
+                image.load()  # every pixel now: a truncated file fails here, not mid-answer
+                return to_rgb(image)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise DataError(
+            f"image {index} must have at most {Image.MAX_IMAGE_PIXELS} pixels."
+        ) from exc
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise DataError(f"image {index} must be a readable picture: {exc}") from exc
