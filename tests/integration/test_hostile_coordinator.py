@@ -619,3 +619,30 @@ def test_unmask_lists_naming_a_node_both_active_and_dropped_are_refused() -> Non
         )
         with pytest.raises(PolicyError, match="disjoint"):
             mod(message, None, lambda m, c: m)  # type: ignore[arg-type]
+
+
+def test_a_site_sends_its_exact_clipped_sum_and_no_noise_of_its_own(
+    consortium: Consortium,
+) -> None:
+    # Arrange: in central mode the coordinator adds the one noise draw; a site that added its
+    # own would change the sum (and the accounting). Recompute each site's contribution from
+    # its secret chunk seed with the production extraction.
+    from client.chunking import make_chunks
+    from client.data import load_dataset
+    from client.release import LocalSums
+
+    plan = planned(consortium)
+    seeds = [service.site.seeds["r1"] for service in consortium.services]
+    all_heads = HeadSet.all_heads(num_layers=NUM_LAYERS, num_heads=NUM_HEADS)
+    expected = np.zeros(len(all_heads) * HEAD_DIM)
+    for service, seed in zip(consortium.services, seeds, strict=True):
+        data = service.settings.data_path
+        assert data is not None
+        chunks = make_chunks(load_dataset(data), shots=SHOTS, seed=seed).chunks
+        sums = LocalSums(service.site.model(), chunks, plan, progress=False)
+        expected += sums.activation_sum(all_heads).total.ravel()
+    # Act
+    result = consortium.secure_sum(extract_request())
+    # Assert: equal up to SecAgg+'s quantisation (3 sites x 2c/Q = 3 x 128 / 2^30 < 1e-6).
+    assert result is not None
+    np.testing.assert_allclose(result.arrays[0], expected, rtol=0, atol=1e-6)

@@ -386,3 +386,33 @@ def test_ledger_command_resolves_a_reservation_left_by_a_lost_run(tmp_path, caps
     with PrivacyLedger.open(path, PrivacyBudget(10.0, 1e-5)) as ledger:
         states = {e.release_id: e.state.value for e in ledger.releases()}
     assert states == {"lost-1": "aborted", "lost-2": "committed"}
+
+
+def test_release_draws_its_noise_from_the_cryptographic_source_only(workspace, monkeypatch):
+    # Arrange: watch the noise source the command hands to the release flow.
+    import client.release
+    from dpmtv_common.privacy.noise import SecureNoise
+
+    sources = []
+    real = client.release.run_single_holder_release
+
+    def spy(plan, **kwargs):
+        sources.append(kwargs["noise"])
+        return real(plan, **kwargs)
+
+    monkeypatch.setattr(client.release, "run_single_holder_release", spy)
+    out = workspace.root / "noise-source"
+    # Act
+    code = main(
+        [
+            "release", *workspace.model_args(), "--data", str(workspace.private),
+            "--out", str(out), "--selection", "all", "--clip-norm", "1.0", "--shots", "2",
+            "--ledger", str(workspace.root / "noise-source.sqlite"),
+            "--signing-key", str(workspace.signing_key), "--quiet",
+        ]
+    )  # fmt: skip
+    # Assert
+    assert code == 0
+    (source,) = sources
+    assert isinstance(source, SecureNoise)
+    assert source.is_cryptographic is True
