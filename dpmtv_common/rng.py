@@ -49,7 +49,7 @@ class KeyStream:
     Args:
         seed: The 256-bit key, an integer in ``[0, 2**256)`` (:func:`secret_seed`).
         label: Separates independent streams drawn from one seed (e.g. one per chunk slot);
-            hashed into the 128-bit nonce-and-counter block, so any bytes may be used.
+            hashed into the 96-bit nonce (the block counter starts at 0), so any bytes may be used.
 
     Raises:
         ConfigError: ``seed`` is not an integer in ``[0, 2**256)``.
