@@ -2,13 +2,15 @@
 
 1. Writes three sites' private data, a public set and a test set (client.synthetic).
 2. Prepares the model every site runs, the coordinator's signing key and each site's settings.
-3. Runs the real ServerApp logic against three real ClientApp sites in one process
-   (server.simulation.InProcessGrid): plan, SecAgg+ secure sums with ChaCha20 masks, private
-   Gumbel top-k head selection, one Gaussian draw, signed broadcast, ledgers on both sides.
+3. Runs the real ServerApp logic against three real sites in one process
+   (server.simulation.InProcessGrid): each site is a site service behind a relay, as deployed;
+   plan, SecAgg+ secure sums with ChaCha20 masks, private head selection, one Gaussian draw
+   (or, with --noise-mode distributed, each site's own share), signed broadcast, ledgers.
 4. Site 0 verifies the artifact and answers test queries with it (no further privacy cost),
    next to zero-shot and K-shot in-context learning.
 
 Usage: scripts/demo [--workdir DIR] [--epsilon 1.0] [--sites 3] ...   (see --help)
+       scripts/demo --model MY_MODEL --data MY_DATA --sites 3   (your own model and data)
 """
 
 from __future__ import annotations
@@ -26,7 +28,7 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from client.chunking import make_chunks
+from client.chunking import make_chunks, planned_num_chunks
 from client.cli._artifact import artifact_patch
 from client.data import load_dataset
 from client.evaluation import EvaluationMode, evaluate
@@ -60,6 +62,21 @@ def parse_args() -> argparse.Namespace:
         "--tiny-random-model", action="store_true", help="use a tiny random LLaVA instead"
     )
     parser.add_argument("--test", type=int, default=40)
+    parser.add_argument(
+        "--model", type=Path, help="your own model directory (default: the embedded one)"
+    )
+    parser.add_argument(
+        "--data",
+        type=Path,
+        help="your own data: a folder with site-0 ... site-{N-1}, public and test datasets "
+        "(docs/data.md); default: synthetic shapes",
+    )
+    parser.add_argument(
+        "--noise-mode",
+        choices=("central", "distributed"),
+        default="central",
+        help="distributed: every site adds its own noise share (the coordinator is not trusted)",
+    )
     return parser.parse_args()
 
 
@@ -68,16 +85,24 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path]:
     if work.exists():
         shutil.rmtree(work)
     work.mkdir(parents=True)
-    write_task_datasets(
-        work / "data",
-        task=args.task,
-        sites=args.sites,
-        per_site=args.per_site,
-        public=60,
-        test=args.test,
-        seed=0,
-    )
-    model = EMBEDDED_MODEL_DIR
+    data = work / "data"
+    if args.data is None:
+        write_task_datasets(
+            data,
+            task=args.task,
+            sites=args.sites,
+            per_site=args.per_site,
+            public=60,
+            test=args.test,
+            seed=0,
+        )
+    else:
+        data.symlink_to(args.data.resolve(), target_is_directory=True)
+        missing = [f"site-{i}" for i in range(args.sites) if not (data / f"site-{i}").is_dir()]
+        missing += [name for name in ("public", "test") if not (data / name).is_dir()]
+        if missing:
+            raise SystemExit(f"--data must hold {missing} (docs/data.md), got {args.data}.")
+    model = args.model.resolve() if args.model else EMBEDDED_MODEL_DIR
     if args.tiny_random_model:
         model = work / "model"
         save_tiny_model("llava", model, seed=0)
@@ -94,6 +119,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path]:
             "DPMTV_CLIENT_ARTIFACTS_DIR": str(work / f"{site}-artifacts"),
             "DPMTV_CLIENT_TRUSTED_KEYS": str(work / "coordinator.pub"),
             "DPMTV_CLIENT_MIN_SITES": str(min(args.sites, 3)),
+            "DPMTV_CLIENT_NOISE_MODE": args.noise_mode,
             "DPMTV_SERVER_SIGNING_KEY": str(work / "coordinator.key"),
             "DPMTV_SERVER_LEDGER_PATH": str(work / "consortium-ledger.sqlite"),
             "DPMTV_SERVER_ARTIFACTS_DIR": str(work / "coordinator-artifacts"),
@@ -110,6 +136,15 @@ def public_clip_norm(work: Path, model: Path, shots: int) -> float:
     return float(activations.flatten(2).norm(dim=-1).median())
 
 
+def largest_site_chunks(args: argparse.Namespace) -> int:
+    """The most chunks any site cuts (a public count: it sizes the distributed grid)."""
+    data = args.workdir / "data"
+    return max(
+        planned_num_chunks(load_dataset(data / f"site-{i}"), args.shots, None)
+        for i in range(args.sites)
+    )
+
+
 def federated_release(args: argparse.Namespace, model: Path):
     run_config = {
         "task": args.task,
@@ -120,7 +155,10 @@ def federated_release(args: argparse.Namespace, model: Path):
         "num-selected-heads": args.heads,
         "expected-sites": args.sites,
         "min-sites": min(args.sites, 3),
+        "noise-mode": args.noise_mode,
     }
+    if args.noise_mode == "distributed":  # bounds every site's sum on SecAgg+'s grid
+        run_config["max-chunks-per-site"] = largest_site_chunks(args)
     noise = secure_noise()
     require_cryptographic(noise)
     # Every site is a real site service behind a real relay, in this process.
@@ -168,6 +206,8 @@ def main() -> int:
     print(f"[1/3] data, model and keys ready in {work} ({time.monotonic() - started:.1f} s)")
     if args.tiny_random_model:
         print("      model: a TINY RANDOM LLaVA: accuracies show the pipeline, not utility.")
+    elif args.model is not None:
+        print(f"      model: {model}; data: {args.data or 'synthetic shapes'};")
     else:
         print(f"      model: the embedded shapes VLM ({model}); task {args.task!r};")
     print(f"      clip norm C = {args.clip_norm:.3g} (median layer norm on public data)")
