@@ -153,16 +153,28 @@ def check_heads_in_model(loaded: LoadedModel, heads: HeadSet) -> None:
 
 
 def log_replaced_chunks(stage: str, failures: Counter[str], num_chunks: int) -> None:
-    """Warn in the local log how many chunks failed and contributed the public fallback."""
-    if failures:
-        kinds = ", ".join(f"{kind} x{count}" for kind, count in sorted(failures.items()))
-        _log.warning(
-            "%s: %d of %d chunks failed (%s); each contributes zeros and still counts in m",
-            stage,
-            sum(failures.values()),
-            num_chunks,
-            kinds,
-        )
+    """Warn in the local log how many chunks failed and contributed the public fallback.
+
+    When every chunk failed the cause is almost surely the setup (model, processor), not
+    the data: that is logged as an error for the admin, while the contribution itself
+    stays the public fallback, so the site's participation never depends on its records.
+    """
+    if not failures:
+        return
+    failed = sum(failures.values())
+    kinds = ", ".join(f"{kind} x{count}" for kind, count in sorted(failures.items()))
+    level = logging.ERROR if failed == num_chunks else logging.WARNING
+    _log.log(
+        level,
+        "%s: %d of %d chunks failed (%s); each contributes zeros and still counts in m%s",
+        stage,
+        failed,
+        num_chunks,
+        kinds,
+        "; every chunk failed: check the model and the data (dpmtv-site data check)"
+        if failed == num_chunks
+        else "",
+    )
 
 
 # ---------------------------------------------------------------- fixed-shape batches

@@ -253,3 +253,21 @@ def test_a_chunk_whose_image_is_gone_casts_zero_votes_and_still_counts(
     assert (votes.num_chunks, votes.num_replaced) == (3, 1)
     np.testing.assert_array_equal(votes.total, intact.total)
     assert "score: 1 of 3 chunks failed (FileNotFoundError x1)" in caplog.text
+
+
+@ONE_ARCH
+def test_every_chunk_failing_is_logged_as_an_error_but_still_counts(
+    loaded, chunks, tmp_path, caplog
+):
+    gone = [
+        dataclasses.replace(c, query=dataclasses.replace(c.query, image_path=tmp_path / "x.png"))
+        for c in chunks
+    ]
+
+    with caplog.at_level(logging.WARNING, logger="client.extraction"):
+        votes = chunk_head_votes(loaded, gone, top_r=2, progress=False)
+
+    assert (votes.num_chunks, votes.num_replaced) == (3, 3)
+    assert not votes.total.any()
+    assert [r.levelname for r in caplog.records] == ["ERROR"]
+    assert "every chunk failed" in caplog.text
