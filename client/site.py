@@ -130,6 +130,11 @@ class Site:
             raise ConfigError("the site needs --data (or DPMTV_CLIENT_DATA_PATH).")
         return load_dataset(self.settings.data_path)
 
+    def _listed_dataset(self) -> SiteDataset:
+        if self.settings.data_path is None:
+            raise ConfigError("the site needs --data (or DPMTV_CLIENT_DATA_PATH).")
+        return load_dataset(self.settings.data_path, check_images=False)
+
     def ledger(self) -> PrivacyLedger:
         """The site's own ledger (open it in a ``with`` block)."""
         return PrivacyLedger.open(self.settings.ledger_file, self.settings.budget)
@@ -231,7 +236,9 @@ class Site:
         self, record: ReleaseRecord, request: SecureSumRequest, seed: int
     ) -> list[np.ndarray]:
         plan = record.plan
-        dataset = self.dataset()
+        # Every record was decoded at the plan stage; one that broke since then must cost its
+        # chunk (zeros), never this site's place in the sum: list, do not re-check, images.
+        dataset = self._listed_dataset()
         chunk_plan = make_chunks(
             dataset, shots=plan.shots, seed=seed, max_chunks=plan.max_chunks_per_site
         )

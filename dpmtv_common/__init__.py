@@ -64,7 +64,7 @@ from dpmtv_common.privacy import (
     secure_noise,
     sum_clipped_contributions,
 )
-from dpmtv_common.rng import make_rng, secret_seed
+from dpmtv_common.rng import SEED_BITS, KeyStream, make_rng, secret_seed
 
 __all__ = [
     "ArtifactError",
@@ -86,6 +86,7 @@ __all__ = [
     "InsufficientSharesError",
     "Int64Array",
     "IntegrityError",
+    "KeyStream",
     "LayerHead",
     "LedgerEntry",
     "LedgerError",
@@ -103,6 +104,7 @@ __all__ = [
     "ReleaseEvent",
     "ReleaseState",
     "Reservation",
+    "SEED_BITS",
     "SecureNoise",
     "SigningKey",
     "TaskVectorArtifact",

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -81,10 +80,11 @@ def _load_image(path: Path) -> Image.Image:
     try:
         # A header can claim any size: PIL warns past MAX_IMAGE_PIXELS and raises past twice
         # that. Both are refusals here, never a warning that lets a huge decode go on.
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(path) as image:
-                return image.convert("RGB")
+        # read_rgb decodes every pixel and converts faithfully (16-bit scaled, palette
+        # looked up), the way the site's data is read; a bomb warning is raised, not printed.
+        from client.data import read_rgb
+
+        return read_rgb(path)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise DataError(
             f"image must have at most {Image.MAX_IMAGE_PIXELS} pixels, got {str(path)!r} ({exc})."

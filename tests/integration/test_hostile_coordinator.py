@@ -646,3 +646,25 @@ def test_a_site_sends_its_exact_clipped_sum_and_no_noise_of_its_own(
     # Assert: equal up to SecAgg+'s quantisation (3 sites x 2c/Q = 3 x 128 / 2^30 < 1e-6).
     assert result is not None
     np.testing.assert_allclose(result.arrays[0], expected, rtol=0, atol=1e-6)
+
+
+def test_a_record_that_breaks_after_the_plan_costs_its_chunk_not_the_site(
+    consortium: Consortium,
+) -> None:
+    # Arrange: every record decoded when site 0 accepted; then one of its images is truncated.
+    planned(consortium)
+    data = consortium.settings(0).data_path
+    assert data is not None
+    image = sorted((data / "images").glob("*.png"))[0]
+    original = image.read_bytes()
+    image.write_bytes(original[: len(original) // 3])
+    try:
+        # Act
+        result = consortium.secure_sum(extract_request())
+    finally:
+        image.write_bytes(original)
+    # Assert: all three sites are in the sum and m is the planned 3 x 5 (the broken record's
+    # chunk contributed zeros; which sites take part never depends on a record's content).
+    assert result is not None
+    assert result.num_sites == SITES
+    assert round(float(result.arrays[1][0])) == SITES * M_I
