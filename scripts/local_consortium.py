@@ -466,6 +466,7 @@ class Consortium:
         self.marker = uuid.uuid4().hex
         self.started = time.monotonic()
         self.processes: dict[str, Managed] = {}
+        self.retired: list[Managed] = []  # earlier processes of a reused name (e.g. flwr-run)
         self.port = free_port()
         self.cli_home = workdir / "flwr-cli"
         for folder in ("logs", "flwr-cli", "flwr-superlink"):
@@ -522,15 +523,20 @@ class Consortium:
             target=_pump, args=(managed, process.stdout, self.started), daemon=True
         )
         managed.reader.start()
+        if name in self.processes:  # keep it: close() still stops and reaps it
+            self.retired.append(self.processes[name])
         self.processes[name] = managed
         return managed
 
-    def wait_for_line(self, name: str, pattern: str, timeout: float) -> str:
-        """Wait until process ``name`` prints a line matching ``pattern``; return the line."""
+    def wait_for_line(self, name: str, pattern: str, timeout: float, *, skip: int = 0) -> str:
+        """Wait until process ``name`` prints a line matching ``pattern``; return the line.
+
+        ``skip`` ignores the first lines (``line_count`` before an event of interest).
+        """
         regex = re.compile(pattern)
         deadline = time.monotonic() + timeout
         managed = self.processes[name]
-        seen = 0
+        seen = skip
         while time.monotonic() < deadline:
             lines = list(managed.lines)
             for _, line in lines[seen:]:
@@ -545,6 +551,10 @@ class Consortium:
             f"{'is still running' if managed.running() else 'exited'}. Log: {managed.log}"
         )
 
+    def line_count(self, name: str) -> int:
+        """How many lines process ``name`` printed so far."""
+        return len(self.processes[name].lines)
+
     def kill(self, name: str) -> None:
         """SIGKILL the process group of ``name`` (a crash, not a shutdown)."""
         _signal_group(self.processes[name].process, signal.SIGKILL)
@@ -552,11 +562,12 @@ class Consortium:
 
     def close(self, grace: float = 10.0) -> None:
         """Stop every process group (SIGTERM, then SIGKILL), then sweep marked stragglers."""
-        for managed in self.processes.values():
+        everything = [*self.retired, *self.processes.values()]
+        for managed in everything:
             if managed.running():
                 _signal_group(managed.process, signal.SIGTERM)
         deadline = time.monotonic() + grace
-        for managed in self.processes.values():
+        for managed in everything:
             with contextlib.suppress(subprocess.TimeoutExpired):
                 managed.process.wait(timeout=max(0.1, deadline - time.monotonic()))
             _signal_group(managed.process, signal.SIGKILL)  # the group may outlive its leader
@@ -565,7 +576,7 @@ class Consortium:
         for pid in _marked_pids(self.marker):  # e.g. a child that started its own session
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.kill(pid, signal.SIGKILL)
-        for managed in self.processes.values():
+        for managed in everything:
             if managed.reader is not None:
                 managed.reader.join(timeout=5)
 
@@ -681,6 +692,17 @@ class Consortium:
         command = [str(BIN / "flwr"), "run", ".", FEDERATION, "--stream", "--run-config", str(path)]
         return self.start("flwr-run", command, self._env(self.cli_home))
 
+    def run_id(self, managed: Managed, timeout: float = 60.0) -> int:
+        """The run id ``flwr run`` printed."""
+        match = _RUN_ID.search(self.wait_for_line(managed.name, _RUN_ID.pattern, timeout))
+        if match is None:  # the pattern matched, so this cannot happen
+            raise RuntimeError(f"no run id in the output of {managed.name}")
+        return int(match.group(1))
+
+    def stop_run(self, run_id: int) -> subprocess.CompletedProcess[str]:
+        """``flwr stop RUN_ID``, as an operator would."""
+        return self.flwr("stop", str(run_id), FEDERATION)
+
     def run_status(self, run_id: int) -> str:
         """Flower's status of ``run_id`` (e.g. ``running``, ``finished:completed``)."""
         done = self.flwr("ls", FEDERATION, "--run-id", str(run_id), "--format", "json")
@@ -696,14 +718,22 @@ class Consortium:
         match = _RUN_ID.search(line)
         run_id = int(match.group(1)) if match else None
         status = "unknown"
-        while time.monotonic() - started < timeout:
-            if run_id is not None:
-                status = self.run_status(run_id)
-                if status.startswith("finished"):
+        # The stream ends with the run; `flwr ls` (a CLI process, ~1 s of CPU) is asked only
+        # every 15 s as a fallback, so waiting does not slow the release on shared cores.
+        checked = time.monotonic()
+        while managed.running() and time.monotonic() - started < timeout:
+            if run_id is not None and time.monotonic() - checked > 15:
+                checked = time.monotonic()
+                if self.run_status(run_id).startswith("finished"):
                     break
-            elif not managed.running():
+            time.sleep(0.2)
+        for _ in range(20):  # the status may lag the stream's end by a moment
+            if run_id is None:
                 break
-            time.sleep(2.0)
+            status = self.run_status(run_id)
+            if status.startswith("finished") or time.monotonic() - started > timeout:
+                break
+            time.sleep(0.5)
         if run_id is not None and not status.startswith("finished"):
             self.flwr("stop", str(run_id), FEDERATION)
         with contextlib.suppress(subprocess.TimeoutExpired):

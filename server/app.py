@@ -2,20 +2,22 @@
 
 ``flwr run`` starts it with the run config of ``[tool.flwr.app.config]`` (overridden by
 ``--run-config``); the coordinator's own secrets come from ``DPMTV_SERVER_*`` variables.
-One run makes one release, and leaves one summary line in ``flwr log``: what was released
-to which sites (by the names they registered with), or why not and what the consortium
-ledger then holds. Flower's grid is wrapped in :class:`server.prompt_grid.PromptGrid`
-(replies collected within ~0.1 s instead of 3 s; silent sites given up within seconds).
+One run makes one release, and leaves one summary line: what was released to which sites
+(by the names they registered with), or why not and what the consortium ledger then holds.
+The line goes to ``flwr log`` and to the coordinator's release journal, ``<ledger>.releases.log``
+beside the consortium ledger (``DPMTV_SERVER_LEDGER_PATH``): after ``flwr stop`` the SuperLink
+revokes the run's token at once, so the ServerApp's last words never reach ``flwr log``, and
+the journal is where the operator finds them.
+
+Flower's grid is wrapped in :class:`server.prompt_grid.PromptGrid` (replies collected within
+~0.1 s instead of 3 s; silent sites given up within seconds).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import signal
-import threading
-from collections.abc import Callable, Iterator
-from types import FrameType
+from datetime import UTC, datetime
+from pathlib import Path
 
 from flwr.app import Context
 from flwr.serverapp import Grid, ServerApp
@@ -28,7 +30,7 @@ from server.prompt_grid import PromptGrid, StragglerPolicy
 from server.secagg import install_secure_mask_prg
 from server.settings import CoordinatorSettings, RunConfig
 
-__all__ = ["app"]
+__all__ = ["app", "journal_path"]
 
 _log = logging.getLogger(__name__)
 
@@ -67,20 +69,45 @@ def main(grid: Grid, context: Context) -> None:
     require_cryptographic(noise)
     settings = CoordinatorSettings()
     prompt = PromptGrid(grid, stragglers=StragglerPolicy())
-    with _record_stop(run.release_id):
-        try:
-            report = run_coordinated_release(prompt, context, run, settings, noise)
-        except BaseException as exc:  # flwr stop arrives as SystemExit: record it, re-raise
-            _log.error(
-                "release %s FAILED (%s: %s); consortium ledger: %s; %s.",
-                run.release_id,
-                type(exc).__name__,
-                str(exc)[:300],
-                _ledger_state(settings, run.release_id),
-                _SITES_RESOLVE,
-            )
-            raise
-    _log.info(_summary(report))
+    try:
+        report = run_coordinated_release(prompt, context, run, settings, noise)
+    except BaseException as exc:  # flwr stop ends here too (a 401 or SystemExit): record it
+        line = (
+            f"release {run.release_id} {_failure(exc)}; consortium ledger: "
+            f"{_ledger_state(settings, run.release_id)}; {_SITES_RESOLVE}."
+        )
+        _log.error(line)
+        _journal(settings, line)
+        raise
+    line = _summary(report)
+    _log.info(line)
+    _journal(settings, line)
+
+
+def _failure(exc: BaseException) -> str:
+    """STOPPED when the SuperLink revoked the run (flwr stop, SuperLink restart), else FAILED."""
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    if status == 401 or isinstance(exc, SystemExit | KeyboardInterrupt):
+        return (
+            "STOPPED (the SuperLink ended the run: flwr stop, or the SuperLink restarted; "
+            f"{type(exc).__name__})"
+        )
+    return f"FAILED ({type(exc).__name__}: {str(exc)[:300]})"
+
+
+def journal_path(settings: CoordinatorSettings) -> Path:
+    """The coordinator's release journal: one line per release, beside the consortium ledger."""
+    return settings.ledger_path.with_name(settings.ledger_path.name + ".releases.log")
+
+
+def _journal(settings: CoordinatorSettings, line: str) -> None:
+    try:
+        path = journal_path(settings)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with path.open("a", encoding="utf-8") as journal:
+            journal.write(f"{datetime.now(UTC).isoformat(timespec='seconds')} {line}\n")
+    except OSError:  # the record is a courtesy: the ledger itself is already resolved
+        _log.exception("the release journal could not be written")
 
 
 def _summary(report: ReleaseReport) -> str:
@@ -98,6 +125,8 @@ def _summary(report: ReleaseReport) -> str:
 
 def _ledger_state(settings: CoordinatorSettings, release_id: str) -> str:
     """The consortium ledger's state of ``release_id`` (committed = counted, aborted = refunded)."""
+    if not settings.ledger_path.exists():
+        return "nothing reserved"  # opening would create an empty ledger
     try:
         with PrivacyLedger.open(settings.ledger_path, settings.budget) as ledger:
             states = {entry.release_id: entry.state for entry in ledger.releases()}
@@ -105,44 +134,3 @@ def _ledger_state(settings: CoordinatorSettings, release_id: str) -> str:
         return f"unreadable ({exc})"
     state = states.get(release_id)
     return "nothing reserved" if state is None else str(state.value)
-
-
-@contextlib.contextmanager
-def _record_stop(release_id: str) -> Iterator[None]:
-    """Log a line when Flower stops the run (``flwr stop``: SIGINT/SIGTERM), then let it stop.
-
-    Flower's own handler exits the process within 5 s; the line comes first, so the record
-    survives even if the coordinator's abort notice cannot reach the sites any more.
-    """
-    if threading.current_thread() is not threading.main_thread():
-        yield  # signal handlers can only be set from the main thread (embedded use)
-        return
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-
-    def on_stop(signum: int, frame: FrameType | None) -> None:
-        _log.warning(
-            "release %s STOPPED by %s (flwr stop or shutdown); the coordinator resolves its "
-            "ledger entry (refund if no noise was drawn, else counted); %s.",
-            release_id,
-            signal.Signals(signum).name,
-            _SITES_RESOLVE,
-        )
-        handler = previous[signal.Signals(signum)]
-        if callable(handler):
-            handler(signum, frame)
-        elif handler != signal.SIG_IGN:
-            raise KeyboardInterrupt  # the default action: stop, through the cleanup above
-
-    for sig in previous:
-        signal.signal(sig, on_stop)
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, _as_handler(handler))
-
-
-def _as_handler(handler: object) -> Callable[[int, FrameType | None], object] | int:
-    if callable(handler) or isinstance(handler, int):
-        return handler
-    return signal.SIG_DFL
