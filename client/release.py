@@ -26,7 +26,7 @@ import numpy as np
 from client.chunking import Chunk
 from client.extraction import extract_clipped_sum
 from client.models import LoadedModel
-from client.scoring import ScoreMethod, chunk_head_votes
+from client.scoring import ScoreMethod, check_answer_vocabulary, chunk_head_votes
 from dpmtv_common.aliases import Float64Array
 from dpmtv_common.artifact import (
     MANIFEST_FILE,
@@ -138,6 +138,8 @@ def check_release_inputs(
     if not sums.chunks:
         raise ConfigError("chunks must hold at least one chunk, got none.")
     _check_heads_fit(plan, loaded)
+    answers = [record.answer for chunk in sums.chunks for record in chunk.records]
+    check_answer_vocabulary(loaded, answers)
     _check_output(output, overwrite=overwrite)
     plan_calibration(plan)  # the accountant's answer is cached: run_release reuses it
 

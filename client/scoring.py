@@ -21,6 +21,7 @@ zero votes and still counts in m: the fixed public fallback, logged locally with
 from __future__ import annotations
 
 import functools
+import logging
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
@@ -44,12 +45,15 @@ from client.extraction import (
 from client.hooks import registered_pre_hooks
 from client.models import LoadedModel, Prompt
 from dpmtv_common.aliases import Float64Array
-from dpmtv_common.errors import ConfigError, ModelError
+from dpmtv_common.errors import ConfigError, DataError, ModelError
+
+_log = logging.getLogger(__name__)
 
 __all__ = [
     "HeadVotes",
     "ScoreMethod",
     "answer_token_ids",
+    "check_answer_vocabulary",
     "chunk_head_votes",
     "chunk_votes",
     "last_token_attribution",
@@ -99,6 +103,36 @@ def answer_token_ids(loaded: LoadedModel, answers: Sequence[str]) -> torch.Tenso
             raise ConfigError(f"answer must tokenize to at least one token, got {answer!r}.")
         ids.append(int(encoded[0]))
     return torch.tensor(ids)
+
+
+def check_answer_vocabulary(loaded: LoadedModel, answers: Sequence[str]) -> float:
+    """Refuse answers the model cannot read; return the share whose first token is unknown.
+
+    Head scores and votes read the probability of each query's first answer token. An answer
+    that tokenizes to the unknown token would make selection score p(<unk>) for every task:
+    all of them unknown is refused (nothing useful can be released), some is logged.
+
+    Raises:
+        DataError: Every answer's first token is the unknown token.
+    """
+    unknown_id = loaded.processor.tokenizer.unk_token_id
+    if unknown_id is None or not answers:
+        return 0.0
+    first = answer_token_ids(loaded, answers)
+    share = float((first == unknown_id).float().mean())
+    if share == 1.0:
+        raise DataError(
+            f"answers must be in the model's vocabulary, got all {len(answers)} answers starting "
+            "with the unknown token: head scores would measure p(<unk>). Check the labels against "
+            "the model with 'dpmtv-site data check DIR --model M'."
+        )
+    if share > 0:
+        _log.warning(
+            "%.0f%% of answers start with the unknown token: their chunks vote for p(<unk>) "
+            "('dpmtv-site data check' lists them)",
+            100 * share,
+        )
+    return share
 
 
 @contextmanager

@@ -36,6 +36,7 @@ from client.data import SiteDataset, load_dataset
 from client.models import LoadedModel, default_fingerprint_cache_dir, load_model
 from client.release import LocalSums
 from client.release_record import ReleaseRecord, ReleaseRecordStore, SiteReleaseState
+from client.scoring import check_answer_vocabulary
 from client.secagg import SecAggRanges
 from client.settings import SiteSettings
 from client.site_policy import (
@@ -152,6 +153,7 @@ class Site:
             shape=shape,
             data_unit=dataset.privacy_unit,
         )
+        check_answer_vocabulary(loaded, [record.answer for record in dataset.records])
         chunks = planned_num_chunks(dataset, plan.shots, plan.max_chunks_per_site)
         if chunks < 1:
             raise DataError(f"the site must hold at least one chunk of K+1={plan.shots + 1}.")

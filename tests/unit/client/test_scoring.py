@@ -271,3 +271,17 @@ def test_every_chunk_failing_is_logged_as_an_error_but_still_counts(
     assert not votes.total.any()
     assert [r.levelname for r in caplog.records] == ["ERROR"]
     assert "every chunk failed" in caplog.text
+
+
+def test_answers_the_model_cannot_read_are_refused_and_a_partial_share_is_reported():
+    # The embedded model has a word-level tokenizer: a foreign label is its <unk>.
+    from client.models import load_model
+    from client.models.embedded import EMBEDDED_MODEL_DIR
+    from client.scoring import check_answer_vocabulary
+    from dpmtv_common.errors import DataError
+
+    loaded = load_model(EMBEDDED_MODEL_DIR, device="cpu")
+    with pytest.raises(DataError, match="answers must be in the model's vocabulary"):
+        check_answer_vocabulary(loaded, ["pneumonia", "effusion"])
+    assert check_answer_vocabulary(loaded, ["pneumonia", "red"]) == pytest.approx(0.5)
+    assert check_answer_vocabulary(loaded, ["red", "blue"]) == 0.0
