@@ -64,6 +64,23 @@ def register(sub: Any) -> None:
     parser.add_argument("--budget-delta", type=open_unit_float, help="δ of the ledger")
     parser.add_argument("--min-sites", type=positive_int, help="fewest sites in a plan (>= 2)")
     parser.add_argument("--max-release-epsilon", type=positive_float, help="per-release ε cap")
+    parser.add_argument(
+        "--noise-mode",
+        choices=("central", "distributed"),
+        help="the trust mode this site takes part in (default central); plans of the other "
+        "mode are refused",
+    )
+    parser.add_argument(
+        "--min-honest",
+        type=positive_int,
+        help="distributed mode: the fewest honest sites this site assumes in a sum (default 2; "
+        "1 = its own noise share alone protects it)",
+    )
+    parser.add_argument(
+        "--idle-release-seconds",
+        type=positive_float,
+        help="resolve a release with no message for this long (default 3600)",
+    )
     parser.add_argument("--threads", type=positive_int, help="torch threads (default: cores)")
     parser.set_defaults(handler=run_serve)
     status = sub.add_parser("service-status", help="ask a running site service whether it is up")
