@@ -256,6 +256,7 @@ class SiteFiles:
     artifacts_dir: Path
     trusted_keys: Path
     min_sites: int = 2
+    noise_mode: str = "central"
 
     @property
     def socket_path(self) -> Path:
@@ -279,6 +280,7 @@ class SiteFiles:
             "--socket", str(self.socket_path),
             "--socket-mode", "600",
             "--min-sites", str(self.min_sites),
+            "--noise-mode", self.noise_mode,
             "--device", "cpu",
             "--threads", "1",
         ]  # fmt: skip
@@ -315,20 +317,37 @@ class ConsortiumFiles:
 
 
 def prepare_consortium(
-    root: Path, *, sites: int = 3, per_site: int = 30, task: str = "colour", seed: int = 0
+    root: Path,
+    *,
+    sites: int = 3,
+    per_site: int = 30,
+    task: str = "colour",
+    seed: int = 0,
+    model: Path | None = None,
+    data: Path | None = None,
+    noise_mode: str = "central",
 ) -> ConsortiumFiles:
-    """Write site data, a tiny random LLaVA model and the coordinator's signing key."""
+    """Write site data, a tiny random LLaVA model and the coordinator's signing key.
+
+    ``model`` and ``data`` (a folder holding ``site-0`` ... ``site-{sites-1}``, docs/data.md)
+    use your own model and per-site datasets instead; ``noise_mode`` is every site's own mode.
+    """
     from client.models import save_tiny_model  # torch: imported only when files are made
     from client.synthetic import write_task_datasets
     from dpmtv_common.crypto import SigningKey
     from dpmtv_common.fingerprint import fingerprint_model_dir
 
-    data = root / "data"
-    write_task_datasets(
-        data, task=task, sites=sites, per_site=per_site, public=0, test=0, seed=seed
-    )
-    model = root / "model"
-    save_tiny_model("llava", model, seed=seed)
+    if data is None:
+        data = root / "data"
+        write_task_datasets(
+            data, task=task, sites=sites, per_site=per_site, public=0, test=0, seed=seed
+        )
+    missing = [f"site-{i}" for i in range(sites) if not (data / f"site-{i}").is_dir()]
+    if missing:
+        raise SystemExit(f"--data must hold {missing} (docs/data.md), got {data}.")
+    if model is None:
+        model = root / "model"
+        save_tiny_model("llava", model, seed=seed)
     (root / "coordinator").mkdir(parents=True, exist_ok=True)
     key = SigningKey.generate()
     key.save(root / "coordinator" / "signing.key")
@@ -341,6 +360,7 @@ def prepare_consortium(
             ledger_path=root / f"site-{i}" / "ledger.sqlite",
             artifacts_dir=root / f"site-{i}" / "artifacts",
             trusted_keys=root / "coordinator" / "signing.pub",
+            noise_mode=noise_mode,
         )
         for i in range(sites)
     )
@@ -779,17 +799,28 @@ def stage_timings(log: str) -> dict[str, float]:
 
 def _run(args: argparse.Namespace) -> int:
     workdir: Path = args.workdir.resolve()
-    files = prepare_consortium(workdir, sites=args.sites, per_site=args.per_site, task=args.task)
+    files = prepare_consortium(
+        workdir,
+        sites=args.sites,
+        per_site=args.per_site,
+        task=args.task,
+        model=args.model.resolve() if args.model else None,
+        data=args.data.resolve() if args.data else None,
+        noise_mode=args.noise_mode,
+    )
     creds = make_credentials(workdir / "credentials", [site.name for site in files.sites])
     run_config: dict[str, object] = {
         "task": args.task,
         "model-fingerprint": files.fingerprint,
         "expected-sites": args.sites,
         "min-sites": min(2, args.sites),
+        "noise-mode": args.noise_mode,
     }
     for item in args.run_config.split():
         key, _, value = item.partition("=")
         run_config[key] = _parse_value(value)
+    if args.noise_mode == "distributed" and "max-chunks-per-site" not in run_config:
+        run_config["max-chunks-per-site"] = _largest_site_chunks(files, run_config)
     with Consortium(workdir, creds, coordinator_env=files.coordinator_env()) as consortium:
         consortium.start_superlink()
         for site in files.sites:
@@ -802,6 +833,18 @@ def _run(args: argparse.Namespace) -> int:
     print(f"run {result.run_id}: {result.status} after {result.seconds:.1f} s ({stages})")
     print(f"logs: {workdir / 'logs'}; artifacts: {files.sites[0].artifacts_dir.parent.parent}")
     return 0 if result.completed else 1
+
+
+def _largest_site_chunks(files: ConsortiumFiles, run_config: Mapping[str, object]) -> int:
+    """The most chunks a site cuts (a public count; it sizes the distributed SecAgg+ grid)."""
+    from client.chunking import planned_num_chunks
+    from client.data import load_dataset
+
+    shots = int(str(run_config.get("shots", 4)))
+    return max(
+        planned_num_chunks(load_dataset(site.data_path, check_images=False), shots, None)
+        for site in files.sites
+    )
 
 
 def _parse_value(text: str) -> object:
@@ -832,6 +875,9 @@ def _parser() -> argparse.ArgumentParser:
         command.add_argument("--sites", type=int, default=3)
         command.add_argument("--per-site", type=int, default=30)
         command.add_argument("--task", default="colour")
+        command.add_argument("--model", type=Path, help="your own model (default: tiny random)")
+        command.add_argument("--data", type=Path, help="your folder of site-0 ... site-{N-1}")
+        command.add_argument("--noise-mode", choices=("central", "distributed"), default="central")
     return parser
 
 
@@ -845,7 +891,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "prepare":
         root = args.root.resolve()
-        files = prepare_consortium(root, sites=args.sites, per_site=args.per_site, task=args.task)
+        files = prepare_consortium(
+            root,
+            sites=args.sites,
+            per_site=args.per_site,
+            task=args.task,
+            model=args.model.resolve() if args.model else None,
+            data=args.data.resolve() if args.data else None,
+            noise_mode=args.noise_mode,
+        )
         print(f"wrote data, model and coordinator key under {root}")
         print(f"model-fingerprint = {files.fingerprint}")
         return 0

@@ -112,8 +112,8 @@ def _journal(settings: CoordinatorSettings, line: str) -> None:
 
 def _summary(report: ReleaseReport) -> str:
     outcome = report.outcome
-    bound = outcome.calibration.bound if outcome.calibration is not None else None
-    epsilon = f"{bound.epsilon:.4g} {bound.accountant}" if bound is not None else "n/a"
+    bound = outcome.bound  # central: the calibration's; distributed: at t honest shares
+    epsilon = f"{bound.epsilon:.4g} {bound.accountant}, {report.plan.noise_mode.value}"
     return (
         f"release {report.plan.release_id} COMMITTED: {len(outcome.heads)} heads "
         f"(m={outcome.num_chunks} chunks, sigma={outcome.noise_std:.4g}, epsilon={epsilon})"
