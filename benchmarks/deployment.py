@@ -74,6 +74,8 @@ class Measured:
     process_start: list[float] = field(default_factory=list)
     handling: list[float] = field(default_factory=list)
     messages_per_site: int = 0
+    chunks: int | None = None
+    given_up: int = 0
 
     @property
     def round_trip(self) -> float:
@@ -112,6 +114,9 @@ def analyse(label: str, workdir: Path, sites: int, status: str, seconds: float) 
     logs = workdir / "logs"
     run_log = (logs / "flwr-run.log").read_text(encoding="utf-8")
     measured = Measured(label, sites, status, seconds, stage_timings(run_log))
+    chunks = re.search(r"m=(\d+) chunks", run_log)
+    measured.chunks = int(chunks.group(1)) if chunks else None
+    measured.given_up = len(re.findall(r"gave up on ", run_log))
     for index in range(sites):
         pickup, start, handling = site_hops(logs / f"site-{index}.log")
         measured.pickup += pickup
@@ -158,6 +163,8 @@ def table(rows: list[Measured]) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
 
     add("status", [r.status for r in rows])
+    add("chunks released (m)", [str(r.chunks) for r in rows])
+    add("sites given up as silent", [str(r.given_up) for r in rows])
     for stage in stages:
         add(f"ServerApp: {stage} (s)", [f"{r.stages.get(stage, float('nan')):.1f}" for r in rows])
     add("**ServerApp total (s)**", [f"**{sum(r.stages.values()):.1f}**" for r in rows])
