@@ -19,6 +19,8 @@ Usage (from the repository root; about 2-3 minutes per consortium size on 2 core
     .venv/bin/python -m benchmarks.deployment [--sites 3 --sites 10] \
         [--compare "before (e1d4c23)=/tmp/old-workdir"] [--output docs/benchmarks/deployment.md]
 
+``--output`` replaces the table between the ``<!-- deployment table -->`` markers of an
+existing page (docs/benchmarks/deployment.md keeps its text), or writes a new file.
 ``--compare LABEL=WORKDIR[:SITES[:RUN_SECONDS]]`` adds the table of an earlier
 ``local_consortium.py run`` workdir (e.g. one made from an older commit) for a before/after
 comparison.
@@ -177,6 +179,20 @@ def table(rows: list[Measured]) -> str:
     return "\n".join(lines)
 
 
+_BEGIN, _END = "<!-- deployment table -->", "<!-- /deployment table -->"
+
+
+def write_report(path: Path, report: str) -> None:
+    """Replace the table between the markers of an existing page, or write a new file."""
+    text = path.read_text(encoding="utf-8") if path.exists() else ""
+    if _BEGIN in text and _END in text:
+        head, rest = text.split(_BEGIN, 1)
+        text = f"{head}{_BEGIN}\n{report}{_END}{rest.split(_END, 1)[1]}"
+    else:
+        text = report
+    path.write_text(text, encoding="utf-8")
+
+
 def _environment() -> str:
     load = os.getloadavg()
     return (
@@ -209,7 +225,7 @@ def main(argv: list[str] | None = None) -> int:
     report = f"{table(rows)}\n\n{_environment()}\n"
     print(report)
     if args.output is not None:
-        args.output.write_text(report, encoding="utf-8")
+        write_report(args.output, report)
     return 0 if all(r.status == "finished:completed" for r in rows) else 1
 
 
