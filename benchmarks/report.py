@@ -129,6 +129,10 @@ def _audit_section(audit: dict) -> list[str]:
         f"distance {audit['distance']:.4g} vs bound 2C*sqrt(L) = {audit['sensitivity']:.4g} "
         f"(strength {audit['distance'] / audit['sensitivity']:.2f}).",
         "",
+        f"The release claims eps = {audit['reports'][0]['epsilon_claimed']:.3g} for its "
+        "Gaussian part (the configuration's total eps = 1 also pays for private selection, "
+        "which the audit does not cover).",
+        "",
         "| noise | runs a side | mu claimed | mu of this canary | mu_hat | 95 % CI | "
         "eps claimed (Gaussian part) | eps lower bound (GDP) | eps lower bound (Clopper-Pearson) |",
         "|---|---:|---:|---:|---:|---|---:|---:|---:|",
@@ -172,9 +176,23 @@ def main() -> int:
         "patch collapsed the model to one answer (compare with the majority-class rate). "
         "*Oracle recall*: share of the oracle heads that private selection found.",
         "",
+        "Every DP row runs the single-holder path (`client.release.LocalSums` and "
+        "`protocol.run_release`, the code a federated release also runs after its secure sum) "
+        "on 1000 pooled examples, m = 200 chunks of K = 4 + 1; the federated path itself "
+        "(SecAgg+ sums, timings) is measured by `benchmarks/secure_sum.py` "
+        "([secure_sum.md](benchmarks/secure_sum.md)), not here.",
+        "",
         "## Models",
         "",
         *_models_section(utility),
+        "",
+        "Both are trained by the committed script with the command shown (seeded, "
+        "`torch.use_deterministic_algorithms`, one thread: bit-identical on one machine); the "
+        "script writes `training.json` itself (command, seed, settings, library versions, "
+        "held-out scores at every 100 steps) and `scores.json` (per task, on test scenes). "
+        "`tests/integration/test_embedded_model.py` checks that record against the script's "
+        "usage lines and retrains the small model's schedule up to step 200 to compare with "
+        "its documented checkpoint.",
         "",
         "## Headline: eps = 1, delta = 1e-5, private selection",
         "",
@@ -199,6 +217,11 @@ def main() -> int:
             "",
         ]
     lines += ["## Latency per query (batch 1, 3 new tokens, median of 20)", ""]
+    lines += [
+        "Measured while other jobs shared the 2 cores: compare modes within one row, not "
+        "rows with each other.",
+        "",
+    ]
     lines += ["| model | zero-shot (s) | patched (s) | K-shot ICL (s) |", "|---|---:|---:|---:|"]
     for size, result in utility.items():
         values = list(result["latency"].values())

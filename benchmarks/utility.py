@@ -203,7 +203,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=None)
     args = parser.parse_args()
     args.heads = args.heads or {"small": 4, "deep": 8}[args.size]
-    args.epsilons = [0.5, 1.0, 2.0, 4.0, 8.0]
+    args.epsilons = [0.1, 0.25, 0.5, 1.0, 2.0, 8.0]
     args.c_factors = [0.5, 2.0]
     args.tasks = list(TASKS)
     if args.quick:
