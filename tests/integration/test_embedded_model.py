@@ -8,6 +8,7 @@ import re
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -33,8 +34,9 @@ SHORT_ACCURACY_TOLERANCE = 0.2
 SHORT_LOSS_TOLERANCE = 0.3
 
 
-def _training(size: str) -> dict:
-    return json.loads((EMBEDDED_MODEL_DIRS[size] / "training.json").read_text())
+def _training(size: str) -> dict[str, Any]:
+    record: dict[str, Any] = json.loads((EMBEDDED_MODEL_DIRS[size] / "training.json").read_text())
+    return record
 
 
 @pytest.mark.slow
