@@ -28,7 +28,9 @@ TOLERANCE = 0.05
 # The short retraining compares the held-out 4-shot accuracy (64 queries) and the loss at one
 # logged step. On one machine the run is bit-identical (deterministic algorithms, one thread);
 # on another CPU, rounding differs and the trajectory drifts. A different SEED is a far larger
-# perturbation than rounding; these bounds hold for it.
+# perturbation than rounding, and stays well inside these bounds: at step 200, seeds 1 and 2
+# gave 4-shot 0.906 / 0.938 and loss 0.328 / 0.246 against seed 0's documented 0.906 / 0.258
+# (measured 2026-12-01, `--seed N --stop-after 200`).
 SHORT_STEPS = 200
 SHORT_ACCURACY_TOLERANCE = 0.2
 SHORT_LOSS_TOLERANCE = 0.3
