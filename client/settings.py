@@ -64,8 +64,10 @@ class SiteSettings(BaseSettings):
         secagg_min_threshold_fraction: SecAgg+ reconstruction thresholds must exceed this
             fraction of the neighbourhood, so a minority of colluding neighbours cannot rebuild
             this site's mask secrets.
-        idle_release_seconds: A release with no message for this long is resolved by the
-            service on its own record (nothing sent: refund; anything sent: counted).
+        idle_release_seconds: A release whose run sent no message for this long is resolved
+            by the service on its own record (nothing sent: refund; anything sent: counted).
+            Keep it above the coordinator's stage timeout (default 600 s): a site that sent its
+            masked vector waits silently while the slowest site extracts.
         device: ``cpu``, ``cuda``...; default CUDA when available.
         dtype: ``float32``, ``bfloat16``...; default bf16 on GPU, float32 on CPU.
         batch_size: Prompts per forward pass.
@@ -98,7 +100,7 @@ class SiteSettings(BaseSettings):
     noise_mode: Literal["central", "distributed"] = "central"
     min_honest: int = Field(default=2, ge=1)
     secagg_min_threshold_fraction: float = Field(default=0.5, ge=0.5, lt=1)
-    idle_release_seconds: float = Field(default=3600.0, gt=0)
+    idle_release_seconds: float = Field(default=900.0, gt=0)
     device: str | None = None
     dtype: str | None = None
     batch_size: int = Field(default=4, ge=1)

@@ -45,7 +45,7 @@ from client.site_policy import (
     check_plan,
     check_reference,
     check_secure_sum,
-    distributed_release,
+    distributed_grid,
 )
 from dpmtv_common.aliases import Float64Array
 from dpmtv_common.artifact import (
@@ -58,15 +58,13 @@ from dpmtv_common.artifact import (
 from dpmtv_common.crypto import TrustedKeys
 from dpmtv_common.errors import ConfigError, DataError, LedgerError
 from dpmtv_common.heads import HeadSet
-from dpmtv_common.privacy.distributed import DistributedNoise, encode_site_share
+from dpmtv_common.privacy.distributed import encode_site_share
 from dpmtv_common.privacy.ledger import PrivacyLedger, ReleaseState
 from dpmtv_common.privacy.noise import require_cryptographic, secure_noise
 from dpmtv_common.rng import secret_seed
 from protocol import (
     AbortNotice,
-    NoiseMode,
     PlanAccept,
-    PlanMismatchError,
     ReleaseAck,
     ReleasePlan,
     ReleaseRequest,
@@ -104,11 +102,20 @@ class Site:
         seeds: Secret chunk seed of each open release (memory only: a restarted service
             cannot contribute to a release it accepted before, and resolves it instead).
         references: The noisy all-head vector of each open release-first release.
+        last_seen: When a message of each run last arrived (idle releases are resolved).
     """
 
     settings: SiteSettings
     seeds: dict[str, int] = field(default_factory=dict)
     references: dict[str, Float64Array] = field(default_factory=dict)
+    last_seen: dict[int, float] = field(default_factory=dict)
+
+    def touch(self, run_id: int) -> None:
+        """Note a message of ``run_id`` now: its releases are not idle.
+
+        SecAgg+ stages name no release, so activity is tracked per run.
+        """
+        self.last_seen[run_id] = time.time()
 
     @property
     def records(self) -> ReleaseRecordStore:
@@ -195,7 +202,7 @@ class Site:
         """
         record = self._open_record(request.release_id, run_id, "secure sum")
         check_secure_sum(record, request)
-        grid = self._distributed_grid(record, request, ranges)
+        grid = distributed_grid(record, request, ranges)
         seed = self.seeds.get(record.release_id)
         if seed is None:
             raise StageOrderError(
@@ -210,29 +217,6 @@ class Site:
             arrays[0] = encode_site_share(arrays[0], params=grid, noise=noise)
         self._mark_sent(record, request)
         return arrays
-
-    def _distributed_grid(
-        self, record: ReleaseRecord, request: SecureSumRequest, ranges: SecAggRanges | None
-    ) -> DistributedNoise | None:
-        plan = record.plan
-        if plan.noise_mode is not NoiseMode.DISTRIBUTED:
-            return None
-        release = distributed_release(plan, (record.num_layers, record.num_heads, record.head_dim))
-        if request.stage == "select":
-            grid = release.votes()
-        else:
-            heads = HeadSet(request.heads) if request.heads is not None else self._all_heads()
-            grid = release.activations(heads)
-        if grid is None:  # a select sum without private selection: check_secure_sum refuses
-            raise StageOrderError("this plan has no vote sum.")
-        expected = (grid.clipping_range, grid.quantization_range, grid.modulus_range)
-        got = None if ranges is None else tuple(vars(ranges).values())
-        if got != expected:
-            raise PlanMismatchError(
-                f"SecAgg+ ranges (c, Q, M) of a distributed sum must be the plan's {expected}, "
-                f"got {got}."
-            )
-        return grid
 
     def _compute(
         self, record: ReleaseRecord, request: SecureSumRequest, seed: int
@@ -339,7 +323,8 @@ class Site:
         moment = time.time() if now is None else now
         resolved = []
         for record in self.records.open_records():
-            idle = moment - datetime.fromisoformat(record.updated).timestamp()
+            changed = datetime.fromisoformat(record.updated).timestamp()
+            idle = moment - max(changed, self.last_seen.get(record.run_id, 0.0))
             orphan = record.release_id not in self.seeds
             if everything or orphan or idle > limit:
                 why = "service stopped" if everything else "no message from the coordinator"

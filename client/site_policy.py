@@ -23,12 +23,13 @@ import math
 import numpy as np
 
 from client.release_record import ReleaseRecord
+from client.secagg import SecAggRanges
 from client.settings import SiteSettings
 from dpmtv_common.aliases import Float64Array, LayerHead
 from dpmtv_common.artifact import TaskVectorArtifact
 from dpmtv_common.errors import ConfigError, ModelMismatchError, PolicyError
 from dpmtv_common.heads import HeadSet
-from dpmtv_common.privacy.distributed import check_min_honest
+from dpmtv_common.privacy.distributed import DistributedNoise, check_min_honest
 from protocol import (
     DistributedRelease,
     NoiseMode,
@@ -48,6 +49,7 @@ __all__ = [
     "check_plan",
     "check_reference",
     "check_secure_sum",
+    "distributed_grid",
     "distributed_release",
     "gaussian_scope",
     "secure_sum_stages",
@@ -96,6 +98,40 @@ def _check_distributed(plan: ReleasePlan, settings: SiteSettings, shape: ModelSh
     release = distributed_release(plan, shape)
     release.activations(_all_heads(shape))
     release.votes()
+
+
+def distributed_grid(
+    record: ReleaseRecord, request: SecureSumRequest, ranges: SecAggRanges | None
+) -> DistributedNoise | None:
+    """The grid of a distributed plan's secure sum, checked against the SecAgg+ setup.
+
+    None in central mode. The site recomputes the grid from the plan and its model shape;
+    other SecAgg+ ranges would change the quantisation its noise share was sized for.
+
+    Raises:
+        PlanMismatchError: The coordinator set up other SecAgg+ ranges (c, Q, M).
+        StageOrderError: A vote sum in a plan without one.
+    """
+    plan = record.plan
+    if plan.noise_mode is not NoiseMode.DISTRIBUTED:
+        return None
+    shape = (record.num_layers, record.num_heads, record.head_dim)
+    release = distributed_release(plan, shape)
+    if request.stage == "select":
+        grid = release.votes()
+    else:
+        heads = HeadSet(request.heads) if request.heads is not None else _all_heads(shape)
+        grid = release.activations(heads)
+    if grid is None:  # a select sum without private selection: check_secure_sum refuses
+        raise StageOrderError("this plan has no vote sum.")
+    expected = (grid.clipping_range, grid.quantization_range, grid.modulus_range)
+    got = None if ranges is None else tuple(vars(ranges).values())
+    if got != expected:
+        raise PlanMismatchError(
+            f"SecAgg+ ranges (c, Q, M) of a distributed sum must be the plan's {expected}, "
+            f"got {got}."
+        )
+    return grid
 
 
 def distributed_release(plan: ReleasePlan, shape: ModelShape) -> DistributedRelease:

@@ -44,6 +44,7 @@ from protocol import (
 )
 from server.federated_sums import FederatedSums
 from server.messaging import Exchange
+from server.prompt_grid import site_label
 from server.settings import CoordinatorSettings, RunConfig
 
 __all__ = ["Coordinator", "ReleaseReport", "build_plan"]
@@ -112,6 +113,7 @@ class Coordinator:
     exposed: bool = False
     seconds: dict[str, float] = field(default_factory=dict)
     model_dtype: str | None = None
+    sums: FederatedSums | None = None
 
     def wait_for_sites(self) -> list[int]:
         """Poll until ``expected-sites`` nodes are connected, or the timeout; then go on."""
@@ -134,7 +136,9 @@ class Coordinator:
         )
         self.accepted = {n: a for n, a in replies.answers.items() if isinstance(a, PlanAccept)}
         for node, reason in replies.failures.items():
-            _log.warning("site %s refused or failed the plan: %s", node, reason)
+            _log.warning(
+                "site %s refused or failed the plan: %s", site_label(self.grid, node), reason
+            )
         shapes = {(a.num_layers, a.num_heads, a.head_dim) for a in self.accepted.values()}
         if len(shapes) > 1:
             raise ConfigError(f"sites must share one model shape, got {sorted(shapes)}.")
@@ -166,6 +170,7 @@ class Coordinator:
             ledger.mark_exposed(plan.release_id)
             self.exposed = True
 
+        self.sums = sums  # its sites narrow with every secure sum: who is still answering
         return run_release(
             plan,
             sums=sums,
@@ -193,7 +198,7 @@ class Coordinator:
             signature=(path / SIGNATURE_FILE).read_bytes(),
         )
         replies = self._exchange().broadcast(
-            "release", request, self.accepted, ReleaseAck, f"{plan.release_id}-release"
+            "release", request, self._survivors(), ReleaseAck, f"{plan.release_id}-release"
         )
         for node, reason in replies.failures.items():
             _log.warning("site %s did not store the artifact: %s", node, reason)
@@ -208,6 +213,12 @@ class Coordinator:
         self._exchange().broadcast(
             "abort", notice, self.accepted, AbortNotice, f"{plan.release_id}-abort"
         )
+
+    def _survivors(self) -> list[int]:
+        # Sites lost in a secure sum are not waited for again: they resolve their own
+        # reservations (nothing sent: refund) and can fetch the artifact from a peer.
+        alive = self.sums.sites if self.sums is not None else self.accepted
+        return [node for node in self.accepted if node in alive]
 
     def _exchange(self) -> Exchange:
         return Exchange(self.grid, self.run.stage_timeout)

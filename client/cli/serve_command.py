@@ -79,7 +79,8 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--idle-release-seconds",
         type=positive_float,
-        help="resolve a release with no message for this long (default 3600)",
+        help="resolve a release whose run sent no message for this long (default 900; keep it "
+        "above the coordinator's stage timeout)",
     )
     parser.add_argument("--threads", type=positive_int, help="torch threads (default: cores)")
     parser.set_defaults(handler=run_serve)

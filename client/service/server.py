@@ -75,11 +75,14 @@ class SiteService:
         """Run the site's handlers on one message with the service's own context."""
         with self._lock:
             context = self._context_for(message)
+            self.site.touch(message.metadata.run_id)
             try:
                 return self._app(message, context)
             except Exception as exc:  # failures become data; the text stays in the log
                 _log.warning("%s failed: %s", message.metadata.message_type, exc)
                 return error_message(message, exc)
+            finally:
+                self.site.touch(message.metadata.run_id)
 
     def handle_bytes(self, payload: bytes) -> bytes:
         """One serialised request ``Message`` in, one serialised reply out."""

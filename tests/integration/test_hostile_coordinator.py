@@ -668,3 +668,18 @@ def test_a_record_that_breaks_after_the_plan_costs_its_chunk_not_the_site(
     assert result is not None
     assert result.num_sites == SITES
     assert round(float(result.arrays[1][0])) == SITES * M_I
+
+
+def test_a_release_is_idle_only_when_its_run_sends_nothing(consortium: Consortium) -> None:
+    # Arrange: r1's record last changed long ago (e.g. waiting for the slowest site's sum).
+    planned(consortium)
+    site = consortium.services[0].site
+    record = site.records.require("r1")
+    site.records.save(record.model_copy(update={"updated": "2000-01-01T00:00:00+00:00"}))
+    # Act / Assert: a message of its run a moment ago keeps it open...
+    site.touch(record.run_id)
+    assert site.sweep() == []
+    # ...and without any message since its last change, the site resolves it by itself.
+    site.last_seen.clear()
+    assert site.sweep() == ["r1"]
+    assert consortium.ledger_state(0, "r1") is ReleaseState.ABORTED
