@@ -317,75 +317,54 @@ def _distributed_outcome(
 def release_description(
     plan: ReleasePlan, outcome: ReleaseOutcome, *, model_dtype: str | None = None
 ) -> ReleaseDescription:
-    """The manifest fields of a finished release: plan, privacy spent, m, K, C, σ, layout."""
-    description = _description(plan, outcome)
-    return description.model_copy(update={"model_dtype": model_dtype})
+    """The manifest fields of a finished release: plan, privacy spent, m, K, C, σ, layout.
 
-
-def _description(plan: ReleasePlan, outcome: ReleaseOutcome) -> ReleaseDescription:
+    Every manifest states its noise mode; a distributed one also t, the grid (γ, Δ̃), the
+    share's noise multiplier, the survivors and ε if every survivor is honest.
+    """
+    parameters = {
+        **plan_release_event(plan).to_dict(),
+        "noise_mode": plan.noise_mode.value,
+        "neighbouring": plan.neighbouring.value,
+        "privacy_unit": plan.privacy_unit.value,
+        "num_layers_in_scope": outcome.gaussian_heads.num_layers_in_scope,
+        "gaussian_heads": len(outcome.gaussian_heads),
+        "signal_to_noise": outcome.signal_to_noise,
+    }
     if outcome.distributed is not None:
-        return _distributed_description(plan, outcome, outcome.distributed)
-    calibration = outcome.calibration
-    if calibration is None:
-        raise ConfigError("a central release outcome must carry its calibration, got None.")
+        parameters |= _distributed_parameters(plan, outcome, outcome.distributed)
+    bound = outcome.bound
     return ReleaseDescription(
         protocol_version=PROTOCOL_VERSION,
         release_id=plan.release_id,
         model_fingerprint=plan.model_fingerprint,
         task=plan.task,
         plan=plan.model_dump(mode="json"),
-        epsilon=calibration.bound.epsilon,
+        epsilon=bound.epsilon,
         delta=plan.delta,
-        accountant=calibration.bound.accountant,
-        accountant_parameters={
-            **calibration.event.to_dict(),
-            "neighbouring": plan.neighbouring.value,
-            "privacy_unit": plan.privacy_unit.value,
-            "num_layers_in_scope": outcome.gaussian_heads.num_layers_in_scope,
-            "gaussian_heads": len(outcome.gaussian_heads),
-            "signal_to_noise": outcome.signal_to_noise,
-        },
+        accountant=bound.accountant,
+        accountant_parameters=parameters,
         num_chunks=outcome.num_chunks,
         shots=plan.shots,
         clip_norm=plan.clip_norm,
         noise_std=outcome.noise_std,
+        model_dtype=model_dtype,
     )
 
 
-def _distributed_description(
+def _distributed_parameters(
     plan: ReleasePlan, outcome: ReleaseOutcome, details: DistributedOutcome
-) -> ReleaseDescription:
+) -> dict[str, object]:
     activations = details.release.activations(outcome.gaussian_heads)
-    return ReleaseDescription(
-        protocol_version=PROTOCOL_VERSION,
-        release_id=plan.release_id,
-        model_fingerprint=plan.model_fingerprint,
-        task=plan.task,
-        plan=plan.model_dump(mode="json"),
-        epsilon=details.bound.epsilon,
-        delta=plan.delta,
-        accountant=details.bound.accountant,
-        accountant_parameters={
-            **plan_distributed_event(plan).to_dict(),
-            "noise_mode": plan.noise_mode.value,
-            "min_honest": plan.min_honest,
-            "mechanism": "distributed discrete Gaussian (KLS21), shares sized for min_honest",
-            "scale": activations.scale,
-            "grid_l2_sensitivity": activations.grid_l2_sensitivity,
-            "share_noise_multiplier": activations.noise_multiplier,
-            "survivors": details.survivors,
-            "epsilon_if_all_survivors_honest": details.bound_if_all_honest.epsilon,
-            "neighbouring": plan.neighbouring.value,
-            "privacy_unit": plan.privacy_unit.value,
-            "num_layers_in_scope": outcome.gaussian_heads.num_layers_in_scope,
-            "gaussian_heads": len(outcome.gaussian_heads),
-            "signal_to_noise": outcome.signal_to_noise,
-        },
-        num_chunks=outcome.num_chunks,
-        shots=plan.shots,
-        clip_norm=plan.clip_norm,
-        noise_std=outcome.noise_std,
-    )
+    return {
+        "min_honest": plan.min_honest,
+        "mechanism": "distributed discrete Gaussian (KLS21), shares sized for min_honest",
+        "scale": activations.scale,
+        "grid_l2_sensitivity": activations.grid_l2_sensitivity,
+        "share_noise_multiplier": activations.noise_multiplier,
+        "survivors": details.survivors,
+        "epsilon_if_all_survivors_honest": details.bound_if_all_honest.epsilon,
+    }
 
 
 def plan_release_event(plan: ReleasePlan) -> ReleaseEvent:
