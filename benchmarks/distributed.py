@@ -2,7 +2,7 @@
 
 Usage (writes docs/benchmarks/distributed.md; a few minutes on 2 cores):
 
-    .venv/bin/python benchmarks/distributed.py [--task colour] [--draws 5]
+    .venv/bin/python benchmarks/distributed.py [--task colour] [--draws 20]
 
 Each of up to 30 sites holds 100 examples of the embedded model's task (content-disjoint test
 scenes, client.synthetic); every site's clipped sums and votes come from the production
@@ -258,9 +258,10 @@ def write_report(
         "the sum holds n shares, so its noise is √(n/t) times what the guarantee needs: the price "
         "of not trusting the coordinator. `central`: one Gaussian draw by the coordinator.",
         "",
-        "With 5 draws a row, differences of less than about two standard deviations of the "
-        "mean (sd/√5) are noise; the selection mechanisms differ too (central: Gumbel top-k on "
-        "the votes; distributed: top-k of the vote histogram with the sites' noise).",
+        f"With {args.draws} draws a row, differences of less than about two standard "
+        f"deviations of the mean (sd/√{args.draws}) are noise; the selection mechanisms differ "
+        "too (central: Gumbel top-k on the votes; distributed: top-k of the vote histogram "
+        "with the sites' noise).",
         "",
         "| setting | mode | t | accuracy (mean ± sd) | ratio to central |",
         "|---|---|---:|---:|---:|",
@@ -289,7 +290,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--shots", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument("--test", type=int, default=200)
-    parser.add_argument("--draws", type=int, default=5)
+    parser.add_argument("--draws", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workdir", type=Path, default=REPO / "benchmark-run" / "distributed")
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "distributed.md")
