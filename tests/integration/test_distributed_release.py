@@ -233,3 +233,59 @@ def test_a_central_site_refuses_a_distributed_plan_and_a_distributed_site_a_cent
         answer = message_from_record(reply.content)
         refused.append(isinstance(answer, ErrorReply) and answer.code is ErrorCode.POLICY)
     assert refused == [True, True]
+
+
+def _plan_and_ask(grid: InProcessGrid, plan: Any) -> list[Any]:
+    from protocol import PlanRequest, message_from_record, message_to_record
+
+    answers = []
+    for node in grid.node_ids:
+        message = grid.create_message(
+            message_to_record(PlanRequest(plan=plan)), "query.plan", node, "g"
+        )
+        (reply,) = grid.send_and_receive([message])
+        answers.append(message_from_record(reply.content))
+    return answers
+
+
+def test_a_site_refuses_shares_sized_for_more_honest_sites_than_it_assumes(
+    world: World, tmp_path: Path, spies: Any
+) -> None:
+    from protocol import ErrorReply
+    from server.coordinator import build_plan
+
+    sites = open_in_process_sites([site_settings(world, tmp_path, 0, min_honest=2)])
+    grid = InProcessGrid(sites.relays, num_nodes=1)
+    plan = build_plan(RunConfig.from_context(run_config(world, "t3", min_honest=3, min_sites=3)))
+    (answer,) = _plan_and_ask(grid, plan)
+    assert isinstance(answer, ErrorReply)
+    assert answer.error_type == "ConfigError"
+
+
+def test_a_distributed_sum_with_other_secagg_ranges_gets_nothing(
+    world: World, tmp_path: Path, spies: Any
+) -> None:
+    # Arrange: three distributed sites accept; the coordinator then sets up SecAgg+ with the
+    # central ranges instead of the plan's integer grid.
+    from protocol import PlanAccept, SecureSumRequest, secure_sum_request_to_config
+    from server.coordinator import build_plan
+    from server.secagg import SecureSumSettings, install_secure_mask_prg, secure_sum
+
+    install_secure_mask_prg()  # as the ServerApp does (restored by flower_process_state)
+    settings = [site_settings(world, tmp_path, i) for i in range(SITES)]
+    grid = InProcessGrid(open_in_process_sites(settings).relays, num_nodes=SITES)
+    plan = build_plan(RunConfig.from_context(run_config(world, "ranges", selection="all")))
+    assert all(isinstance(a, PlanAccept) for a in _plan_and_ask(grid, plan))
+    request = SecureSumRequest(
+        release_id="ranges", stage="extract", heads=None, clip_norm=1.0, score_top_r=None
+    )
+    central = SecureSumSettings.for_plan(max_abs_coordinate=64.0, max_sites=SITES, timeout=30.0)
+    # Act
+    result = secure_sum(
+        grid, make_server_context(), grid.node_ids, secure_sum_request_to_config(request),
+        round_id=1, settings=central, min_sites=2,
+    )  # fmt: skip
+    # Assert: every site refused before anything of its data left it.
+    assert result is None
+    for site in settings:
+        assert ledger_states(site) == {"ranges": ReleaseState.RESERVED}

@@ -218,6 +218,7 @@ def signed_request(
     key: SigningKey | None = None,
     release_id: str | None = None,
     model_dtype: str | None = None,
+    values: np.ndarray | None = None,
 ) -> ReleaseRequest:
     """An artifact as a coordinator would sign it; fields may be forged."""
     from dpmtv_common.artifact import ReleaseDescription
@@ -249,7 +250,7 @@ def signed_request(
     path = write_artifact(
         tmp / f"artifact-{len(list(tmp.glob('artifact-*')))}",
         heads=released,
-        values=np.zeros((len(released), HEAD_DIM)),
+        values=np.zeros((len(released), HEAD_DIM)) if values is None else values,
         release=description,
         signing_key=key or world.key,
     )
@@ -683,3 +684,32 @@ def test_a_release_is_idle_only_when_its_run_sends_nothing(consortium: Consortiu
     site.last_seen.clear()
     assert site.sweep() == ["r1"]
     assert consortium.ledger_state(0, "r1") is ReleaseState.ABORTED
+
+
+def test_a_release_first_artifact_must_carry_the_noisy_vector_the_site_was_sent(
+    consortium: Consortium,
+) -> None:
+    # Arrange: a private release-first plan; the site contributed and was sent a noisy vector.
+    from protocol import NoisyVectorBroadcast
+
+    plan = planned(consortium, selection=SelectionMode.PRIVATE, order=ReleaseOrder.RELEASE_FIRST)
+    assert consortium.secure_sum(extract_request()) is not None
+    all_heads = HeadSet.all_heads(num_layers=NUM_LAYERS, num_heads=NUM_HEADS)
+    reference = np.random.default_rng(0).normal(size=(NUM_LAYERS, NUM_HEADS, HEAD_DIM))
+    notice = NoisyVectorBroadcast(release_id="r1", heads=all_heads.heads)
+    assert isinstance(
+        consortium.ask(0, "query.noisy_vector", notice, values=reference), type(notice)
+    )
+    heads = HeadSet.of([(0, 1), (1, 2)])
+    tmp = consortium.tmp / "forged"
+    tmp.mkdir()
+    # Act: an artifact whose values are not the rows it was sent (zeros), then the right one.
+    forged = consortium.ask(
+        0, "query.release", signed_request(consortium.world, tmp, plan, heads=heads)
+    )
+    rows = reference.reshape(-1, HEAD_DIM)[[0 * NUM_HEADS + 1, 1 * NUM_HEADS + 2]]
+    honest = signed_request(consortium.world, tmp, plan, heads=heads, values=rows)
+    accepted = consortium.ask(0, "query.release", honest)
+    # Assert
+    assert error_code(forged) is ErrorCode.PLAN_MISMATCH
+    assert isinstance(accepted, ReleaseAck)
