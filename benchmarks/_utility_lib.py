@@ -6,10 +6,8 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 
 import numpy as np
-import torch
 
 from client.evaluation.first_token import QuerySet
-from client.hooks import PatchPolicy, patch_heads
 from client.models import LoadedModel
 from client.release import LocalSums
 from dpmtv_common.heads import HeadSet
@@ -104,22 +102,9 @@ class Scored:
     modal_share: float
 
 
-@torch.no_grad()
 def score(loaded: LoadedModel, queries: QuerySet, patch=None) -> Scored:
     """Greedy first-token predictions on ``queries``, optionally patched (heads, values)."""
-    predicted, expected = [], []
-    for inputs, target in zip(queries.batches, queries.targets, strict=True):
-        batch = inputs.to(loaded.model.device)
-        if patch is None:
-            logits = loaded.model(**batch).logits[:, -1]
-        else:
-            heads, values = patch
-            with patch_heads(
-                loaded.model, loaded.adapter, heads, values, policy=PatchPolicy.EVERY_CALL
-            ):
-                logits = loaded.model(**batch).logits[:, -1]
-        predicted.append(logits.argmax(-1).cpu().numpy())
-        expected.append(target.numpy())
-    guesses, answers = np.concatenate(predicted), np.concatenate(expected)
+    predicted, expected = queries.predictions(loaded, patch)
+    guesses, answers = predicted.numpy(), expected.numpy()
     _, counts = np.unique(guesses, return_counts=True)
     return Scored(float(np.mean(guesses == answers)), float(counts.max() / len(guesses)))

@@ -44,14 +44,14 @@ class QuerySet:
         return cls(batches, targets)
 
     @torch.no_grad()
-    def accuracy(
+    def predictions(
         self,
         loaded: LoadedModel,
         patch: tuple[HeadSet, npt.NDArray[Any] | torch.Tensor] | None = None,
-    ) -> float:
-        """Share of prompts whose greedy first token is the answer, optionally patched."""
-        hits = total = 0
-        for inputs, target in zip(self.batches, self.targets, strict=True):
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Greedy first-token predictions and the answer tokens, optionally patched."""
+        predicted = []
+        for inputs in self.batches:
             batch = inputs.to(loaded.model.device)
             if patch is None:
                 logits = loaded.model(**batch).logits[:, -1]
@@ -61,6 +61,14 @@ class QuerySet:
                     loaded.model, loaded.adapter, heads, values, policy=PatchPolicy.EVERY_CALL
                 ):
                     logits = loaded.model(**batch).logits[:, -1]
-            hits += int((logits.argmax(-1).cpu() == target).sum())
-            total += len(target)
-        return hits / total
+            predicted.append(logits.argmax(-1).cpu())
+        return torch.cat(predicted), torch.cat(self.targets)
+
+    def accuracy(
+        self,
+        loaded: LoadedModel,
+        patch: tuple[HeadSet, npt.NDArray[Any] | torch.Tensor] | None = None,
+    ) -> float:
+        """Share of prompts whose greedy first token is the answer, optionally patched."""
+        guesses, answers = self.predictions(loaded, patch)
+        return float((guesses == answers).float().mean())
