@@ -14,6 +14,7 @@ Privacy unit and relation: the plan's (one example or group; replace-one). Sensi
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import cached_property
 
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
@@ -73,9 +74,9 @@ class DistributedRelease:
     num_heads_total: int
     head_dim: int
 
-    @property
+    @cached_property
     def calibration(self) -> DistributedCalibration:
-        """The plan's noise multipliers."""
+        """The plan's noise multipliers (a bisection: computed once per instance)."""
         return plan_distributed_calibration(self.plan)
 
     def activations(self, heads: HeadSet) -> DistributedNoise:
