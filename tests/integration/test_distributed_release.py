@@ -20,14 +20,11 @@ import numpy as np
 import pytest
 
 import server.secagg
-from client.models import save_tiny_model
 from client.service.inprocess import open_in_process_sites
 from client.settings import SiteSettings
 from client.site import Site
-from client.synthetic import write_task_datasets
 from dpmtv_common.artifact import load_artifact
-from dpmtv_common.crypto import SigningKey, TrustedKeys
-from dpmtv_common.fingerprint import fingerprint_model_dir
+from dpmtv_common.crypto import TrustedKeys
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.accounting import epsilon_bound
 from dpmtv_common.privacy.ledger import PrivacyLedger, ReleaseState
@@ -37,32 +34,23 @@ from server.coordinator import ReleaseReport, run_coordinated_release
 from server.settings import CoordinatorSettings, RunConfig
 from server.simulation import InProcessGrid, make_server_context
 from tests.flower_harness import flower_process_state
+from tests.integration.test_hostile_coordinator import (  # the same world: 3 sites of 15
+    HEAD_DIM,
+    M_I,
+    NUM_HEADS,
+    NUM_LAYERS,
+    SHOTS,
+    SITES,
+    World,
+    make_world,
+)
 
 pytestmark = pytest.mark.integration
-
-SITES, RECORDS, SHOTS = 3, 15, 2
-NUM_LAYERS, NUM_HEADS, HEAD_DIM = 2, 4, 16
-M_I = RECORDS // (SHOTS + 1)
-
-
-@dataclass(frozen=True)
-class World:
-    root: Path
-    model: Path
-    fingerprint: str
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> World:
-    root = tmp_path_factory.mktemp("distributed")
-    write_task_datasets(
-        root / "data", task="colour", sites=SITES, per_site=RECORDS, public=0, test=0, seed=0
-    )
-    save_tiny_model("llava", root / "model", seed=0)
-    key = SigningKey.generate()
-    key.save(root / "coordinator.key")
-    key.verify_key.save(root / "coordinator.pub")
-    return World(root, root / "model", fingerprint_model_dir(root / "model"))
+    return make_world(tmp_path_factory.mktemp("distributed"))
 
 
 def site_settings(world: World, tmp: Path, index: int, **overrides: Any) -> SiteSettings:
@@ -71,7 +59,7 @@ def site_settings(world: World, tmp: Path, index: int, **overrides: Any) -> Site
         "model_path": world.model,
         "data_path": world.root / "data" / f"site-{index}",
         "state_dir": tmp / f"site-{index}",
-        "trusted_keys": (world.root / "coordinator.pub",),
+        "trusted_keys": (world.verify_key,),
         "device": "cpu",
         "min_sites": 2,
         "noise_mode": "distributed",
@@ -176,7 +164,7 @@ def test_a_distributed_release_reaches_every_site_with_the_epsilon_it_states(
     assert report.outcome.bound.epsilon <= 1.0 * (1 + 1e-9)
     ledger_epsilon = epsilon_bound([plan_release_event(report.plan)], delta=1e-5).epsilon
     assert ledger_epsilon <= 1.0 * (1 + 1e-9)
-    keys = TrustedKeys.from_files([world.root / "coordinator.pub"])
+    keys = TrustedKeys.from_files([world.verify_key])
     for settings in run.settings:
         stored = load_artifact(
             settings.artifacts_folder / report.plan.release_id,

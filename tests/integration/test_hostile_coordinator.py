@@ -80,18 +80,23 @@ class World:
     verify_key: Path
 
 
-@pytest.fixture(scope="module")
-def world(tmp_path_factory: pytest.TempPathFactory) -> World:
-    root = tmp_path_factory.mktemp("hostile")
+def make_world(root: Path) -> World:
+    """Three sites of 15 records, a tiny random LLaVA and the coordinator's key pair."""
     write_task_datasets(
         root / "data", task="colour", sites=SITES, per_site=RECORDS, public=0, test=0, seed=0
     )
     save_tiny_model("llava", root / "model", seed=0)
     key = SigningKey.generate()
+    key.save(root / "coordinator.key")
     key.verify_key.save(root / "coordinator.pub")
     return World(
         root, root / "model", fingerprint_model_dir(root / "model"), key, root / "coordinator.pub"
     )
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> World:
+    return make_world(tmp_path_factory.mktemp("hostile"))
 
 
 @dataclass
