@@ -29,10 +29,8 @@ from client.models import LoadedModel
 from client.scoring import ScoreMethod, check_answer_vocabulary, chunk_head_votes
 from dpmtv_common.aliases import Float64Array
 from dpmtv_common.artifact import (
-    MANIFEST_FILE,
-    SIGNATURE_FILE,
-    TENSORS_FILE,
     ArtifactManifest,
+    check_artifact_target,
     load_artifact,
     write_artifact,
 )
@@ -52,8 +50,6 @@ from protocol import (
     reserve_plan,
     run_release,
 )
-
-_ARTIFACT_FILES = frozenset({MANIFEST_FILE, SIGNATURE_FILE, TENSORS_FILE})
 
 __all__ = ["LocalSums", "SingleHolderRelease", "check_release_inputs", "run_single_holder_release"]
 
@@ -168,24 +164,13 @@ def _check_heads_fit(plan: ReleasePlan, loaded: LoadedModel) -> None:
 
 def _check_output(output: Path, *, overwrite: bool) -> None:
     target = Path(output)
-    if target.exists() or target.is_symlink():
-        if not overwrite:
-            raise ConfigError(
-                f"output must not exist yet, got {str(target)!r} which exists; choose a new "
-                "path, or allow replacing it (overwrite)."
-            )
-        if target.is_symlink() or not target.is_dir():
-            raise ConfigError(
-                f"output must be an artifact folder to replace, got {str(target)!r} which is "
-                "not a folder."
-            )
-        # The same rule write_artifact applies, checked here so it cannot fail after noise.
-        foreign = sorted(e.name for e in target.iterdir() if e.name not in _ARTIFACT_FILES)
-        if foreign:
-            raise ConfigError(
-                f"output must be an artifact folder to replace, got {str(target)!r} holding "
-                f"other entries {foreign!r}."
-            )
+    # The rule write_artifact applies, checked here so it cannot fail after noise.
+    check_artifact_target(
+        target,
+        overwrite=overwrite,
+        name="output",
+        remedy="choose a new path, or allow replacing it (overwrite)",
+    )
     parent = target.absolute().parent
     while not parent.exists():
         parent = parent.parent

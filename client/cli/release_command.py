@@ -19,7 +19,6 @@ from client.cli._choices import RELEASE_ORDERS, SCORE_METHODS, SELECTION_MODES
 from client.cli._common import add_model_options, load_heads_file, load_site_model, settings_from
 from client.cli._errors import validation_line
 from client.cli._types import open_unit_float, positive_float, positive_int
-from dpmtv_common.artifact import MANIFEST_FILE, SIGNATURE_FILE, TENSORS_FILE
 from dpmtv_common.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -41,7 +40,6 @@ _PLAN_OPTIONS = {
     "score_top_r": "--top-r",
     "max_chunks_per_site": "--max-chunks",
 }
-_ARTIFACT_FILES = frozenset({MANIFEST_FILE, SIGNATURE_FILE, TENSORS_FILE})
 
 
 def register(sub: Any) -> None:
@@ -115,21 +113,14 @@ def _check_out(out: Path, *, overwrite: bool) -> None:
                     f"{str(folder)!r}."
                 )
             break
-    if not out.exists() and not out.is_symlink():
-        return
-    if not overwrite:
-        raise ConfigError(
-            f"--out must not exist yet, got {str(out)!r}. Pass --overwrite to replace the "
-            "artifact there, or choose another --out."
-        )
-    if out.is_symlink() or not out.is_dir():
-        raise ConfigError(f"--out must be an artifact directory to overwrite, got {str(out)!r}.")
-    foreign = sorted(entry.name for entry in out.iterdir() if entry.name not in _ARTIFACT_FILES)
-    if foreign:
-        raise ConfigError(
-            f"--out must hold only artifact files to be overwritten, got {foreign} in "
-            f"{str(out)!r}: --overwrite never deletes anything else."
-        )
+    from dpmtv_common.artifact import check_artifact_target
+
+    check_artifact_target(
+        out,
+        overwrite=overwrite,
+        name="--out",
+        remedy="pass --overwrite to replace the artifact there, or choose another --out",
+    )
 
 
 def _clip_norm(args: argparse.Namespace, extras: dict[str, Any]) -> float:

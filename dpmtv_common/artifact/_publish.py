@@ -17,6 +17,7 @@ from pathlib import Path
 from dpmtv_common.errors import ConfigError
 
 __all__ = [
+    "check_replaceable",
     "publish_directory",
 ]
 
@@ -43,23 +44,34 @@ def _write_staging(staging: Path, files: Mapping[str, bytes]) -> None:
     _fsync_directory(staging)
 
 
-def _check_replaceable(target: Path, names: frozenset[str], *, overwrite: bool) -> bool:
-    """Return whether ``target`` exists; refuse to clobber it unless it is safe and allowed."""
+def check_replaceable(
+    target: Path,
+    names: frozenset[str],
+    *,
+    overwrite: bool,
+    name: str = "artifact directory",
+    remedy: str = "pass overwrite=True to replace it",
+) -> bool:
+    """Return whether ``target`` exists; refuse to clobber it unless it is safe and allowed.
+
+    ``name`` and ``remedy`` word the errors for the caller (an API argument, a CLI flag).
+    """
     if not target.exists() and not target.is_symlink():
         return False
     if not overwrite:
-        raise ConfigError(
-            f"artifact directory must not exist yet, got {str(target)!r}. "
-            "Pass overwrite=True to replace it."
-        )
+        raise ConfigError(f"{name} must not exist yet, got {str(target)!r} which exists; {remedy}.")
     # overwrite=True must never delete a directory that is not an artifact, e.g. a typo'd $HOME.
     if target.is_symlink() or not target.is_dir():
-        raise ConfigError(f"artifact path must be a directory to overwrite, got {str(target)!r}.")
+        raise ConfigError(
+            f"{name} must be an artifact folder to replace, got {str(target)!r} which is not a "
+            "folder."
+        )
     foreign = sorted(entry.name for entry in target.iterdir() if entry.name not in names)
     if foreign:
         raise ConfigError(
-            f"a directory to overwrite must hold only artifact files {sorted(names)}, "
-            f"got extra entries {foreign!r} in {str(target)!r}."
+            f"{name} must hold only artifact files {sorted(names)} to be replaced, got "
+            f"{str(target)!r} holding other entries {foreign!r}: overwriting never deletes "
+            "anything else."
         )
     return True
 
@@ -85,7 +97,7 @@ def publish_directory(target: Path, files: Mapping[str, bytes], *, overwrite: bo
     """
     target = target.absolute()
     target.parent.mkdir(parents=True, exist_ok=True)
-    exists = _check_replaceable(target, frozenset(files), overwrite=overwrite)
+    exists = check_replaceable(target, frozenset(files), overwrite=overwrite)
     staging = _sibling(target, "tmp")
     try:
         _write_staging(staging, files)

@@ -41,7 +41,7 @@ import safetensors
 import safetensors.numpy
 from pydantic import ValidationError
 
-from dpmtv_common.artifact._publish import publish_directory
+from dpmtv_common.artifact._publish import check_replaceable, publish_directory
 from dpmtv_common.artifact.manifest import (
     FORMAT_VERSION,
     ArtifactManifest,
@@ -65,6 +65,7 @@ __all__ = [
     "StagingCleanup",
     "TENSORS_FILE",
     "TaskVectorArtifact",
+    "check_artifact_target",
     "clean_stale_staging",
     "load_artifact",
     "write_artifact",
@@ -117,6 +118,27 @@ def _values_to_float32(heads: HeadSet, values: npt.NDArray[np.generic]) -> npt.N
     if not np.isfinite(as_float32).all():
         raise ConfigError("values must be finite in float32, got NaN or infinity.")
     return as_float32
+
+
+def check_artifact_target(
+    target: Path,
+    *,
+    overwrite: bool,
+    name: str = "artifact directory",
+    remedy: str = "pass overwrite=True to replace it",
+) -> bool:
+    """The rule :func:`write_artifact` applies to its target, for callers to check it first.
+
+    Returns whether ``target`` exists. Callers that must not fail after spending (a release)
+    check here before anything is reserved; ``name``/``remedy`` word the error for them.
+
+    Raises:
+        ConfigError: ``target`` exists without ``overwrite``, is not a folder, or holds other
+            entries than artifact files.
+    """
+    return check_replaceable(
+        target, frozenset(_FILES), overwrite=overwrite, name=name, remedy=remedy
+    )
 
 
 def write_artifact(
