@@ -5,9 +5,19 @@ Re-exported by ``server.secagg``; see that module for how the pieces connect.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from typing import Any
 
-from flwr.common import EvaluateIns, EvaluateRes, FitIns, FitRes, Parameters, Scalar
+import numpy.typing as npt
+from flwr.common import (
+    EvaluateIns,
+    EvaluateRes,
+    FitIns,
+    FitRes,
+    Parameters,
+    Scalar,
+    ndarrays_to_parameters,
+)
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
 from flwr.server.compat.legacy_context import LegacyContext
@@ -40,12 +50,12 @@ class RobustSecAggPlusWorkflow(SecAggPlusWorkflow):
         super().setup_stage(grid, context, state)
         if not state.nid_to_neighbours:  # halted before the protocol started (no/one site)
             return False
-        return self._forget_dropped_sites(state)
+        return self.forget_dropped_sites(state)
 
     def share_keys_stage(self, grid: Grid, context: LegacyContext, state: WorkflowState) -> bool:
         """Run Flower's share-keys stage, then forget the sites that did not complete it."""
         super().share_keys_stage(grid, context, state)
-        return self._forget_dropped_sites(state)
+        return self.forget_dropped_sites(state)
 
     def collect_masked_vectors_stage(
         self, grid: Grid, context: LegacyContext, state: WorkflowState
@@ -58,7 +68,8 @@ class RobustSecAggPlusWorkflow(SecAggPlusWorkflow):
         state.failures[before:] = added[: len(added) // 2]
         return proceed
 
-    def _forget_dropped_sites(self, state: WorkflowState) -> bool:
+    def forget_dropped_sites(self, state: WorkflowState) -> bool:
+        """Restrict the protocol to ``state.active_node_ids``; False when it must halt."""
         alive = set(state.active_node_ids)
         if len(alive) < 2:
             # Halt: a one-site sum is public, and with no site left Flower's threshold check
@@ -75,16 +86,23 @@ class RobustSecAggPlusWorkflow(SecAggPlusWorkflow):
 
 
 class CaptureStrategy(Strategy):
-    """Legacy strategy that sends one FitIns config to chosen sites and keeps the result.
+    """Legacy strategy that sends one FitIns (config, and arrays if any) to chosen sites.
 
     SecAgg+ replaces every FitRes' parameters by the unmasked aggregate before calling
     :meth:`aggregate_fit`, so this strategy only records it, with the surviving sites. It
     returns no parameters, so Flower writes nothing into the run's state or history.
     """
 
-    def __init__(self, node_ids: set[int], config: Mapping[str, Scalar]) -> None:
-        self._node_ids = set(node_ids)
+    def __init__(
+        self,
+        node_ids: set[int],
+        config: Mapping[str, Scalar],
+        arrays: Sequence[npt.NDArray[Any]] = (),
+    ) -> None:
+        self.node_ids = frozenset(node_ids)
         self._config = dict(config)
+        # Sent in the clear beside the config (the FitIns parameters), never summed.
+        self._parameters = ndarrays_to_parameters(list(arrays)) if arrays else None
         self.aggregate: Parameters | None = None
         self.survivor_ids: list[int] = []
         self.failures: list[BaseException] = []
@@ -96,13 +114,22 @@ class CaptureStrategy(Strategy):
     def configure_fit(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, FitIns]]:
-        """Send the config (and no parameters) to every chosen site."""
+        """Send the config (and the strategy's arrays, if any) to every chosen site."""
         proxies = client_manager.all().values()
+        sent = self._parameters if self._parameters is not None else parameters
         return [
-            (proxy, FitIns(parameters, dict(self._config)))
+            (proxy, FitIns(sent, dict(self._config)))
             for proxy in proxies
-            if proxy.node_id in self._node_ids
+            if proxy.node_id in self.node_ids
         ]
+
+    def instruct(
+        self, config: Mapping[str, Scalar], arrays: Sequence[npt.NDArray[Any]] = ()
+    ) -> FitIns:
+        """Set what every site is sent at collect, after setup; return those instructions."""
+        self._config = dict(config)
+        self._parameters = ndarrays_to_parameters(list(arrays))
+        return FitIns(self._parameters, dict(self._config))
 
     def aggregate_fit(
         self,

@@ -29,33 +29,42 @@ implements no consistency check against a malicious one).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import logging
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
 from flwr.common import NDArrayInt, Scalar, parameters_to_ndarrays
+from flwr.compat.common.recorddict_compat import fitins_to_recorddict
 from flwr.server import LegacyContext, ServerConfig
 from flwr.server.client_manager import SimpleClientManager
 from flwr.server.compat.grid_client_proxy import GridClientProxy
 from flwr.server.workflow.constant import MAIN_CONFIGS_RECORD, MAIN_PARAMS_RECORD
 from flwr.server.workflow.secure_aggregation import secaggplus_workflow as flwr_workflow
+from flwr.server.workflow.secure_aggregation.secaggplus_workflow import WorkflowState
 from flwr.serverapp import Grid
 
 from dpmtv_common.aliases import Float64Array
 from dpmtv_common.crypto import mask_prg
 from dpmtv_common.errors import ConfigError, InsufficientSharesError
+from server._attaching_grid import AttachingGrid
 from server._secagg_settings import SecureSumSettings
 from server._secagg_workflow import CaptureStrategy, RobustSecAggPlusWorkflow
 
 __all__ = [
     "RobustSecAggPlusWorkflow",
     "SecureSumResult",
+    "SecureSumRound",
     "SecureSumSettings",
     "install_secure_mask_prg",
     "mask_prg_in_use",
     "secure_sum",
 ]
+
+_log = logging.getLogger(__name__)
 
 # The global that flwr's workflow module imported from secaggplus_utils and calls at unmask.
 _PATCHED_NAME = "pseudo_rand_gen"
@@ -89,6 +98,7 @@ def secure_sum(
     round_id: int,
     settings: SecureSumSettings,
     min_sites: int,
+    broadcast: Sequence[npt.NDArray[Any]] = (),
 ) -> SecureSumResult | None:
     """Securely sum the arrays the sites return for ``config``; learn only the total.
 
@@ -100,6 +110,9 @@ def secure_sum(
         round_id: Distinct per secure sum within a run (becomes the message group id).
         settings: The validated SecAgg+ parameters.
         min_sites: Fewest surviving sites (>= 2) whose sum may be released.
+        broadcast: Arrays every site receives in the clear with ``config`` (the FitIns
+            parameters of the collect stage), e.g. a noisy vector to score against; they
+            save a round trip and are never part of the sum.
 
     Returns:
         The sum, or None when SecAgg+ halted without a result (too few sites left at some
@@ -110,22 +123,119 @@ def secure_sum(
             weak mask PRG in use while ``settings.allow_weak_mask_prg`` is False.
         InsufficientSharesError: If fewer than ``min_sites`` sites are offered or survive.
     """
-    sites = _checked_sites(node_ids, settings, min_sites)
-    fit_config = _fit_config(config, settings)
-    strategy = CaptureStrategy(sites, fit_config)
-    legacy = _legacy_context(grid, context, sites, strategy, round_id)
-    _workflow(settings)(grid, legacy)
-    if strategy.aggregate is None:
-        return None
-    survivors = tuple(strategy.survivor_ids)
-    if len(survivors) < min_sites:
-        raise InsufficientSharesError(
-            f"surviving sites must number at least min_sites={min_sites}, got "
-            f"{len(survivors)} of {len(sites)}: abort this release."
+    sum_round = SecureSumRound.open(
+        grid, context, node_ids, round_id=round_id, settings=settings, min_sites=min_sites
+    )
+    sum_round.setup()
+    return sum_round.finish(config, broadcast)
+
+
+class SecureSumRound:
+    """One secure sum run in two calls, so its first message can carry more than SecAgg+'s.
+
+    :meth:`setup` runs SecAgg+'s setup stage (optionally with a record attached to every
+    message, whose replies it returns: the release plan rides here); :meth:`finish` sets the
+    instructions and runs share keys, collect and unmask. :func:`secure_sum` is both in one.
+    """
+
+    def __init__(
+        self,
+        grid: Grid,
+        legacy: LegacyContext,
+        strategy: CaptureStrategy,
+        settings: SecureSumSettings,
+        min_sites: int,
+    ) -> None:
+        self.grid = grid
+        self.legacy = legacy
+        self.strategy = strategy
+        self.settings = settings
+        self.min_sites = min_sites
+        self.workflow = _workflow(settings)
+        self.state = WorkflowState()
+        self.sites = set(strategy.node_ids)
+        self._alive: bool | None = None  # None: setup not run yet
+
+    @classmethod
+    def open(
+        cls,
+        grid: Grid,
+        context: Context,
+        node_ids: Iterable[int],
+        *,
+        round_id: int,
+        settings: SecureSumSettings,
+        min_sites: int,
+    ) -> SecureSumRound:
+        """Check the arguments; nothing is sent yet (see :func:`secure_sum`)."""
+        _fit_config({}, settings)  # refuse a weak mask PRG before anything is sent
+        sites = _checked_sites(node_ids, settings, min_sites)
+        strategy = CaptureStrategy(sites, {})
+        legacy = _legacy_context(grid, context, sites, strategy, round_id)
+        return cls(grid, legacy, strategy, settings, min_sites)
+
+    def setup(self, attach: tuple[str, ConfigRecord] | None = None) -> dict[int, ConfigRecord]:
+        """Run the setup stage; return, by site, the reply record under the attached key.
+
+        Sites that answered the setup without that record are left out of the dict (and
+        stay in the sum unless :meth:`exclude` removes them).
+        """
+        if self._alive is not None:
+            raise ConfigError("setup must run once a secure sum, got a second call.")
+        grid: Grid = self.grid if attach is None else AttachingGrid(self.grid, *attach)
+        self._alive = self.workflow.setup_stage(grid, self.legacy, self.state)
+        if not isinstance(grid, AttachingGrid):
+            return {}
+        return {node: record for node, record in grid.replies.items() if record is not None}
+
+    def exclude(self, node_ids: Iterable[int]) -> None:
+        """Leave sites out after setup (they masked nothing yet: forgetting them is exact)."""
+        if not self._alive:
+            return
+        self.state.active_node_ids -= set(node_ids)
+        self._alive = self.workflow.forget_dropped_sites(self.state)
+
+    @property
+    def active_sites(self) -> set[int]:
+        """Sites still in the sum."""
+        return set(self.state.active_node_ids)
+
+    def finish(
+        self, config: Mapping[str, Scalar], broadcast: Sequence[npt.NDArray[Any]] = ()
+    ) -> SecureSumResult | None:
+        """Send ``config`` (and ``broadcast``) at collect; run the remaining stages."""
+        if self._alive is None:
+            raise ConfigError("finish must follow setup, got no setup.")
+        if not self._alive:
+            return None
+        instructions = self.strategy.instruct(_fit_config(config, self.settings), broadcast)
+        self.state.nid_to_fitins = {
+            node: fitins_to_recorddict(instructions, True) for node in self.state.nid_to_fitins
+        }
+        stages = (
+            self.workflow.share_keys_stage,
+            self.workflow.collect_masked_vectors_stage,
+            self.workflow.unmask_stage,
         )
-    averages = parameters_to_ndarrays(strategy.aggregate)
-    sums = [np.asarray(average, dtype=np.float64) * len(survivors) for average in averages]
-    return SecureSumResult(sums, len(survivors), survivors, tuple(strategy.failures))
+        for stage in stages:
+            if not stage(self.grid, self.legacy, self.state):
+                _log.info("secure sum halted: too few sites left to rebuild the masks")
+                return None
+        return self._result()
+
+    def _result(self) -> SecureSumResult | None:
+        strategy = self.strategy
+        if strategy.aggregate is None:
+            return None
+        survivors = tuple(strategy.survivor_ids)
+        if len(survivors) < self.min_sites:
+            raise InsufficientSharesError(
+                f"surviving sites must number at least min_sites={self.min_sites}, got "
+                f"{len(survivors)} of {len(self.sites)}: abort this release."
+            )
+        averages = parameters_to_ndarrays(strategy.aggregate)
+        sums = [np.asarray(average, dtype=np.float64) * len(survivors) for average in averages]
+        return SecureSumResult(sums, len(survivors), survivors, tuple(strategy.failures))
 
 
 def install_secure_mask_prg() -> None:

@@ -1,0 +1,94 @@
+"""A grid that adds one record to every message it sends and keeps that record of the replies.
+
+``server.secagg.SecureSumRound.setup`` runs Flower's SecAgg+ setup stage through it, so the
+stage's one message a site also carries the release plan, and each site's reply also carries
+its answer (``PlanAccept`` or nothing): the plan costs no round trip of its own. Flower reads
+only its own record (``secaggplus``) of those messages and replies; ours travels beside it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.proto.node_pb2 import NodeInfo
+from flwr.serverapp import Grid
+from flwr.supercore.run import Run
+
+__all__ = ["AttachingGrid"]
+
+
+class AttachingGrid(Grid):
+    """Delegates to ``inner``; ``send_and_receive`` adds ``record`` under ``key`` to each message.
+
+    Attributes:
+        replies: Per site that answered without an error, its reply's record under ``key``
+            (None when the reply carried none).
+    """
+
+    def __init__(self, inner: Grid, key: str, record: ConfigRecord) -> None:
+        self.inner = inner
+        self.key = key
+        self.record = record
+        self.replies: dict[int, ConfigRecord | None] = {}
+
+    def set_run(self, run: Run) -> None:
+        """Set the run (delegated)."""
+        self.inner.set_run(run)
+
+    @property
+    def run(self) -> Run:
+        """The run (delegated)."""
+        return self.inner.run
+
+    def create_message(
+        self,
+        content: RecordDict,
+        message_type: str,
+        dst_node_id: int,
+        group_id: str,
+        ttl: float | None = None,
+    ) -> Message:
+        """Create a message (delegated)."""
+        return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
+
+    def get_node_ids(self) -> Iterable[int]:
+        """Node ids of the connected sites (delegated)."""
+        return self.inner.get_node_ids()
+
+    def get_nodes(self) -> Iterable[NodeInfo]:
+        """Node records (delegated)."""
+        return self.inner.get_nodes()
+
+    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
+        """Push messages (delegated; nothing attached: use ``send_and_receive``)."""
+        return self.inner.push_messages(messages)
+
+    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
+        """Pull replies (delegated)."""
+        return self.inner.pull_messages(message_ids)
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> Iterable[Message]:
+        """Send ``messages`` with the record attached; keep the replies' records."""
+        attached = [_with_record(message, self.key, self.record) for message in messages]
+        replies = list(self.inner.send_and_receive(attached, timeout=timeout))
+        for reply in replies:
+            if not reply.has_error():
+                records = reply.content.config_records
+                self.replies[reply.metadata.src_node_id] = records.get(self.key)
+        return replies
+
+
+def _with_record(message: Message, key: str, record: ConfigRecord) -> Message:
+    # A new content per message: Flower hands every site the same RecordDict object.
+    content = RecordDict({name: value for name, value in message.content.items()})
+    content[key] = record
+    return Message(
+        content,
+        message.metadata.dst_node_id,
+        message.metadata.message_type,
+        ttl=message.metadata.ttl,
+        group_id=message.metadata.group_id,
+    )
