@@ -9,8 +9,18 @@ canvas. Four tasks ask about the same images with the same question; only the an
 * ``position`` — where they are grouped (left, right, top, bottom).
 
 So a model can tell the task only from the demonstrations' answers: zero-shot it must guess,
-with K shots (or a task vector) it can know. Each site, the public set and the test set are
-separate folders (``manifest.jsonl`` + images) that ``client.data.load_dataset`` reads.
+with K shots (or a task vector) it can know. These are ``TRAINED_TASKS``: the embedded models
+are trained on them. Each site, the public set and the test set are separate folders
+(``manifest.jsonl`` + images) that ``client.data.load_dataset`` reads.
+
+**Untrained family** (``UNTRAINED_TASKS``, never shown in training): ``<attribute>-merged``
+merges the attribute's four values pairwise into two answer words of its own vocabulary
+(``MERGED_ANSWERS``): colour warm/cool (red, yellow -> red; green, blue -> blue), shape
+(circle, square -> circle; triangle, cross -> triangle), count (1, 2 -> 1; 3, 4 -> 3), position
+by axis (left, right -> left; top, bottom -> top). The demonstrations carry what zero-shot
+cannot (which two words answer), and it is harder: a model that answers the trained attribute
+is right on exactly half the queries, so only accuracy above 0.5 shows the new rule learned in
+context. Its answers are words the embedded tokenizer already has (checked at import).
 
 **Content-disjoint splits (public rule).** A scene is one of 4 x 4 x 4 x 4 = 256 attribute
 combinations. With each attribute's index (colour, shape and position in the order of
@@ -25,6 +35,7 @@ queries from ``test`` scenes, which neither the model, nor any site, nor public 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,14 +49,18 @@ from dpmtv_common.errors import ConfigError
 from dpmtv_common.rng import make_rng
 
 __all__ = [
+    "MERGED_ANSWERS",
     "QUESTION",
     "SCENE_SPLITS",
     "TASKS",
+    "TRAINED_TASKS",
+    "UNTRAINED_TASKS",
     "SceneSpec",
     "all_scenes",
     "draw_scene",
     "random_scene",
     "scene_split",
+    "task_family",
     "write_task_datasets",
 ]
 
@@ -58,7 +73,22 @@ COLOURS = {
 }
 SHAPES = ("circle", "square", "triangle", "cross")
 POSITIONS = ("left", "right", "top", "bottom")
-TASKS = ("colour", "shape", "count", "position")
+TRAINED_TASKS = ("colour", "shape", "count", "position")
+# Each untrained task merges an attribute's values pairwise; the word answered is one of the
+# attribute's own words, so the shipped tokenizers need no new token (module docstring).
+MERGED_ANSWERS: dict[str, dict[str, str]] = {
+    "colour-merged": {"red": "red", "yellow": "red", "green": "blue", "blue": "blue"},
+    "shape-merged": {
+        "circle": "circle",
+        "square": "circle",
+        "triangle": "triangle",
+        "cross": "triangle",
+    },
+    "count-merged": {"1": "1", "2": "1", "3": "3", "4": "3"},
+    "position-merged": {"left": "left", "right": "left", "top": "top", "bottom": "top"},
+}
+UNTRAINED_TASKS = tuple(MERGED_ANSWERS)
+TASKS = TRAINED_TASKS + UNTRAINED_TASKS
 IMAGE_SIZE = 64
 SCENE_SPLITS = ("train", "validation", "test")
 _SPLIT_OF_RESIDUE = ("test", "validation", "train", "train")
@@ -81,9 +111,40 @@ class SceneSpec:
             "count": str(self.count),
             "position": self.position,
         }
+        if task in MERGED_ANSWERS:
+            attribute = task.removesuffix("-merged")
+            return MERGED_ANSWERS[task][answers[attribute]]
         if task not in answers:
             raise ConfigError(f"task must be one of {list(TASKS)}, got {task!r}.")
         return answers[task]
+
+
+def task_family(task: str) -> str:
+    """``trained`` or ``untrained``: whether the embedded models were trained on ``task``."""
+    if task in TRAINED_TASKS:
+        return "trained"
+    if task in UNTRAINED_TASKS:
+        return "untrained"
+    raise ConfigError(f"task must be one of {list(TASKS)}, got {task!r}.")
+
+
+def _check_merged_answers() -> None:
+    """Refuse a merge whose words are not the attribute's own (the tokenizer's vocabulary)."""
+    words = {
+        "colour": tuple(COLOURS),
+        "shape": SHAPES,
+        "count": ("1", "2", "3", "4"),
+        "position": POSITIONS,
+    }
+    for task, merge in MERGED_ANSWERS.items():
+        own = words[task.removesuffix("-merged")]
+        if set(merge) != set(own) or not set(merge.values()) <= set(own):
+            raise ConfigError(f"{task} must map each of {list(own)} to one of them, got {merge!r}.")
+        if sorted(Counter(merge.values()).values()) != [2, 2]:
+            raise ConfigError(f"{task} must merge its four values in two pairs, got {merge!r}.")
+
+
+_check_merged_answers()
 
 
 def scene_split(scene: SceneSpec) -> str:

@@ -45,7 +45,7 @@ sys.path.insert(0, str(REPO))
 
 from client.models import Example, adapter_for
 from client.models.embedded import EMBEDDED_MODEL_DIRS, build_embedded_model
-from client.synthetic import QUESTION, TASKS, SceneSpec, draw_scene, random_scene
+from client.synthetic import QUESTION, TRAINED_TASKS, SceneSpec, draw_scene, random_scene
 from dpmtv_common.rng import make_rng
 
 
@@ -63,7 +63,7 @@ def render_bank(processor, count: int, seed: int, split: str) -> ImageBank:
     scenes: list[SceneSpec] = [random_scene(rng, split) for _ in range(count)]
     images = [draw_scene(scene, rng) for scene in scenes]
     pixels = processor.image_processor(images=images, return_tensors="pt")["pixel_values"]
-    answers = {task: [scene.answer(task) for scene in scenes] for task in TASKS}
+    answers = {task: [scene.answer(task) for scene in scenes] for task in TRAINED_TASKS}
     return ImageBank(pixels, answers)
 
 
@@ -96,7 +96,7 @@ def make_batch(bank: ImageBank, layout: Layout, tokenizer, batch: int, rng: np.r
     chosen = rng.integers(0, len(bank.pixels), size=(batch, shots_plus_one))
     eos = tokenizer.eos_token_id
     for row in range(batch):
-        task = TASKS[int(rng.integers(len(TASKS)))]
+        task = TRAINED_TASKS[int(rng.integers(len(TRAINED_TASKS)))]
         for slot, position in enumerate(layout.answer_positions):
             answer = tokenizer.convert_tokens_to_ids(bank.answers[task][int(chosen[row, slot])])
             ids[row, position] = answer
@@ -121,9 +121,11 @@ def train_vision(model, bank: ImageBank, steps: int, rng: np.random.Generator) -
     """Stage 1: probes on mean patch features; returns the final probe accuracy."""
     tower = model.model.vision_tower
     width = model.config.vision_config.hidden_size * model.config.image_seq_length
-    labels = {t: sorted(set(bank.answers[t])) for t in TASKS}
-    targets = {t: torch.tensor([labels[t].index(a) for a in bank.answers[t]]) for t in TASKS}
-    probes = torch.nn.ModuleDict({t: torch.nn.Linear(width, len(labels[t])) for t in TASKS})
+    labels = {t: sorted(set(bank.answers[t])) for t in TRAINED_TASKS}
+    targets = {
+        t: torch.tensor([labels[t].index(a) for a in bank.answers[t]]) for t in TRAINED_TASKS
+    }
+    probes = torch.nn.ModuleDict({t: torch.nn.Linear(width, len(labels[t])) for t in TRAINED_TASKS})
     params = [*tower.parameters(), *probes.parameters()]
     optimizer = torch.optim.AdamW(params, lr=2e-3, weight_decay=0.01)
     accuracy = 0.0
@@ -134,7 +136,7 @@ def train_vision(model, bank: ImageBank, steps: int, rng: np.random.Generator) -
         ][:, 1:]
         pooled = feats.flatten(1)  # keeps where each patch is: position and count need it
         losses, hits = [], []
-        for task in TASKS:
+        for task in TRAINED_TASKS:
             logits = probes[task](pooled)
             losses.append(torch.nn.functional.cross_entropy(logits, targets[task][index]))
             hits.append((logits.argmax(-1) == targets[task][index]).float().mean())

@@ -19,7 +19,7 @@ from client.evaluation.run import icl_prompts
 from client.extraction import zero_shot_prompt
 from client.models import LoadedModel
 from client.public_selection import public_activations, select_heads_attribution
-from client.synthetic import TASKS, write_task_datasets
+from client.synthetic import TRAINED_TASKS, write_task_datasets
 
 __all__ = ["TaskScores", "score_tasks"]
 
@@ -68,13 +68,13 @@ def score_tasks(
     loaded: LoadedModel,
     workdir: Path,
     *,
-    tasks: tuple[str, ...] = TASKS,
+    tasks: tuple[str, ...] = TRAINED_TASKS,
     shots: int = 4,
     heads: int = 4,
     public: int = 150,
     test: int = 200,
 ) -> list[TaskScores]:
-    """Score every task with fixed data seeds (deterministic on one machine)."""
+    """Score ``tasks`` (default: the trained ones) with fixed data seeds (deterministic here)."""
     return [
         _score_task(loaded, workdir / task, task, shots=shots, heads=heads, sizes=(public, test))
         for task in tasks

@@ -3,18 +3,25 @@
 from __future__ import annotations
 
 import json
+import re
 from collections import Counter
+from pathlib import Path
 
 import pytest
 
+import client.synthetic as synthetic
+from client.models.embedded import EMBEDDED_MODEL_DIRS
 from client.synthetic import (
     SCENE_SPLITS,
     TASKS,
+    TRAINED_TASKS,
+    UNTRAINED_TASKS,
     SceneSpec,
     all_scenes,
     draw_scene,
     random_scene,
     scene_split,
+    task_family,
     write_task_datasets,
 )
 from dpmtv_common.errors import ConfigError
@@ -34,8 +41,62 @@ def test_every_answer_of_every_task_is_equally_frequent_in_each_split(split):
     scenes = all_scenes(split)
     for task in TASKS:
         counts = Counter(scene.answer(task) for scene in scenes)
-        assert len(counts) == 4
+        assert len(counts) == (4 if task in TRAINED_TASKS else 2), (task, counts)
         assert len(set(counts.values())) == 1, (task, counts)
+
+
+# The untrained family, written out independently of the code: attribute, then its two pairs
+# and the word each pair answers (client.synthetic's module docstring).
+MERGES = {
+    "colour-merged": ("colour", {("red", "yellow"): "red", ("green", "blue"): "blue"}),
+    "shape-merged": ("shape", {("circle", "square"): "circle", ("triangle", "cross"): "triangle"}),
+    "count-merged": ("count", {("1", "2"): "1", ("3", "4"): "3"}),
+    "position-merged": ("position", {("left", "right"): "left", ("top", "bottom"): "top"}),
+}
+
+
+def test_the_families_partition_the_tasks_and_training_sees_only_the_trained_one():
+    assert set(UNTRAINED_TASKS) == set(MERGES)
+    assert set(TASKS) == set(TRAINED_TASKS) | set(UNTRAINED_TASKS)
+    assert not set(TRAINED_TASKS) & set(UNTRAINED_TASKS)
+    assert {task_family(t) for t in TRAINED_TASKS} == {"trained"}
+    assert {task_family(t) for t in UNTRAINED_TASKS} == {"untrained"}
+    with pytest.raises(ConfigError, match="task must be one of"):
+        task_family("colour-swapped")
+    script = (Path(__file__).parents[3] / "scripts" / "train_embedded_model.py").read_text()
+    assert "TRAINED_TASKS" in script
+    assert re.search(r"(?<![A-Z_])TASKS\b", script) is None  # training never draws all tasks
+
+
+@pytest.mark.parametrize("task", UNTRAINED_TASKS)
+def test_a_merged_answer_is_the_documented_pair_word_and_depends_on_nothing_else(task):
+    attribute, pairs = MERGES[task]
+    word_of = {value: word for pair, word in pairs.items() for value in pair}
+    for scene in all_scenes():
+        assert scene.answer(task) == word_of[scene.answer(attribute)], (task, scene)
+
+
+@pytest.mark.parametrize("task", UNTRAINED_TASKS)
+@pytest.mark.parametrize("size", list(EMBEDDED_MODEL_DIRS))
+def test_merged_answers_are_words_of_every_shipped_tokenizer(task, size):
+    tokenizer = json.loads((EMBEDDED_MODEL_DIRS[size] / "tokenizer.json").read_text())
+    vocabulary = set(tokenizer["model"]["vocab"])
+    answers = {scene.answer(task) for scene in all_scenes()}
+    assert answers <= vocabulary, answers - vocabulary
+
+
+@pytest.mark.parametrize(
+    ("merge", "message"),
+    [
+        ({"red": "red", "yellow": "red", "green": "purple", "blue": "purple"}, "map each of"),
+        ({"red": "red", "yellow": "red", "green": "red", "blue": "blue"}, "two pairs"),
+        ({"red": "red", "yellow": "red", "green": "blue"}, "map each of"),
+    ],
+)
+def test_a_merge_out_of_vocabulary_or_unbalanced_is_refused(monkeypatch, merge, message):
+    monkeypatch.setitem(synthetic.MERGED_ANSWERS, "colour-merged", merge)
+    with pytest.raises(ConfigError, match=message):
+        synthetic._check_merged_answers()
 
 
 def test_the_documented_rule_decides_the_split():
@@ -57,11 +118,12 @@ def test_unknown_split_is_refused():
         all_scenes("holdout")
 
 
-def test_written_folders_are_content_disjoint(tmp_path):
+@pytest.mark.parametrize("task", ["count", "count-merged", "position-merged"])
+def test_written_folders_are_content_disjoint(tmp_path, task):
     # Arrange / Act: a manifest holds answers, not scenes, so the writer's scenes are re-drawn
     # here with the same seed and order (a scene, then its image) to check their splits.
     write_task_datasets(
-        tmp_path, task="count", sites=2, per_site=30, public=30, test=40, validation=20, seed=5
+        tmp_path, task=task, sites=2, per_site=30, public=30, test=40, validation=20, seed=5
     )
     rng = make_rng(5)
     expected = []
@@ -81,7 +143,7 @@ def test_written_folders_are_content_disjoint(tmp_path):
         lines = (tmp_path / folder / "manifest.jsonl").read_text().splitlines()
         answers = [json.loads(line)["answer"] for line in lines]
         scenes = [scene for name, scene in expected if name == folder]
-        assert answers == [scene.answer("count") for scene in scenes]
+        assert answers == [scene.answer(task) for scene in scenes]
     held_out = {scene for name, scene in expected if name == "test"}
     seen = {scene for name, scene in expected if name not in ("test", "validation")}
     assert held_out
