@@ -46,6 +46,7 @@ from protocol.messages import (
 from protocol.plan import (
     MAX_EPSILON,
     MAX_HEADS,
+    MAX_IMAGE_CROPS,
     MAX_SHOTS,
     MAX_TEXT_CHARS,
     NeighbouringRelation,
@@ -81,6 +82,7 @@ __all__ = [
     "ErrorReply",
     "MAX_EPSILON",
     "MAX_HEADS",
+    "MAX_IMAGE_CROPS",
     "MAX_SHOTS",
     "MAX_TEXT_CHARS",
     "MessageDecodeError",

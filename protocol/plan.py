@@ -14,7 +14,15 @@ from datetime import datetime
 from enum import StrEnum
 from typing import Annotated, Any, Self
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, ValidationInfo, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    SerializerFunctionWrapHandler,
+    ValidationInfo,
+    model_serializer,
+    model_validator,
+)
 
 from dpmtv_common.aliases import LayerHead
 from dpmtv_common.artifact import hash_plan
@@ -24,6 +32,7 @@ from dpmtv_common.heads import HeadSet
 __all__ = [
     "MAX_EPSILON",
     "MAX_HEADS",
+    "MAX_IMAGE_CROPS",
     "MAX_SHOTS",
     "MAX_TEXT_CHARS",
     "NeighbouringRelation",
@@ -44,6 +53,8 @@ MAX_SHOTS = 256
 """Largest K: far beyond any context window a site's model has."""
 MAX_HEADS = 65_536
 """Largest head count a plan may name (k, r or a public list); sites check their own model."""
+MAX_IMAGE_CROPS = 64
+"""Largest crops-an-image cap a plan may state: more than any shipped processor makes (17)."""
 _RELEASE_ID = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,63}")
 
 
@@ -228,6 +239,13 @@ class ReleasePlan(BaseModel):
             required in distributed mode.
         max_chunks_per_site: Cap on chunks one site contributes, or ``None`` for no cap
             (required in distributed mode: it bounds a site's sum on SecAgg+'s grid).
+        max_image_crops: Most crops (sub-images) one image may be split into, at every
+            site and at inference, or ``None`` for the processor as shipped; 1 = no
+            splitting. Image splitting multiplies image tokens (a 28-pixel image became 17
+            crops, 1,342 tokens, with SmolVLM's defaults), so sites that split differently
+            would prompt differently; a site whose processor cannot meet the cap refuses
+            the plan. Left out of the canonical JSON when ``None``, so plans without a cap
+            hash as they did before the field existed.
         created: ISO-8601 timestamp with a UTC offset.
     """
 
@@ -256,7 +274,20 @@ class ReleasePlan(BaseModel):
     min_honest: PositiveInt = 2
     max_sites: PositiveInt | None = None
     max_chunks_per_site: PositiveInt | None
+    max_image_crops: (
+        Annotated[int, AfterValidator(_at_least_one), AfterValidator(_at_most(MAX_IMAGE_CROPS))]
+        | None
+    ) = None
     created: Annotated[str, AfterValidator(_timestamp)]
+
+    @model_serializer(mode="wrap")
+    def _omit_unset_crop_cap(self, handler: SerializerFunctionWrapHandler) -> dict[str, Any]:
+        # Plans (and ledgers, records and artifacts that hash them) made before the field
+        # existed never held the key: an unset cap must serialise, and hash, as they did.
+        document: dict[str, Any] = handler(self)
+        if self.max_image_crops is None:
+            document.pop("max_image_crops", None)
+        return document
 
     @model_validator(mode="after")
     def _check_distributed(self) -> Self:

@@ -18,6 +18,7 @@ from client.models.adapters import (
     supported_model_types,
 )
 from client.models.errors import AdapterPluginError, PromptTooLongError
+from client.models.image_crops import ImageCropCap, cap_image_crops
 from client.models.loading import (
     ATTENTION_IMPLEMENTATIONS,
     LoadedModel,
@@ -43,6 +44,7 @@ __all__ = [
     "AdapterPluginError",
     "Example",
     "HeadShape",
+    "ImageCropCap",
     "LoadedModel",
     "Message",
     "ModelAdapter",
@@ -52,6 +54,7 @@ __all__ = [
     "TINY_IMAGE_SIZE",
     "adapter_for",
     "build_tiny_model",
+    "cap_image_crops",
     "check_prompt_length",
     "context_length",
     "default_fingerprint_cache_dir",

@@ -23,7 +23,7 @@ from typing import Any
 from torch import nn
 from transformers import BatchFeature, PreTrainedModel, ProcessorMixin
 
-from client.models import _templates
+from client.models import _templates, image_crops
 from client.models._plugins import ADAPTER_ENTRY_POINT_GROUP, load_adapter_plugins
 from client.models.errors import PromptTooLongError
 from client.models.prompts import Example, Prompt, prompt_to_messages
@@ -91,6 +91,8 @@ class ModelAdapter:
         headless_layers: Whether a layer may have none of ``projection_paths`` (a hybrid's
             linear-attention or convolution layers); it then carries no heads. When False,
             such a layer is an error: the adapter is wrong for the model.
+        image_crops: How the family's processor obeys a plan's ``max_image_crops``
+            (:mod:`client.models.image_crops`); None refuses every cap.
     """
 
     model_types: tuple[str, ...]
@@ -98,6 +100,7 @@ class ModelAdapter:
     chat_template: str
     projection_paths: tuple[str, ...] = ("self_attn.o_proj",)
     headless_layers: bool = False
+    image_crops: image_crops.ImageCropCap | None = None
 
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         """Return the model's decoder layers, in order."""
@@ -295,8 +298,8 @@ def check_prompt_length(model: PreTrainedModel, num_tokens: int) -> None:
         raise PromptTooLongError(
             f"prompt length must be at most the model's context of {limit} tokens, got "
             f"{num_tokens}. Use fewer shots a chunk, smaller images or fewer crops an image "
-            "(image splitting multiplies image tokens); `dpmtv-site data check DIR --model M` "
-            "prints the prompt lengths."
+            "(image splitting multiplies image tokens: cap it with the plan's max-image-crops); "
+            "`dpmtv-site data check DIR --model M --max-image-crops N` prints the lengths."
         )
 
 
@@ -352,25 +355,38 @@ def _builtin(model_types: tuple[str, ...], layers_path: str, template: str, **kw
 
 
 _LM = "model.language_model.layers"
-_builtin(("llava", "llava_next"), _LM, _templates.LLAVA)
-_builtin(("llava_onevision",), _LM, _templates.LLAVA_ONEVISION)
-_builtin(("qwen2_vl", "qwen2_5_vl", "qwen3_vl"), _LM, _templates.QWEN_VL)
-_builtin(("idefics2",), "model.text_model.layers", _templates.IDEFICS2)
-_builtin(("idefics3",), "model.text_model.layers", _templates.IDEFICS3)
-_builtin(("smolvlm",), "model.text_model.layers", _templates.SMOLVLM)
-_builtin(("paligemma",), _LM, _templates.PALIGEMMA)
-_builtin(("gemma3",), _LM, _templates.GEMMA3)
-_builtin(("internvl",), _LM, _templates.INTERNVL)
+_ONE = image_crops.never_splits
+_builtin(("llava",), _LM, _templates.LLAVA, image_crops=_ONE)
+# Anyres: the crops follow the model config's image_grid_pinpoints (refused below their count).
+_ANYRES = image_crops.fixed_by_model(image_crops.llava_next_max_crops, "image_grid_pinpoints")
+_builtin(("llava_next",), _LM, _templates.LLAVA, image_crops=_ANYRES)
+_builtin(("llava_onevision",), _LM, _templates.LLAVA_ONEVISION, image_crops=_ANYRES)
+# Dynamic resolution: image tokens grow with pixels up to max_pixels, never crops.
+_builtin(("qwen2_vl", "qwen2_5_vl", "qwen3_vl"), _LM, _templates.QWEN_VL, image_crops=_ONE)
+_TEXT = "model.text_model.layers"
+_builtin(("idefics2",), _TEXT, _templates.IDEFICS2, image_crops=image_crops.split_in_four)
+_builtin(("idefics3",), _TEXT, _templates.IDEFICS3, image_crops=image_crops.split_into_tiles)
+_builtin(("smolvlm",), _TEXT, _templates.SMOLVLM, image_crops=image_crops.split_into_tiles)
+_builtin(("paligemma",), _LM, _templates.PALIGEMMA, image_crops=_ONE)
+_builtin(("gemma3",), _LM, _templates.GEMMA3, image_crops=image_crops.pan_and_scan)
+_builtin(("internvl",), _LM, _templates.INTERNVL, image_crops=image_crops.crop_to_patches)
 # Its processor (Pixtral) needs torchvision: tested here model-only, like LFM2-VL below.
-_builtin(("mistral3",), _LM, _templates.MISTRAL3)
+# Pixtral never splits: tokens grow with the image up to size["longest_edge"].
+_builtin(("mistral3",), _LM, _templates.MISTRAL3, image_crops=_ONE)
 # Cross-attention stack: every fifth layer or so attends to the image through cross_attn.
+# Its tiles are laid out as the vision config's max_num_tiles (refused below it).
 _builtin(
-    ("mllama",), _LM, _templates.MLLAMA, projection_paths=("self_attn.o_proj", "cross_attn.o_proj")
+    ("mllama",),
+    _LM,
+    _templates.MLLAMA,
+    projection_paths=("self_attn.o_proj", "cross_attn.o_proj"),
+    image_crops=image_crops.fixed_by_model(image_crops.mllama_max_crops, "max_num_tiles"),
 )
 # Hybrid stack: Gated DeltaNet (linear attention) layers carry no softmax heads to patch.
-_builtin(("qwen3_5",), _LM, _templates.QWEN_VL, headless_layers=True)
+_builtin(("qwen3_5",), _LM, _templates.QWEN_VL, headless_layers=True, image_crops=_ONE)
 # Hybrid stack: short-convolution layers carry no heads; attention ends in out_proj. Its
-# processor needs torchvision, so the tests build the model only (no tiny processor).
+# processor needs torchvision, so the tests build the model only (no tiny processor); it
+# splits into tiles (min_tiles/max_tiles), untested here, so a crop cap is refused.
 _builtin(
     ("lfm2_vl",),
     _LM,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import importlib.util
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, cast
 
@@ -29,6 +29,7 @@ from transformers.utils.hub import PushToHubMixin
 from transformers.utils.import_utils import is_torchvision_available
 
 from client.models.adapters import ModelAdapter, ensure_pad_token, get_adapter
+from client.models.image_crops import cap_image_crops
 from dpmtv_common.errors import ConfigError, ModelError
 from dpmtv_common.fingerprint import fingerprint_model_dir
 
@@ -67,12 +68,38 @@ class LoadedModel:
         adapter: The registry entry for ``model.config.model_type``.
         fingerprint: ``fingerprint_model_dir`` of the directory it was read from; task-vector
             artifacts record it, and a site refuses a vector made for another model.
+        max_image_crops: The cap on crops an image ``processor`` obeys (a plan's or an
+            artifact's ``max_image_crops``), or None for the processor as shipped.
     """
 
     model: PreTrainedModel
     processor: ProcessorMixin
     adapter: ModelAdapter
     fingerprint: str
+    max_image_crops: int | None = None
+
+    def with_image_crops(self, max_crops: int | None) -> LoadedModel:
+        """This model with a processor that splits no image into more than ``max_crops`` crops.
+
+        None, or the cap already in force, returns ``self``. The processor is a copy (see
+        ``client.models.image_crops``): the loaded one stays as shipped for other releases.
+
+        Raises:
+            ConfigError: The family cannot meet the cap (or declares no way to), or another
+                cap is already in force (caps are applied to the shipped processor only).
+        """
+        if max_crops == self.max_image_crops:
+            return self
+        if self.max_image_crops is not None:
+            raise ConfigError(
+                f"max_image_crops must be applied to the processor as shipped, got "
+                f"{max_crops!r} on a processor already capped at {self.max_image_crops}."
+            )
+        family = str(self.model.config.model_type)
+        capped = cap_image_crops(
+            self.processor, self.adapter.image_crops, max_crops=max_crops, family=family
+        )
+        return replace(self, processor=capped, max_image_crops=max_crops)
 
     @property
     def dtype_name(self) -> str:

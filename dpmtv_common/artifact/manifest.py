@@ -101,6 +101,10 @@ class ReleaseDescription(BaseModel):
             ``"bfloat16"``, ``"float16"``), or None when the release did not record it
             (artifacts made before the field existed). A bfloat16 vector is rounded to 8 bits
             of mantissa; a site may refuse to apply a vector made in another dtype.
+        max_image_crops: The plan's cap on crops an image (taken from
+            ``plan["max_image_crops"]`` when not given), or None for the processor as shipped
+            (also every artifact made before the field existed). Queries must be prompted
+            under the same cap as the chunks were.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -120,6 +124,7 @@ class ReleaseDescription(BaseModel):
     clip_norm: float
     noise_std: float
     model_dtype: str | None = None
+    max_image_crops: int | None = None
 
     @field_validator("model_dtype")
     @classmethod
@@ -166,6 +171,29 @@ class ReleaseDescription(BaseModel):
     def _at_least_one(cls, value: int, info: ValidationInfo) -> int:
         _require(value >= 1, _name(info), "be >= 1", value)
         return value
+
+    @model_validator(mode="before")
+    @classmethod
+    def _crop_cap_from_plan(cls, data: Any) -> Any:
+        # The releasing code states the plan; the cap it fixed is read from there, once.
+        if isinstance(data, dict) and "max_image_crops" not in data:
+            plan = data.get("plan")
+            if isinstance(plan, dict):
+                return {**data, "max_image_crops": plan.get("max_image_crops")}
+        return data
+
+    @model_validator(mode="after")
+    def _crop_cap_is_the_plans(self) -> ReleaseDescription:
+        # One value, stated twice (plan and field): they must never disagree, or a site
+        # would prompt queries under another cap than the chunks were prompted under.
+        planned = self.plan.get("max_image_crops")
+        _require(
+            self.max_image_crops == planned,
+            "max_image_crops",
+            f"equal the plan's max_image_crops {planned!r}",
+            self.max_image_crops,
+        )
+        return self
 
 
 class ArtifactManifest(ReleaseDescription):
@@ -230,10 +258,11 @@ class ArtifactManifest(ReleaseDescription):
 def manifest_to_canonical_bytes(manifest: ArtifactManifest) -> bytes:
     """Return the bytes the signature covers: the manifest as canonical, ASCII JSON.
 
-    An unset ``model_dtype`` is left out, so artifacts signed before the field existed still
-    verify (their signed bytes never held the key).
+    An unset ``model_dtype`` or ``max_image_crops`` is left out, so artifacts signed before
+    the field existed still verify (their signed bytes never held the key).
     """
     document = manifest.model_dump(mode="json")
-    if document.get("model_dtype") is None:
-        document.pop("model_dtype", None)
+    for optional in ("model_dtype", "max_image_crops"):
+        if document.get(optional) is None:
+            document.pop(optional, None)
     return _canonical_json(document)

@@ -551,7 +551,7 @@ def test_a_registered_model_type_never_loads_plugins(monkeypatch):
 
     monkeypatch.setattr("client.models._plugins.metadata.entry_points", fail)
 
-    assert get_adapter("llava").model_types == ("llava", "llava_next")
+    assert get_adapter("llava_next").model_types == ("llava_next",)
 
 
 # --- Pad token and prompt length --------------------------------------------------------------
