@@ -84,7 +84,7 @@ def setup(args, model: Path, root: Path, task: str) -> Bench:
     public_heads = select_heads_attribution(
         loaded, acts.mean(0), [c.query for c in public_chunks], k=args.heads
     )
-    all_heads = HeadSet.all_heads(num_layers=shape.num_layers, num_heads=shape.num_heads)
+    all_heads = shape.all_heads()
     chunks = make_chunks(pooled, shots=args.shots, seed=1).chunks
     unclipped = extract_clipped_sum(loaded, chunks, heads=all_heads, clip_norm=1e12, progress=False)
     mtv_mean = unclipped.total / unclipped.num_chunks

@@ -87,8 +87,7 @@ def release(plan: ReleasePlan, sums, loaded: LoadedModel, noise: NoiseSource) ->
     return run_release(
         plan,
         sums=sums,
-        num_layers=shape.num_layers,
-        num_heads=shape.num_heads,
+        layout=shape.layout(),
         noise=noise,
         on_first_noise=lambda: None,
     )

@@ -186,14 +186,13 @@ def accuracy_of(
     )  # fmt: skip
     grids = None
     if setting.mode is NoiseMode.DISTRIBUTED:
-        grids = DistributedRelease(plan, shape.num_layers * shape.num_heads, shape.head_dim)
+        grids = DistributedRelease(plan, shape.layout().dense_size, shape.head_dim)
     scores = []
     for _ in range(args.draws):
         noise = secure_noise()
         sums = ConsortiumSums(caches[: setting.sites], plan, grids, noise)
         outcome = run_release(
-            plan, sums=sums, num_layers=shape.num_layers, num_heads=shape.num_heads,
-            noise=noise, on_first_noise=lambda: None,
+            plan, sums=sums, layout=shape.layout(), noise=noise, on_first_noise=lambda: None,
         )  # fmt: skip
         scores.append(test.accuracy(loaded, (outcome.heads, outcome.values)))
     return scores

@@ -48,7 +48,7 @@ def median_seconds(run, repeats: int) -> float:
 def measure(model_dir: Path, data: Path) -> dict[str, float]:
     loaded = load_model(model_dir, device="cpu")
     shape = loaded.adapter.head_shape(loaded.model)
-    heads = HeadSet.all_heads(num_layers=shape.num_layers, num_heads=shape.num_heads)
+    heads = shape.all_heads()
     dataset = load_dataset(data)
     chunks = make_chunks(dataset, shots=SHOTS, seed=0, max_chunks=CHUNKS).chunks
     per_chunk = median_seconds(

@@ -54,7 +54,7 @@ from client.models import LoadedModel
 from client.release import LocalSums
 from dpmtv_common.aliases import Float64Array, Int64Array
 from dpmtv_common.errors import ConfigError
-from dpmtv_common.heads import HeadSet
+from dpmtv_common.heads import HeadLayout, HeadSet
 from dpmtv_common.privacy.noise import NoiseSource
 from protocol import (
     ActivationSum,
@@ -170,8 +170,7 @@ def choose_canary(
     Positions tried: the query and the first demonstration of the first chunk. Returns the
     canary, the index of the record it replaces and ‖Δ‖ of that chunk's contribution.
     """
-    shape = loaded.adapter.head_shape(loaded.model)
-    heads = _audited_heads(plan, shape.num_layers, shape.num_heads)
+    heads = _audited_heads(plan, loaded.adapter.head_shape(loaded.model).layout())
 
     def first_chunk(data: SiteDataset) -> Chunk:
         cut = make_chunks(
@@ -226,11 +225,11 @@ def _through_run_release(plan: ReleasePlan) -> bool:
     return plan.selection is SelectionMode.PUBLIC and plan.order is ReleaseOrder.SELECT_FIRST
 
 
-def _audited_heads(plan: ReleasePlan, num_layers: int, num_heads: int) -> HeadSet:
-    # The scope of the Gaussian draw: all heads, except for a public list selected first.
+def _audited_heads(plan: ReleasePlan, layout: HeadLayout) -> HeadSet:
+    # The scope of the Gaussian draw: every carried head, except a public list selected first.
     if plan.public_heads and _through_run_release(plan) and plan.selection is SelectionMode.PUBLIC:
         return HeadSet(plan.public_heads)
-    return HeadSet.all_heads(num_layers=num_layers, num_heads=num_heads)
+    return layout.all_heads()
 
 
 def make_canary_pair(
@@ -246,8 +245,7 @@ def make_canary_pair(
     Both are cut with the same secret ``chunk_seed`` and summed by :class:`LocalSums` over the
     plan's Gaussian scope, once each (one forward pass per chunk, as a release does).
     """
-    shape = loaded.adapter.head_shape(loaded.model)
-    heads = _audited_heads(plan, shape.num_layers, shape.num_heads)
+    heads = _audited_heads(plan, loaded.adapter.head_shape(loaded.model).layout())
     max_chunks = plan.max_chunks_per_site
     chunks = [
         make_chunks(data, shots=plan.shots, seed=chunk_seed, max_chunks=max_chunks).chunks
@@ -284,7 +282,7 @@ class _FixedSums:
 
 
 def _released_values(
-    plan: ReleasePlan, summed: ActivationSum, noise: NoiseSource, shape: tuple[int, int]
+    plan: ReleasePlan, summed: ActivationSum, noise: NoiseSource, layout: HeadLayout
 ) -> Float64Array:
     """One production release of ``summed``: the noisy mean over the audited heads."""
     if not _through_run_release(plan):
@@ -297,8 +295,7 @@ def _released_values(
     outcome = run_release(
         plan,
         sums=_FixedSums(summed),
-        num_layers=shape[0],
-        num_heads=shape[1],
+        layout=layout,
         noise=noise,
         on_first_noise=lambda: None,
     )
@@ -438,11 +435,11 @@ def _projections(
     *,
     runs: int,
     noise: NoiseSource,
-    shape: tuple[int, int],
+    layout: HeadLayout,
 ) -> Float64Array:
     return np.array(
         [
-            float(np.sum(_released_values(plan, summed, noise, shape) * direction))
+            float(np.sum(_released_values(plan, summed, noise, layout) * direction))
             for _ in range(runs)
         ]
     )
@@ -454,7 +451,7 @@ def audit_pair(
     *,
     noise: NoiseSource,
     runs: int,
-    shape: tuple[int, int],
+    layout: HeadLayout,
     confidence: float = 0.95,
     label: str = "production",
 ) -> AuditReport:
@@ -465,7 +462,7 @@ def audit_pair(
         pair: The neighbouring sums (:func:`make_canary_pair`).
         noise: The production noise source, or a :class:`ScaledNoise` for the power check.
         runs: Releases per side (at least 20).
-        shape: (layers, heads) of the model.
+        layout: The model's head layout (which layers carry heads).
         confidence: Of every interval and lower bound (two-sided for μ̂).
         label: Names the noise in the report.
     """
@@ -481,7 +478,7 @@ def audit_pair(
     direction = (pair.with_canary.total - pair.without.total) / pair.distance
     scale = pair.without.num_chunks  # projections of the sum, not the mean
     sides = [
-        _projections(plan, summed, direction, runs=runs, noise=noise, shape=shape) * scale
+        _projections(plan, summed, direction, runs=runs, noise=noise, layout=layout) * scale
         for summed in (pair.without, pair.with_canary)
     ]
     mechanism = plan_calibration(plan).gaussian(clip_norm=plan.clip_norm, heads=pair.without.heads)

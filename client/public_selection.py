@@ -7,8 +7,8 @@ from the public set's chunks:
   log p(first answer token) from overwriting head h with μ_h (attribution patching); keep the
   k best heads. One forward and backward pass a query.
 * ``reinforce`` (MTV, Huang et al. 2024, §3.2 and its official code): independent Bernoulli
-  gates over all heads, θ initialised to −1; each step draws one zero-shot query and
-  ``samples`` gate masks, patches the masked heads with μ, scores each mask by the
+  gates over all heads the model carries, θ initialised to −1; each step draws one zero-shot
+  query and ``samples`` gate masks, patches the masked heads with μ, scores each mask by the
   cross-entropy of the first answer token, standardises the losses and takes an Adam step
   on Σ log p(mask)·loss. Finally ``final_draws`` masks are scored on the first queries and
   the best is kept (its size is whatever the policy learned, as in MTV).
@@ -106,11 +106,17 @@ def select_heads_attribution(
     batch_size: int = 4,
     instruction: str | None = None,
 ) -> HeadSet:
-    """The k heads whose overwrite with μ most raises log p(answer), to first order."""
-    num_layers, num_heads = mean.shape[:2]
-    if not 1 <= k <= num_layers * num_heads:
-        raise ConfigError(f"k must lie in [1, {num_layers * num_heads}], got {k!r}.")
-    gain = torch.zeros(num_layers, num_heads)
+    """The k heads whose overwrite with μ most raises log p(answer), to first order.
+
+    Only heads the model carries are ranked (none of a hybrid's headless layers).
+    """
+    layout = loaded.adapter.head_shape(loaded.model).layout()
+    candidates = layout.candidates()
+    if not 1 <= k <= len(candidates):
+        raise ConfigError(
+            f"k must lie in [1, {len(candidates)}] (the heads the model carries), got {k!r}."
+        )
+    gain = torch.zeros(layout.num_layers, layout.num_heads)
     for start in range(0, len(queries), batch_size):
         batch = queries[start : start + batch_size]
         prompts = [zero_shot_prompt(r) for r in batch]
@@ -118,8 +124,8 @@ def select_heads_attribution(
             loaded, prompts, [r.answer for r in batch], instruction=instruction
         )
         gain += ((mean - acts) * grads).sum(dim=(0, -1))
-    best = torch.argsort(gain.flatten(), descending=True)[:k].tolist()
-    return HeadSet.of((i // num_heads, i % num_heads) for i in best)
+    ranked = torch.argsort(gain.flatten()[candidates], descending=True, stable=True)[:k]
+    return layout.heads_at(candidates[int(i)] for i in ranked)
 
 
 def _first_token_loss(
@@ -160,25 +166,36 @@ def select_heads_reinforce(
     if not queries:
         raise ConfigError("queries must hold at least one public query, got none.")
     generator = torch.Generator().manual_seed(settings.seed)
+    carried = _carried_mask(loaded)
     logits = torch.full(mean.shape[:2], -1.0, requires_grad=True)
     optimizer = torch.optim.Adam([logits], lr=settings.learning_rate)
     for step in tqdm(range(settings.steps), desc="reinforce", disable=not progress):
         record = queries[step % len(queries)]
         probs = torch.sigmoid(logits).clamp(1e-3, 1 - 1e-3)
-        masks = torch.bernoulli(
+        masks = carried * torch.bernoulli(
             probs.detach().expand(settings.samples, -1, -1), generator=generator
         )
         losses = torch.tensor(
             [_first_token_loss(loaded, record, mean, m, instruction) for m in masks]
         )
         normalised = (losses - losses.mean()) / (losses.std() + 1e-3)
-        log_probs = (masks * probs.log() + (1 - masks) * (1 - probs).log()).sum(dim=(1, 2))
+        log_probs = (carried * (masks * probs.log() + (1 - masks) * (1 - probs).log())).sum(
+            dim=(1, 2)
+        )
         optimizer.zero_grad()
         (log_probs * normalised).sum().backward()  # type: ignore[no-untyped-call]
         optimizer.step()
     return _best_final_mask(
-        loaded, mean, queries, logits.detach(), settings, generator, instruction
+        loaded, mean, queries, logits.detach(), settings, generator, instruction, carried
     )
+
+
+def _carried_mask(loaded: LoadedModel) -> torch.Tensor:
+    """1.0 for each (layer, head) the model carries, 0.0 in a hybrid's headless layers."""
+    layout = loaded.adapter.head_shape(loaded.model).layout()
+    mask = torch.zeros(layout.dense_size)
+    mask[layout.candidates()] = 1.0
+    return mask.reshape(layout.num_layers, layout.num_heads)
 
 
 def _best_final_mask(
@@ -189,12 +206,13 @@ def _best_final_mask(
     settings: ReinforceSettings,
     generator: torch.Generator,
     instruction: str | None,
+    carried: torch.Tensor,
 ) -> HeadSet:
     probs = torch.sigmoid(logits).clamp(1e-3, 1 - 1e-3)
     scored = queries[: settings.final_queries]
     best_loss, best_mask = np.inf, None
     for _ in range(settings.final_draws):
-        mask = torch.bernoulli(probs, generator=generator)
+        mask = carried * torch.bernoulli(probs, generator=generator)
         loss = float(
             np.mean([_first_token_loss(loaded, r, mean, mask, instruction) for r in scored])
         )

@@ -43,8 +43,8 @@ from protocol import (
     ActivationSum,
     ReleaseOutcome,
     ReleasePlan,
-    SelectionMode,
     VoteSum,
+    check_plan_scope,
     plan_calibration,
     release_description,
     reserve_plan,
@@ -121,7 +121,8 @@ def check_release_inputs(
 
     Raises:
         ModelMismatchError: The plan names another model.
-        ConfigError: No chunks; heads, k or top-r do not fit the model; the output path
+        ConfigError: No chunks; heads, k or top-r do not fit the heads the model carries
+            (:func:`protocol.check_plan_scope`: none in a headless layer); the output path
             exists (without ``overwrite``), is not a folder, lies under a file or cannot be
             written; or the plan cannot be calibrated.
     """
@@ -133,33 +134,11 @@ def check_release_inputs(
         )
     if not sums.chunks:
         raise ConfigError("chunks must hold at least one chunk, got none.")
-    _check_heads_fit(plan, loaded)
+    check_plan_scope(plan, loaded.adapter.head_shape(loaded.model).layout())
     answers = [record.answer for chunk in sums.chunks for record in chunk.records]
     check_answer_vocabulary(loaded, answers)
     _check_output(output, overwrite=overwrite)
     plan_calibration(plan)  # the accountant's answer is cached: run_release reuses it
-
-
-def _check_heads_fit(plan: ReleasePlan, loaded: LoadedModel) -> None:
-    shape = loaded.adapter.head_shape(loaded.model)
-    total = shape.num_layers * shape.num_heads
-    for layer, head in plan.public_heads or ():
-        if layer >= shape.num_layers or head >= shape.num_heads:
-            raise ConfigError(
-                f"public heads must lie within {shape.num_layers} layers x {shape.num_heads} "
-                f"heads, got {(layer, head)!r}."
-            )
-    if plan.selection is SelectionMode.PRIVATE:
-        if plan.num_selected_heads > total:
-            raise ConfigError(
-                f"heads (num_selected_heads) must be at most the model's {total} heads "
-                f"({shape.num_layers} layers x {shape.num_heads}), got {plan.num_selected_heads}."
-            )
-        if plan.score_top_r > total:
-            raise ConfigError(
-                f"top-r (score_top_r) must be at most the model's {total} heads "
-                f"({shape.num_layers} layers x {shape.num_heads}), got {plan.score_top_r}."
-            )
 
 
 def _check_output(output: Path, *, overwrite: bool) -> None:
@@ -216,13 +195,12 @@ def run_single_holder_release(
         ledger.mark_exposed(plan.release_id)
         exposed = True
 
-    shape = loaded.adapter.head_shape(loaded.model)
+    layout = loaded.adapter.head_shape(loaded.model).layout()
     try:
         outcome = run_release(
             plan,
             sums=sums,
-            num_layers=shape.num_layers,
-            num_heads=shape.num_heads,
+            layout=layout,
             noise=noise,
             on_first_noise=mark_exposed,
         )

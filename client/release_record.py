@@ -30,6 +30,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 
 from dpmtv_common.aliases import LayerHead
 from dpmtv_common.errors import LedgerError
+from dpmtv_common.heads import HeadLayout
 from protocol import ReleasePlan, StageOrderError, plan_hash
 
 __all__ = ["ReleaseRecord", "ReleaseRecordStore", "SiteReleaseState"]
@@ -57,6 +58,9 @@ class ReleaseRecord(BaseModel):
         plan_hash: ``protocol.plan_hash`` of that plan.
         num_chunks: m_i the site promised.
         num_layers: L of the site's model; num_heads: H; head_dim: D.
+        head_layers: The decoder layers that carry heads (a hybrid's linear-attention or
+            convolution layers carry none); None: every layer (also in records written before
+            hybrids were served). The site's "all heads" are the heads of these layers.
         model_dtype: The dtype the site extracts in (an artifact of another is refused).
         sent: Secure-sum stages whose (masked) contribution left the site, in order.
         extract_heads: The heads of the activation sum the site contributed (None: all).
@@ -77,6 +81,7 @@ class ReleaseRecord(BaseModel):
     num_layers: int
     num_heads: int
     head_dim: int
+    head_layers: tuple[int, ...] | None = None
     model_dtype: str | None = None
     sent: tuple[str, ...] = ()
     extract_heads: tuple[LayerHead, ...] | None = None
@@ -92,6 +97,11 @@ class ReleaseRecord(BaseModel):
         return ReleasePlan.model_validate_json(self.plan_json)
 
     @property
+    def layout(self) -> HeadLayout:
+        """The model's head layout as accepted: which layers carry heads."""
+        return HeadLayout(self.num_layers, self.num_heads, self.head_layers)
+
+    @property
     def finished(self) -> bool:
         """Whether the release is released or aborted (no further message is served)."""
         return self.state in _FINAL
@@ -103,11 +113,11 @@ class ReleaseRecord(BaseModel):
         *,
         run_id: int,
         num_chunks: int,
-        shape: tuple[int, int, int],
+        layout: HeadLayout,
+        head_dim: int,
         model_dtype: str | None = None,
     ) -> ReleaseRecord:
-        """The record of a plan just accepted."""
-        num_layers, num_heads, head_dim = shape
+        """The record of a plan just accepted, on a model of ``layout`` with ``head_dim``."""
         return cls(
             model_dtype=model_dtype,
             release_id=plan.release_id,
@@ -115,9 +125,10 @@ class ReleaseRecord(BaseModel):
             plan_json=plan.model_dump_json(),
             plan_hash=plan_hash(plan),
             num_chunks=num_chunks,
-            num_layers=num_layers,
-            num_heads=num_heads,
+            num_layers=layout.num_layers,
+            num_heads=layout.num_heads,
             head_dim=head_dim,
+            head_layers=layout.head_layers,
             updated=_now(),
         )
 

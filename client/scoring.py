@@ -1,8 +1,10 @@
 """Per-chunk head scores for private selection: each chunk votes for its top-r heads.
 
-A chunk's vote vector has one entry per head of the model, 1 for its r best heads and 0
-elsewhere, so it lies in [0, 1] per head: replacing one chunk moves any head's summed score
-by at most 1 (Δ∞ = 1, the sensitivity the Gumbel top-k is calibrated to). Two ways to rank:
+A chunk's vote vector has one entry per (layer, head) slot of the model, 1 for its r best
+heads and 0 elsewhere, so it lies in [0, 1] per head: replacing one chunk moves any head's
+summed score by at most 1 (Δ∞ = 1, the sensitivity the Gumbel top-k is calibrated to). A
+chunk votes only among the heads the model carries (``HeadShape.layout().candidates()``): the
+slots of a hybrid's headless layers never get a vote. Two ways to rank:
 
 * ``shift`` — ‖z_h(K-shot prompt) − z_h(zero-shot query)‖: heads whose last-token output the
   demonstrations change most (two forward passes a chunk).
@@ -43,7 +45,7 @@ from client.extraction import (
     zero_shot_prompt,
 )
 from client.hooks import registered_pre_hooks
-from client.models import LoadedModel, Prompt
+from client.models import HeadShape, LoadedModel, Prompt
 from dpmtv_common.aliases import Float64Array
 from dpmtv_common.errors import ConfigError, DataError, ModelError
 
@@ -162,6 +164,7 @@ def last_token_attribution(
     """
     model, adapter = loaded.model, loaded.adapter
     shape = adapter.head_shape(model)
+    projections = adapter.projections_by_layer(model)  # the layers that carry heads
     inputs = adapter.build_batch_inputs(loaded.processor, prompts, instruction=instruction)
     inputs = inputs.to(model.device)
     offsets: list[torch.Tensor] = []
@@ -177,16 +180,29 @@ def last_token_attribution(
 
     targets = answer_token_ids(loaded, answers).to(model.device)
     with _frozen_parameters(model), torch.enable_grad():
-        with registered_pre_hooks((p, hook) for p in adapter.output_projections(model)):
+        with registered_pre_hooks((p, hook) for p in projections.values()):
             logits = model(**inputs).logits[:, -1].float()
         logits.log_softmax(-1).gather(1, targets[:, None]).sum().backward()
-    if len(offsets) != shape.num_layers or any(o.grad is None for o in offsets):
-        raise ModelError("attribution must see one gradient per layer; the model skipped some.")
-    batch = len(prompts)
-    view = (batch, shape.num_layers, shape.num_heads, shape.head_dim)
-    acts = torch.stack(values, dim=1).float().reshape(view).cpu()
-    grads = torch.stack([o.grad for o in offsets if o.grad is not None], dim=1)
-    return acts, grads.float().reshape(view).cpu()
+    if len(offsets) != len(projections) or any(o.grad is None for o in offsets):
+        raise ModelError(
+            "attribution must see one gradient per layer that carries heads; the model "
+            "skipped some."
+        )
+    grads = [o.grad for o in offsets if o.grad is not None]
+    return _dense_heads(values, shape), _dense_heads(grads, shape)
+
+
+def _dense_heads(per_layer: Sequence[torch.Tensor], shape: HeadShape) -> torch.Tensor:
+    """``(B, H * D)`` per carried layer -> float32 ``(B, L, H, D)``, zeros in headless layers.
+
+    The same layout the capture hooks record, so scores index heads by decoder layer.
+    """
+    batch = per_layer[0].shape[0]
+    stacked = torch.stack(list(per_layer), dim=1).float().cpu()
+    stacked = stacked.reshape(batch, len(per_layer), shape.num_heads, shape.head_dim)
+    dense = torch.zeros(batch, shape.num_layers, shape.num_heads, shape.head_dim)
+    dense[:, list(shape.head_layers)] = stacked
+    return dense
 
 
 def _chunk_scores(
@@ -279,20 +295,25 @@ def chunk_votes(
 ) -> Iterator[Float64Array]:
     """Each chunk's top-r vote vector ``(L * H,)``, zeros for a failed one.
 
+    The r votes go to the best of the heads the model carries; headless slots stay 0.
+
     ``shift`` runs in the fixed-shape batches of ``client.extraction`` (``batch_size``
     chunks a pass); ``attribution`` runs one unpadded forward and backward pass a chunk.
     Either way no chunk's scores depend on another chunk by a single bit. The exception
     type of each failed chunk is counted in ``failures`` when given.
 
     Raises:
-        ConfigError: ``top_r`` outside ``[1, L * H]``, a bad ``reference`` or ``batch_size``
-            < 1 (checked before any chunk runs).
+        ConfigError: ``top_r`` outside ``[1, carried heads]``, a bad ``reference`` or
+            ``batch_size`` < 1 (checked before any chunk runs).
     """
     method = ScoreMethod(method)
-    shape = loaded.adapter.head_shape(loaded.model)
-    num_heads = shape.num_layers * shape.num_heads
-    if not 1 <= top_r <= num_heads:
-        raise ConfigError(f"top_r must lie in [1, {num_heads}] (L * H), got {top_r!r}.")
+    layout = loaded.adapter.head_shape(loaded.model).layout()
+    num_heads, candidates = layout.dense_size, layout.candidates()
+    if not 1 <= top_r <= len(candidates):
+        raise ConfigError(
+            f"top_r must lie in [1, {len(candidates)}] (the heads the model carries), "
+            f"got {top_r!r}."
+        )
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size!r}.")
     ref = _checked_reference(loaded, reference)
@@ -309,7 +330,9 @@ def chunk_votes(
                 failures[type(chunk_scores).__name__] += 1
             yield np.zeros(num_heads)
         else:
-            yield top_r_votes(chunk_scores[None, :], top_r)[0]
+            vote = np.zeros(num_heads)
+            vote[candidates] = top_r_votes(chunk_scores[None, candidates], top_r)[0]
+            yield vote
 
 
 def chunk_head_votes(

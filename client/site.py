@@ -127,10 +127,10 @@ class Site:
         return cached_model(self.settings)
 
     def shape(self) -> ModelShape:
-        """(L, H, D) of the site's model."""
+        """The site model's head layout (which layers carry heads) and head width D."""
         loaded = self.model()
         head_shape = loaded.adapter.head_shape(loaded.model)
-        return head_shape.num_layers, head_shape.num_heads, head_shape.head_dim
+        return ModelShape(head_shape.layout(), head_shape.head_dim)
 
     def dataset(self) -> SiteDataset:
         """The site's private dataset, every record decoded and checked."""
@@ -168,7 +168,12 @@ class Site:
             reserve_plan(ledger, plan)  # owned by this (long-lived) process
         self.records.create(
             ReleaseRecord.planned(
-                plan, run_id=run_id, num_chunks=chunks, shape=shape, model_dtype=loaded.dtype_name
+                plan,
+                run_id=run_id,
+                num_chunks=chunks,
+                layout=shape.layout,
+                head_dim=shape.head_dim,
+                model_dtype=loaded.dtype_name,
             )
         )
         self.seeds[plan.release_id] = secret_seed()
@@ -181,15 +186,15 @@ class Site:
             chunks,
             plan.selection.value,
         )
-        num_layers, num_heads, head_dim = shape
         return PlanAccept(
             release_id=plan.release_id,
             site_name=self.settings.name,
             num_chunks=chunks,
-            num_layers=num_layers,
-            num_heads=num_heads,
-            head_dim=head_dim,
+            num_layers=shape.layout.num_layers,
+            num_heads=shape.layout.num_heads,
+            head_dim=shape.head_dim,
             model_dtype=loaded.dtype_name,
+            head_layers=shape.layout.head_layers,
         )
 
     def contribution(
@@ -237,7 +242,9 @@ class Site:
             progress=False,
         )
         if request.stage == "extract":
-            heads = HeadSet(request.heads) if request.heads is not None else self._all_heads()
+            heads = record.layout.all_heads()  # None: every head the model carries
+            if request.heads is not None:
+                heads = HeadSet(request.heads)
             summed = sums.activation_sum(heads)
             count = summed.num_chunks
             total = summed.total.ravel()
@@ -262,10 +269,6 @@ class Site:
             )
         )
         _log.info("release %s: contributed to the %s secure sum", record.release_id, request.stage)
-
-    def _all_heads(self) -> HeadSet:
-        num_layers, num_heads, _ = self.shape()
-        return HeadSet.all_heads(num_layers=num_layers, num_heads=num_heads)
 
     def store_reference(
         self, release_id: str, heads: HeadSet, values: Float64Array, *, run_id: int

@@ -5,8 +5,11 @@ site accepted (from its own :mod:`client.release_record`) and the site's own set
 check raises a typed error and the service turns it into a fixed-text ``ErrorReply``.
 
 * :func:`check_plan` — before any reservation: protocol version, model, trust mode, the
-  site's minimum number of sites, its per-release (ε, δ) caps, head counts inside the model,
-  and the privacy unit of its data.
+  site's minimum number of sites, its per-release (ε, δ) caps, head counts and public heads
+  inside the heads the model carries, and the privacy unit of its data.
+
+"All heads" are the heads the site's model carries (``ModelShape.layout``): a coordinator
+asking for a head in a hybrid's headless layer (plan, extract sum, artifact) is refused.
 * :func:`check_secure_sum` — before a contribution: a stage the plan has, once, in the plan's
   order, with the plan's clip norm, top-r and head scope (a coordinator asking for a larger
   clip norm, another head set or a second sum gets nothing).
@@ -19,6 +22,7 @@ check raises a typed error and the service turns it into a fixed-text ``ErrorRep
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -28,7 +32,7 @@ from client.settings import SiteSettings
 from dpmtv_common.aliases import Float64Array, LayerHead
 from dpmtv_common.artifact import TaskVectorArtifact
 from dpmtv_common.errors import ConfigError, ModelMismatchError, PolicyError
-from dpmtv_common.heads import HeadSet
+from dpmtv_common.heads import HeadLayout, HeadSet
 from dpmtv_common.privacy.distributed import DistributedNoise, check_min_honest
 from protocol import (
     DistributedRelease,
@@ -40,6 +44,7 @@ from protocol import (
     SelectionMode,
     StageOrderError,
     check_compatible,
+    check_plan_scope,
     plan_calibration,
 )
 
@@ -55,8 +60,19 @@ __all__ = [
     "secure_sum_stages",
 ]
 
-ModelShape = tuple[int, int, int]
-"""(L, H, D) of the site's model."""
+
+@dataclass(frozen=True)
+class ModelShape:
+    """The site model's head layout (L, H, the layers that carry heads) and head width D."""
+
+    layout: HeadLayout
+    head_dim: int
+
+    @classmethod
+    def of_record(cls, record: ReleaseRecord) -> ModelShape:
+        """The shape the site accepted the record's plan on."""
+        return cls(record.layout, record.head_dim)
+
 
 _REL_TOLERANCE = 1e-9  # ε and σ are recomputed by the same code: only float noise may differ
 
@@ -96,7 +112,7 @@ def _check_distributed(plan: ReleasePlan, settings: SiteSettings, shape: ModelSh
         min_sites=plan.min_sites,
     )
     release = distributed_release(plan, shape)
-    release.activations(_all_heads(shape))
+    release.activations(shape.layout.all_heads())
     release.votes()
 
 
@@ -115,12 +131,12 @@ def distributed_grid(
     plan = record.plan
     if plan.noise_mode is not NoiseMode.DISTRIBUTED:
         return None
-    shape = (record.num_layers, record.num_heads, record.head_dim)
+    shape = ModelShape.of_record(record)
     release = distributed_release(plan, shape)
     if request.stage == "select":
         grid = release.votes()
     else:
-        heads = HeadSet(request.heads) if request.heads is not None else _all_heads(shape)
+        heads = HeadSet(request.heads) if request.heads is not None else shape.layout.all_heads()
         grid = release.activations(heads)
     if grid is None:  # a select sum without private selection: check_secure_sum refuses
         raise StageOrderError("this plan has no vote sum.")
@@ -135,8 +151,8 @@ def distributed_grid(
 
 
 def distributed_release(plan: ReleasePlan, shape: ModelShape) -> DistributedRelease:
-    """The plan's distributed grids for this site's model shape."""
-    return DistributedRelease(plan, shape[0] * shape[1], shape[2])
+    """The plan's distributed grids for this site's model shape (votes: dense ``L * H``)."""
+    return DistributedRelease(plan, shape.layout.dense_size, shape.head_dim)
 
 
 def _check_policy(plan: ReleasePlan, settings: SiteSettings, data_unit: str) -> None:
@@ -164,28 +180,13 @@ def _check_policy(plan: ReleasePlan, settings: SiteSettings, data_unit: str) -> 
 
 
 def _check_heads_fit(plan: ReleasePlan, shape: ModelShape) -> None:
-    num_layers, num_heads, _ = shape
-    total = num_layers * num_heads
-    if plan.selection is not SelectionMode.ALL and plan.num_selected_heads > total:
+    carried = len(shape.layout.all_heads())
+    if plan.selection is not SelectionMode.ALL and plan.num_selected_heads > carried:
         raise ConfigError(
-            f"plan num_selected_heads must be at most the model's {total} heads, "
+            f"plan num_selected_heads must be at most the model's {carried} heads, "
             f"got {plan.num_selected_heads}."
         )
-    if plan.selection is SelectionMode.PRIVATE and plan.score_top_r > total:
-        raise ConfigError(
-            f"plan score_top_r must be at most the model's {total} heads, got {plan.score_top_r}."
-        )
-    _check_within(plan.public_heads or (), shape, "plan public_heads")
-
-
-def _check_within(heads: tuple[LayerHead, ...], shape: ModelShape, name: str) -> None:
-    num_layers, num_heads, _ = shape
-    outside = [head for head in heads if head[0] >= num_layers or head[1] >= num_heads]
-    if outside:
-        raise ConfigError(
-            f"{name} must lie within {num_layers} layers x {num_heads} heads, "
-            f"got {len(outside)} outside, first {outside[0]!r}."
-        )
+    check_plan_scope(plan, shape.layout)  # public heads carried; top-r of private votes
 
 
 def secure_sum_stages(plan: ReleasePlan) -> tuple[str, ...]:
@@ -243,18 +244,18 @@ def _check_select(record: ReleaseRecord, request: SecureSumRequest) -> None:
 
 def _check_extract_heads(record: ReleaseRecord, request: SecureSumRequest) -> None:
     plan = record.plan
-    shape = (record.num_layers, record.num_heads, record.head_dim)
+    layout = record.layout
     expected = _expected_extract_heads(plan)
     asked = request.heads
     if expected is None:
-        if asked is not None and asked != _all_heads(shape).heads:
+        if asked is not None and asked != layout.all_heads().heads:
             raise PlanMismatchError(
                 f"extract sum of this plan must cover every head, got {len(asked)} heads."
             )
         return
     if asked is None:
         raise PlanMismatchError("extract sum of this plan must name its heads, got None.")
-    _check_within(asked, shape, "extract heads")
+    layout.check_carried(asked, "extract heads")
     if expected and asked != expected:
         raise PlanMismatchError("extract heads must be the plan's public heads, got others.")
     if len(asked) != plan.num_selected_heads:
@@ -285,10 +286,9 @@ def check_reference(record: ReleaseRecord, heads: tuple[LayerHead, ...], values:
         raise StageOrderError("a noisy vector is only sent in release-first private plans.")
     if "extract" not in record.sent or record.reference_sha256 is not None:
         raise StageOrderError("the noisy vector must come once, after the extract sum.")
-    shape = (record.num_layers, record.num_heads, record.head_dim)
     array = np.asarray(values)
-    expected = (record.num_layers, record.num_heads, record.head_dim)
-    if heads != _all_heads(shape).heads or array.shape != expected:
+    expected = (record.num_layers, record.num_heads, record.head_dim)  # dense, headless too
+    if heads != record.layout.all_heads().heads or array.shape != expected:
         raise PlanMismatchError(
             f"noisy vector must have shape (L, H, D) = {expected}, got {array.shape}."
         )
@@ -301,7 +301,7 @@ def gaussian_scope(record: ReleaseRecord, released: HeadSet) -> HeadSet:
     plan = record.plan
     expected = _expected_extract_heads(plan)
     if expected is None:
-        return _all_heads((record.num_layers, record.num_heads, record.head_dim))
+        return record.layout.all_heads()
     return HeadSet(expected) if expected else released
 
 
@@ -342,8 +342,7 @@ def _recomputed_privacy(record: ReleaseRecord, scope: HeadSet) -> tuple[float, f
     """(ε, σ) the artifact must state, recomputed from the accepted plan alone."""
     plan = record.plan
     if plan.noise_mode is NoiseMode.DISTRIBUTED:
-        shape = (record.num_layers, record.num_heads, record.head_dim)
-        release = distributed_release(plan, shape)
+        release = distributed_release(plan, ModelShape.of_record(record))
         bound = release.bound(scope, honest_shares=plan.min_honest)
         return bound.epsilon, release.noise_std(scope)
     calibration = plan_calibration(plan)
@@ -353,10 +352,9 @@ def _recomputed_privacy(record: ReleaseRecord, scope: HeadSet) -> tuple[float, f
 
 def _check_released_heads(record: ReleaseRecord, heads: HeadSet) -> None:
     plan = record.plan
-    shape = (record.num_layers, record.num_heads, record.head_dim)
-    _check_within(heads.heads, shape, "artifact heads")
+    record.layout.check_carried(heads.heads, "artifact heads")
     if plan.selection is SelectionMode.ALL:
-        _same("heads", heads.heads, _all_heads(shape).heads)
+        _same("heads", heads.heads, record.layout.all_heads().heads)
     elif plan.selection is SelectionMode.PUBLIC:
         _same("heads", heads.heads, plan.public_heads)
     else:
@@ -370,18 +368,12 @@ def _check_values_match_reference(
 ) -> None:
     # Release-first: the artifact's rows must be the noisy vector the site was sent, so a
     # coordinator cannot score against one vector and publish another.
-    all_heads = _all_heads((record.num_layers, record.num_heads, record.head_dim))
-    row = {head: index for index, head in enumerate(all_heads.heads)}
-    rows = reference.reshape(-1, record.head_dim)
-    expected = rows[[row[head] for head in artifact.heads.heads]].astype(np.float32)
+    rows = reference.reshape(-1, record.head_dim)  # dense (L * H, D), headless slots included
+    expected = rows[record.layout.dense_indices(artifact.heads)].astype(np.float32)
     if not np.allclose(artifact.values, expected, rtol=1e-6, atol=0.0):
         raise PlanMismatchError(
             "artifact values must be the rows of the noisy vector this site was sent, got others."
         )
-
-
-def _all_heads(shape: ModelShape) -> HeadSet:
-    return HeadSet.all_heads(num_layers=shape[0], num_heads=shape[1])
 
 
 def _same(name: str, got: object, expected: object) -> None:

@@ -39,7 +39,7 @@ from dpmtv_common.errors import (
     UnsupportedArchitectureError,
 )
 from dpmtv_common.fingerprint import fingerprint_model_dir
-from dpmtv_common.heads import HeadSet
+from dpmtv_common.heads import HeadLayout, HeadSet
 from dpmtv_common.privacy import (
     Calibration,
     EpsilonBound,
@@ -81,6 +81,7 @@ __all__ = [
     "Float64Array",
     "GaussianSumMechanism",
     "GumbelTopKMechanism",
+    "HeadLayout",
     "HeadSet",
     "InsecureRandomnessError",
     "InsufficientSharesError",

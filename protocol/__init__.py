@@ -63,11 +63,10 @@ from protocol.release import (
     ReleaseOutcome,
     ReleaseSums,
     VoteSum,
-    plan_release_event,
-    release_description,
-    reserve_plan,
+    check_plan_scope,
     run_release,
 )
+from protocol.release_manifest import plan_release_event, release_description, reserve_plan
 from protocol.stages import ALLOWED_TRANSITIONS, Stage, StageTracker
 from protocol.version import PROTOCOL_VERSION, check_compatible
 
@@ -113,6 +112,7 @@ __all__ = [
     "arrays_from_record",
     "arrays_to_record",
     "check_compatible",
+    "check_plan_scope",
     "expect",
     "message_arrays_from_record",
     "message_from_record",

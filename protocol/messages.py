@@ -20,6 +20,7 @@ from dpmtv_common.errors import (
     PolicyError,
     PrivacyBudgetExceededError,
 )
+from dpmtv_common.heads import HeadLayout, check_head_layers
 from protocol.errors import (
     ErrorCode,
     MessageDecodeError,
@@ -29,6 +30,7 @@ from protocol.errors import (
     VersionMismatchError,
 )
 from protocol.plan import (
+    MAX_HEADS,
     BoundedStr,
     HeadCount,
     HeadList,
@@ -133,6 +135,10 @@ class PlanAccept(WireMessage):
         head_dim: D, dimensions a head.
         model_dtype: The dtype the site extracts in (``float32``, ``bfloat16``, ``float16``);
             the coordinator refuses a consortium that mixes them, and records it.
+        head_layers: The decoder layers that carry heads, strictly ascending within
+            ``[0, num_layers)``; None means every layer. A hybrid's linear-attention or
+            convolution layers carry none. The coordinator refuses a consortium that
+            disagrees, and "all heads" of the release are the heads of these layers.
     """
 
     kind: Literal["plan-accept"] = "plan-accept"
@@ -143,6 +149,17 @@ class PlanAccept(WireMessage):
     num_heads: Annotated[int, Field(ge=1)]
     head_dim: Annotated[int, Field(ge=1)]
     model_dtype: Annotated[str, AfterValidator(_dtype_name)] | None = None
+    head_layers: Annotated[tuple[int, ...], Field(max_length=MAX_HEADS)] | None = None
+
+    @model_validator(mode="after")
+    def _check_head_layers(self) -> Self:
+        if self.head_layers is not None:
+            check_head_layers(self.head_layers, self.num_layers)
+        return self
+
+    def layout(self) -> HeadLayout:
+        """The site's model's head layout (which layers carry its heads)."""
+        return HeadLayout(self.num_layers, self.num_heads, self.head_layers)
 
 
 class ErrorReply(WireMessage):

@@ -7,6 +7,8 @@ privacy in exactly one place: it calibrates the plan, runs private selection (Gu
 and the single Gaussian draw in the plan's order, calls ``on_first_noise`` right before the
 first noisy output exists (ledgers mark the release exposed there), and returns the released
 heads and mean activations. Exactly one Gaussian draw happens per release, on the sum.
+What the outcome states (manifest fields) and what a plan reserves are in
+:mod:`protocol.release_manifest`.
 
 Orders (design §1 step 6):
 
@@ -18,6 +20,12 @@ Distributed noise mode (``plan.noise_mode``): the sums arrive already noisy — 
 its own discrete-Gaussian share inside SecAgg+ (:mod:`protocol.distributed`) — so no Gaussian
 is drawn here and selection is the top k of the noisy vote histogram (post-processing); the
 order and the ledger marks are the same.
+
+Head scope: "all heads" is ``layout.all_heads()``, the heads of the decoder layers that carry
+them (a hybrid's linear-attention or convolution layers carry none). The Gaussian of an
+all-heads sum is calibrated to those layers only (L_scope), public heads elsewhere are
+refused, and selection's candidate set is exactly those heads: the layout is read from the
+public model, never from data, so restricting the candidates changes no privacy map.
 """
 
 from __future__ import annotations
@@ -30,19 +38,15 @@ from typing import Protocol
 import numpy as np
 
 from dpmtv_common.aliases import Float64Array
-from dpmtv_common.artifact import ReleaseDescription
 from dpmtv_common.errors import ConfigError, InsufficientSharesError
-from dpmtv_common.heads import HeadSet
-from dpmtv_common.privacy.accounting import EpsilonBound, epsilon_bound
+from dpmtv_common.heads import HeadLayout, HeadSet
+from dpmtv_common.privacy.accounting import EpsilonBound
 from dpmtv_common.privacy.calibration import ReleaseCalibration
 from dpmtv_common.privacy.distributed import top_k_from_noisy_votes
-from dpmtv_common.privacy.events import ReleaseEvent
-from dpmtv_common.privacy.ledger import PrivacyLedger
 from dpmtv_common.privacy.noise import NoiseSource
 from protocol.calibration import plan_calibration
-from protocol.distributed import DistributedRelease, plan_distributed_event
-from protocol.plan import NoiseMode, ReleaseOrder, ReleasePlan, SelectionMode, plan_hash
-from protocol.version import PROTOCOL_VERSION
+from protocol.distributed import DistributedRelease
+from protocol.plan import NoiseMode, ReleaseOrder, ReleasePlan, SelectionMode
 
 __all__ = [
     "ActivationSum",
@@ -50,9 +54,7 @@ __all__ = [
     "ReleaseSums",
     "DistributedOutcome",
     "VoteSum",
-    "plan_release_event",
-    "release_description",
-    "reserve_plan",
+    "check_plan_scope",
     "run_release",
 ]
 
@@ -69,7 +71,11 @@ class ActivationSum:
 
 @dataclass(frozen=True)
 class VoteSum:
-    """Σ over chunks of top-r head votes, ``(L * H,)`` in (layer, head) order."""
+    """Σ over chunks of top-r head votes, ``(L * H,)`` in (layer, head) order.
+
+    Dense over every decoder layer; the slots of headless layers hold no votes (no chunk
+    votes for a head the model does not carry) and are never candidates.
+    """
 
     total: Float64Array
     num_chunks: int
@@ -162,11 +168,41 @@ def _rows(heads: HeadSet, subset: HeadSet) -> list[int]:
     return [index[head] for head in subset.heads]
 
 
+def _candidate_votes(votes: VoteSum, layout: HeadLayout) -> tuple[list[int], Float64Array]:
+    """The dense slots of the carried heads and their vote sums, in (layer, head) order."""
+    if votes.total.shape != (layout.dense_size,):
+        raise ConfigError(
+            f"vote sum must have shape (L * H,) = ({layout.dense_size},), "
+            f"got {votes.total.shape!r}."
+        )
+    candidates = layout.candidates()
+    return candidates, votes.total[candidates]
+
+
 def _select(
-    votes: VoteSum, calibration: ReleaseCalibration, noise: NoiseSource, num_heads: int
+    votes: VoteSum, calibration: ReleaseCalibration, noise: NoiseSource, layout: HeadLayout
 ) -> HeadSet:
-    picked = calibration.gumbel().select(votes.total, noise=noise)
-    return HeadSet.of((index // num_heads, index % num_heads) for index in picked)
+    """Gumbel top-k (central mode) over the candidate set: every head the model carries.
+
+    Mechanism: ``calibration.gumbel()`` (Δ∞ = 1 per head under replace-one of one privacy
+    unit's chunk, β = 2/ε₀, k picks). The candidate set is ``layout.all_heads()``, fixed by
+    the public model before any data is read, so running the mechanism over those heads'
+    vote sums only is the same mechanism on a smaller public domain: same sensitivity, same
+    ε₀ per pick. No head of a headless layer can be picked.
+    """
+    candidates, scores = _candidate_votes(votes, layout)
+    picked = calibration.gumbel().select(scores, noise=noise)
+    return layout.heads_at(candidates[index] for index in picked)
+
+
+def _top_k_noisy(votes: VoteSum, k: int, layout: HeadLayout) -> HeadSet:
+    """Top k of the already-noisy vote histogram over the candidate set (post-processing).
+
+    The candidate set is the carried heads, as in :func:`_select`: a public restriction of a
+    noisy output, so it costs nothing beyond the histogram's own noise.
+    """
+    candidates, scores = _candidate_votes(votes, layout)
+    return layout.heads_at(candidates[index] for index in top_k_from_noisy_votes(scores, k=k))
 
 
 def _snr(values: Float64Array, noise_std: float, num_chunks: int) -> float:
@@ -188,33 +224,54 @@ def _once(callback: Callable[[], None]) -> Callable[[], None]:
     return call
 
 
-def _check_public_heads(plan: ReleasePlan, num_layers: int, num_heads: int) -> None:
-    for layer, head in plan.public_heads or ():
-        if layer >= num_layers or head >= num_heads:
-            raise ConfigError(
-                f"public heads must lie within {num_layers} layers x {num_heads} heads, got "
-                f"{(layer, head)!r}."
-            )
+def check_plan_scope(plan: ReleasePlan, layout: HeadLayout) -> None:
+    """Refuse a plan whose heads do not fit the model's carried heads (before any spending).
+
+    Public heads must lie in layers that carry heads; in private selection k and top-r can be
+    at most the number of carried heads (the candidate set of selection and of each vote).
+
+    Raises:
+        ConfigError: What did not fit, and the carried layers.
+    """
+    layout.check_carried(plan.public_heads or (), "plan public heads")
+    if plan.selection is not SelectionMode.PRIVATE:
+        return
+    carried = len(layout.all_heads())
+    where = f"{carried} heads (layers {list(layout.carried_layers)} x {layout.num_heads})"
+    if plan.num_selected_heads > carried:
+        raise ConfigError(
+            f"heads (num_selected_heads) must be at most the model's {where}, "
+            f"got {plan.num_selected_heads}."
+        )
+    if plan.score_top_r > carried:
+        raise ConfigError(
+            f"top-r (score_top_r) must be at most the model's {where}, got {plan.score_top_r}."
+        )
 
 
 def run_release(
     plan: ReleasePlan,
     *,
     sums: ReleaseSums,
-    num_layers: int,
-    num_heads: int,
+    layout: HeadLayout,
     noise: NoiseSource,
     on_first_noise: Callable[[], None],
 ) -> ReleaseOutcome:
-    """Run the plan's selection and its single Gaussian draw; see the module docstring."""
-    _check_public_heads(plan, num_layers, num_heads)
+    """Run the plan's selection and its single Gaussian draw; see the module docstring.
+
+    Args:
+        layout: The model's head layout; its carried heads are "all heads" of the release.
+
+    Raises:
+        ConfigError: The plan's heads do not fit the layout (:func:`check_plan_scope`),
+            raised before any sum is asked for.
+    """
+    check_plan_scope(plan, layout)
     if plan.noise_mode is NoiseMode.DISTRIBUTED:
-        return _run_distributed(
-            plan, sums=sums, num_layers=num_layers, num_heads=num_heads, exposed=on_first_noise
-        )
+        return _run_distributed(plan, sums=sums, layout=layout, exposed=on_first_noise)
     calibration = plan_calibration(plan)
     exposed = _once(on_first_noise)
-    all_heads = HeadSet.all_heads(num_layers=num_layers, num_heads=num_heads)
+    all_heads = layout.all_heads()
     fixed_scope = HeadSet(plan.public_heads) if plan.public_heads else all_heads
     private = plan.selection is SelectionMode.PRIVATE
     if plan.order is ReleaseOrder.SELECT_FIRST or plan.selection is SelectionMode.ALL:
@@ -222,7 +279,7 @@ def run_release(
         if private:
             votes = sums.vote_sum(None)
             exposed()
-            scope = _select(votes, calibration, noise, num_heads)
+            scope = _select(votes, calibration, noise, layout)
         summed = _require_chunks(sums.activation_sum(scope))
         exposed()
         values, noise_std = _noisy_mean(summed, plan, calibration, noise)
@@ -233,8 +290,8 @@ def run_release(
         noisy_all, noise_std = _noisy_mean(summed, plan, calibration, noise)
         released = fixed_scope
         if private:
-            reference = noisy_all.reshape(num_layers, num_heads, -1)
-            released = _select(sums.vote_sum(reference), calibration, noise, num_heads)
+            reference = layout.dense_rows(noisy_all)
+            released = _select(sums.vote_sum(reference), calibration, noise, layout)
         values = noisy_all[_rows(all_heads, released)]
     return ReleaseOutcome(
         heads=released,
@@ -251,13 +308,12 @@ def _run_distributed(
     plan: ReleasePlan,
     *,
     sums: ReleaseSums,
-    num_layers: int,
-    num_heads: int,
+    layout: HeadLayout,
     exposed: Callable[[], None],
 ) -> ReleaseOutcome:
     """Selection and release on sums the sites already noised (no draw here)."""
     mark = _once(exposed)
-    all_heads = HeadSet.all_heads(num_layers=num_layers, num_heads=num_heads)
+    all_heads = layout.all_heads()
     scope = HeadSet(plan.public_heads) if plan.public_heads else all_heads
     private = plan.selection is SelectionMode.PRIVATE
     k = plan.num_selected_heads
@@ -265,7 +321,7 @@ def _run_distributed(
         if private:
             votes = sums.vote_sum(None)
             mark()  # the noisy histogram exists: it is the first noisy output
-            scope = _heads_of(top_k_from_noisy_votes(votes.total, k=k), num_heads)
+            scope = _top_k_noisy(votes, k, layout)
         summed = _require_chunks(sums.activation_sum(scope))
         mark()
         values = summed.total / summed.num_chunks
@@ -276,15 +332,10 @@ def _run_distributed(
         noisy_all = summed.total / summed.num_chunks
         released = scope
         if private:
-            reference = noisy_all.reshape(num_layers, num_heads, -1)
-            votes = sums.vote_sum(reference)
-            released = _heads_of(top_k_from_noisy_votes(votes.total, k=k), num_heads)
+            votes = sums.vote_sum(layout.dense_rows(noisy_all))
+            released = _top_k_noisy(votes, k, layout)
         values = noisy_all[_rows(all_heads, released)]
-    return _distributed_outcome(plan, summed, released, values, num_layers * num_heads)
-
-
-def _heads_of(indices: tuple[int, ...], num_heads: int) -> HeadSet:
-    return HeadSet.of((index // num_heads, index % num_heads) for index in indices)
+    return _distributed_outcome(plan, summed, released, values, layout.dense_size)
 
 
 def _distributed_outcome(
@@ -311,79 +362,4 @@ def _distributed_outcome(
             survivors=survivors,
             bound_if_all_honest=release.bound(summed.heads, honest_shares=survivors),
         ),
-    )
-
-
-def release_description(
-    plan: ReleasePlan, outcome: ReleaseOutcome, *, model_dtype: str | None = None
-) -> ReleaseDescription:
-    """The manifest fields of a finished release: plan, privacy spent, m, K, C, σ, layout.
-
-    Every manifest states its noise mode; a distributed one also t, the grid (γ, Δ̃), the
-    share's noise multiplier, the survivors and ε if every survivor is honest.
-    """
-    parameters = {
-        **plan_release_event(plan).to_dict(),
-        "noise_mode": plan.noise_mode.value,
-        "neighbouring": plan.neighbouring.value,
-        "privacy_unit": plan.privacy_unit.value,
-        "num_layers_in_scope": outcome.gaussian_heads.num_layers_in_scope,
-        "gaussian_heads": len(outcome.gaussian_heads),
-        "signal_to_noise": outcome.signal_to_noise,
-    }
-    if outcome.distributed is not None:
-        parameters |= _distributed_parameters(plan, outcome, outcome.distributed)
-    bound = outcome.bound
-    return ReleaseDescription(
-        protocol_version=PROTOCOL_VERSION,
-        release_id=plan.release_id,
-        model_fingerprint=plan.model_fingerprint,
-        task=plan.task,
-        plan=plan.model_dump(mode="json"),
-        epsilon=bound.epsilon,
-        delta=plan.delta,
-        accountant=bound.accountant,
-        accountant_parameters=parameters,
-        num_chunks=outcome.num_chunks,
-        shots=plan.shots,
-        clip_norm=plan.clip_norm,
-        noise_std=outcome.noise_std,
-        model_dtype=model_dtype,
-    )
-
-
-def _distributed_parameters(
-    plan: ReleasePlan, outcome: ReleaseOutcome, details: DistributedOutcome
-) -> dict[str, object]:
-    activations = details.release.activations(outcome.gaussian_heads)
-    return {
-        "min_honest": plan.min_honest,
-        "mechanism": "distributed discrete Gaussian (KLS21), shares sized for min_honest",
-        "scale": activations.scale,
-        "grid_l2_sensitivity": activations.grid_l2_sensitivity,
-        "share_noise_multiplier": activations.noise_multiplier,
-        "survivors": details.survivors,
-        "epsilon_if_all_survivors_honest": details.bound_if_all_honest.epsilon,
-    }
-
-
-def plan_release_event(plan: ReleasePlan) -> ReleaseEvent:
-    """The event a ledger reserves for ``plan`` (its mechanisms at the plan's noise)."""
-    if plan.noise_mode is NoiseMode.DISTRIBUTED:
-        return plan_distributed_event(plan)
-    return plan_calibration(plan).event
-
-
-def reserve_plan(ledger: PrivacyLedger, plan: ReleasePlan, *, owned_by_run: bool = False) -> None:
-    """Reserve the plan's calibrated cost in a ledger (refused with the numbers if over)."""
-    event = plan_release_event(plan)
-    bound = epsilon_bound([event], delta=plan.delta)
-    ledger.reserve(
-        release_id=plan.release_id,
-        plan_hash=plan_hash(plan),
-        event=event,
-        epsilon=bound.epsilon,
-        delta=plan.delta,
-        accountant=bound.accountant,
-        owned_by_run=owned_by_run,
     )

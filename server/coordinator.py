@@ -23,7 +23,6 @@ from flwr.serverapp import Grid
 from dpmtv_common.artifact import MANIFEST_FILE, SIGNATURE_FILE, TENSORS_FILE, write_artifact
 from dpmtv_common.crypto import SigningKey
 from dpmtv_common.errors import ConfigError, InsufficientSharesError
-from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.ledger import PrivacyLedger
 from dpmtv_common.privacy.noise import NoiseSource
 from protocol import (
@@ -142,6 +141,11 @@ class Coordinator:
         shapes = {(a.num_layers, a.num_heads, a.head_dim) for a in self.accepted.values()}
         if len(shapes) > 1:
             raise ConfigError(f"sites must share one model shape, got {sorted(shapes)}.")
+        layers = {a.layout().carried_layers for a in self.accepted.values()}
+        if len(layers) > 1:  # else "all heads" would differ between sites
+            raise ConfigError(
+                f"sites must agree on the layers that carry heads, got {sorted(layers)}."
+            )
         dtypes = {a.model_dtype for a in self.accepted.values()}
         if len(dtypes) > 1:  # bfloat16 and float32 activations differ; never mix them silently
             raise ConfigError(f"sites must extract in one dtype, got {sorted(map(str, dtypes))}.")
@@ -155,14 +159,14 @@ class Coordinator:
     def release_stage(self, plan: ReleasePlan, ledger: PrivacyLedger) -> ReleaseOutcome:
         """Secure sums, private selection and the single Gaussian draw."""
         first = next(iter(self.accepted.values()))
-        all_heads = HeadSet.all_heads(num_layers=first.num_layers, num_heads=first.num_heads)
+        layout = first.layout()  # the sites agree on it (plan_stage)
         sums = FederatedSums(
             self.grid,
             self.context,
             plan,
             {node: accept.num_chunks for node, accept in self.accepted.items()},
             first.head_dim,
-            all_heads,
+            layout,
             self.run.stage_timeout,
         )
 
@@ -174,8 +178,7 @@ class Coordinator:
         return run_release(
             plan,
             sums=sums,
-            num_layers=first.num_layers,
-            num_heads=first.num_heads,
+            layout=layout,
             noise=self.noise,
             on_first_noise=on_first_noise,
         )

@@ -21,7 +21,7 @@ from flwr.serverapp import Grid
 
 from dpmtv_common.aliases import Float64Array
 from dpmtv_common.errors import InsufficientSharesError
-from dpmtv_common.heads import HeadSet
+from dpmtv_common.heads import HeadLayout, HeadSet
 from dpmtv_common.privacy.distributed import DistributedNoise, decode_noisy_sum
 from protocol import (
     ActivationSum,
@@ -47,7 +47,8 @@ class FederatedSums:
     Attributes:
         sites: node id -> m_i, of the sites still in the release.
         head_dim: D of the consortium's model.
-        all_heads: every head of the model (the scope of ``heads=None``).
+        layout: the consortium model's head layout; its carried heads (``all_heads``) are
+            the scope of ``heads=None``, its dense ``L * H`` the vote histogram's length.
     """
 
     grid: Grid
@@ -55,7 +56,7 @@ class FederatedSums:
     plan: ReleasePlan
     sites: dict[int, int]
     head_dim: int
-    all_heads: HeadSet
+    layout: HeadLayout
     stage_timeout: float
     rounds: int = 0
     log: list[str] = field(default_factory=list)
@@ -64,11 +65,16 @@ class FederatedSums:
         install_secure_mask_prg()  # idempotent; the sites refuse any other mask expansion
 
     @property
+    def all_heads(self) -> HeadSet:
+        """Every head the model carries (headless layers of a hybrid left out)."""
+        return self.layout.all_heads()
+
+    @property
     def distributed(self) -> DistributedRelease | None:
         """The plan's grids in distributed noise mode, else None."""
         if self.plan.noise_mode is not NoiseMode.DISTRIBUTED:
             return None
-        return DistributedRelease(self.plan, len(self.all_heads), self.head_dim)
+        return DistributedRelease(self.plan, self.layout.dense_size, self.head_dim)
 
     def _settings(self, grid: DistributedNoise | None) -> SecureSumSettings:
         shares, threshold = _neighbourhood(len(self.sites))

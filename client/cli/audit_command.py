@@ -131,7 +131,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_site_model(settings)
     plan = _plan(args, dataset.task, loaded.fingerprint)
     shape = loaded.adapter.head_shape(loaded.model)
-    _check_heads(plan, args, shape.num_layers, shape.num_heads)
+    _check_heads(plan, args, shape.layout())
     if len(dataset.records) < plan.shots + 1:
         raise ConfigError(
             f"--data must hold at least --shots + 1 = {plan.shots + 1} records, "
@@ -153,7 +153,7 @@ def run(args: argparse.Namespace) -> int:
             pair,
             noise=source,
             runs=args.runs,
-            shape=(shape.num_layers, shape.num_heads),
+            layout=shape.layout(),
             confidence=args.confidence,
             label=label,
         )

@@ -22,6 +22,7 @@ from client.cli._types import open_unit_float, positive_float, positive_int
 from dpmtv_common.errors import ConfigError
 
 if TYPE_CHECKING:
+    from dpmtv_common.heads import HeadLayout
     from protocol import ReleasePlan
 
 __all__ = ["register"]
@@ -170,17 +171,24 @@ def _plan(args: argparse.Namespace, task: str, fingerprint: str) -> ReleasePlan:
         raise ConfigError(validation_line(exc, options=_PLAN_OPTIONS)) from exc
 
 
-def _check_heads(plan: ReleasePlan, args: argparse.Namespace, num_layers: int, heads: int) -> None:
-    """Heads, top-r and a public head list must fit the model (checked before spending)."""
-    total = num_layers * heads
-    where = f"the model's {total} heads ({num_layers} layers x {heads})"
-    if plan.selection == "private" and plan.num_selected_heads > total:
+def _check_heads(plan: ReleasePlan, args: argparse.Namespace, layout: HeadLayout) -> None:
+    """Heads, top-r and a public head list must fit the heads the model carries (before spending).
+
+    A hybrid's headless layers (linear attention, convolution) carry none: a public head there
+    is refused as much as one outside the model.
+    """
+    carried = layout.all_heads()
+    where = (
+        f"the model's {len(carried)} heads "
+        f"(layers {list(layout.carried_layers)} of {layout.num_layers} x {layout.num_heads})"
+    )
+    if plan.selection == "private" and plan.num_selected_heads > len(carried):
         raise ConfigError(f"--heads must be at most {where}, got {plan.num_selected_heads}.")
-    if plan.selection != "all" and plan.score_top_r > total:
+    if plan.selection != "all" and plan.score_top_r > len(carried):
         option = "--top-r" if args.top_r else "--top-r (default: --heads)"
         raise ConfigError(f"{option} must be at most {where}, got {plan.score_top_r}.")
     if plan.public_heads is not None:
-        outside = [h for h in plan.public_heads if not (h[0] < num_layers and h[1] < heads)]
+        outside = [h for h in plan.public_heads if h not in set(carried.heads)]
         if outside:
             raise ConfigError(
                 f"--public-heads must name heads of {where}, got {[list(h) for h in outside]}: "
@@ -211,7 +219,7 @@ def run(args: argparse.Namespace) -> int:
     loaded = load_site_model(settings)
     plan = _plan(args, args.task or dataset.task, loaded.fingerprint)
     shape = loaded.adapter.head_shape(loaded.model)
-    _check_heads(plan, args, shape.num_layers, shape.num_heads)
+    _check_heads(plan, args, shape.layout())
     chunks = make_chunks(
         dataset, shots=plan.shots, seed=secret_seed(), max_chunks=plan.max_chunks_per_site
     )

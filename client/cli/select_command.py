@@ -69,11 +69,13 @@ def run(args: argparse.Namespace) -> int:
 
     dataset = load_dataset(settings.data_path)
     loaded = load_site_model(settings)
-    shape = loaded.adapter.head_shape(loaded.model)
-    if args.k > shape.num_layers * shape.num_heads:
+    layout = loaded.adapter.head_shape(loaded.model).layout()
+    carried = len(layout.all_heads())  # a hybrid's headless layers carry none
+    if args.k > carried:
         raise ConfigError(
-            f"--k must be at most the model's {shape.num_layers * shape.num_heads} heads "
-            f"({shape.num_layers} layers x {shape.num_heads}), got {args.k}."
+            f"--k must be at most the model's {carried} heads (layers "
+            f"{list(layout.carried_layers)} of {layout.num_layers} x {layout.num_heads}), "
+            f"got {args.k}."
         )
     chunks = make_chunks(dataset, shots=args.shots, seed=args.seed, max_chunks=args.max_chunks)
     acts = public_activations(

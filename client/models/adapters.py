@@ -28,7 +28,7 @@ from client.models._plugins import ADAPTER_ENTRY_POINT_GROUP, load_adapter_plugi
 from client.models.errors import PromptTooLongError
 from client.models.prompts import Example, Prompt, prompt_to_messages
 from dpmtv_common.errors import ConfigError, ModelError, UnsupportedArchitectureError
-from dpmtv_common.heads import HeadSet
+from dpmtv_common.heads import HeadLayout, HeadSet
 
 __all__ = [
     "HeadShape",
@@ -73,7 +73,11 @@ class HeadShape:
 
     def all_heads(self) -> HeadSet:
         """Every head the model carries, in decoder-layer indices (headless layers left out)."""
-        return HeadSet.of((layer, h) for layer in self.head_layers for h in range(self.num_heads))
+        return self.layout().all_heads()
+
+    def layout(self) -> HeadLayout:
+        """Which decoder layers carry heads: the head scope every release of this model uses."""
+        return HeadLayout(self.num_layers, self.num_heads, self.head_layers)
 
 
 @dataclass(frozen=True)

@@ -35,6 +35,7 @@ from client.audit import (
 from client.data import SiteDataset, load_dataset
 from client.models import LoadedModel, load_model, save_tiny_model
 from client.synthetic import write_task_datasets
+from dpmtv_common.heads import HeadLayout
 from dpmtv_common.privacy.noise import secure_noise
 from protocol import PROTOCOL_VERSION, ReleaseOrder, ReleasePlan, SelectionMode
 
@@ -43,7 +44,7 @@ pytestmark = pytest.mark.statistical
 Z_BOUND = float(stats.norm.isf(1e-6 / 2))
 RUNS = 600
 CHUNK_SEED = 2**200 + 12345  # a fixed "secret" shuffle: the test must be reproducible
-SHAPE = (2, 4)  # the tiny LLaVA: 2 layers x 4 heads
+LAYOUT = HeadLayout(2, 4)  # the tiny LLaVA: 2 layers x 4 heads, every layer carries heads
 
 
 def _standard_error(mu: float) -> float:
@@ -104,7 +105,7 @@ def test_canary_changes_one_chunk_within_the_sensitivity_bound(pair):
 
 def test_production_noise_shows_the_mu_its_calibration_implies(pair):
     plan, canary = pair
-    report = audit_pair(plan, canary, noise=secure_noise(), runs=RUNS, shape=SHAPE)
+    report = audit_pair(plan, canary, noise=secure_noise(), runs=RUNS, layout=LAYOUT)
     assert abs(report.mu_hat - report.mu_canary) < Z_BOUND * _standard_error(report.mu_canary)
     assert report.mu_hat < report.mu_claimed + Z_BOUND * _standard_error(report.mu_claimed)
     assert report.epsilon_claimed == pytest.approx(epsilon_of_gdp(report.mu_claimed, 1e-5))
@@ -113,14 +114,14 @@ def test_production_noise_shows_the_mu_its_calibration_implies(pair):
 def test_halved_noise_is_caught(pair):
     plan, canary = pair
     bug = ScaledNoise(secure_noise(), 0.5)
-    report = audit_pair(plan, canary, noise=bug, runs=RUNS, shape=SHAPE, label="sigma halved")
+    report = audit_pair(plan, canary, noise=bug, runs=RUNS, layout=LAYOUT, label="sigma halved")
     assert report.mu_hat > report.mu_canary + Z_BOUND * _standard_error(report.mu_canary)
 
 
 def test_noise_off_gives_a_large_clopper_pearson_lower_bound(pair):
     plan, canary = pair
     report = audit_pair(
-        plan, canary, noise=ScaledNoise(secure_noise(), 0.0), runs=RUNS, shape=SHAPE
+        plan, canary, noise=ScaledNoise(secure_noise(), 0.0), runs=RUNS, layout=LAYOUT
     )
     # 0 errors in 300 trials per rate: CP upper limit 1 - 0.0125^(1/300) ~ 0.0145 -> eps ~ 4.2.
     assert report.epsilon_lower_cp > 4.0
@@ -136,7 +137,7 @@ def test_skipped_clipping_is_caught_by_the_audit(setting, monkeypatch):
     plan = _plan(loaded, clip_norm=0.005)  # far below the activations' norms
     # Act
     unclipped = make_canary_pair(loaded, dataset, neighbour, plan, chunk_seed=CHUNK_SEED)
-    report = audit_pair(plan, unclipped, noise=secure_noise(), runs=RUNS, shape=SHAPE)
+    report = audit_pair(plan, unclipped, noise=secure_noise(), runs=RUNS, layout=LAYOUT)
     # Assert: the distance exceeds the bound, and the noisy outputs show it.
     assert unclipped.distance > unclipped.sensitivity
     assert report.mu_hat > report.mu_claimed + Z_BOUND * _standard_error(report.mu_claimed)

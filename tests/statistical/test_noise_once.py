@@ -38,7 +38,7 @@ from scipy import stats
 from client.secagg import install_secure_mask_prg as install_site_mask_prg
 from client.secagg import secaggplus_clipping_range, secure_sum_reply
 from dpmtv_common.aliases import Float64Array, Int64Array
-from dpmtv_common.heads import HeadSet
+from dpmtv_common.heads import HeadLayout, HeadSet
 from dpmtv_common.privacy.noise import NoiseSource, secure_noise
 from dpmtv_common.privacy.testing import SeededNoise
 from protocol import (
@@ -166,15 +166,14 @@ def release_zeros(
         plan,
         dict(zip(grid.get_node_ids(), chunk_counts, strict=True)),
         head_dim,
-        HeadSet.all_heads(num_layers=NUM_LAYERS, num_heads=NUM_HEADS),
+        HeadLayout(NUM_LAYERS, NUM_HEADS),
         stage_timeout=60.0,
     )
     exposures: list[None] = []
     outcome = run_release(
         plan,
         sums=sums,
-        num_layers=NUM_LAYERS,
-        num_heads=NUM_HEADS,
+        layout=HeadLayout(NUM_LAYERS, NUM_HEADS),
         noise=noise,
         on_first_noise=lambda: exposures.append(None),
     )

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from dpmtv_common.errors import ConfigError, InsufficientSharesError
-from dpmtv_common.heads import HeadSet
+from dpmtv_common.heads import HeadLayout, HeadSet
 from dpmtv_common.privacy.testing import SeededNoise
 from protocol import (
     PROTOCOL_VERSION,
@@ -86,8 +86,7 @@ def release(plan: ReleasePlan, sums: FakeSums):
     outcome = run_release(
         plan,
         sums=sums,
-        num_layers=LAYERS,
-        num_heads=HEADS,
+        layout=HeadLayout(LAYERS, HEADS),
         noise=noise,
         on_first_noise=lambda: sums.log.append("exposed"),
     )
