@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from protocol.calibration import plan_calibration
 from protocol.codec import (
+    MESSAGE_RECORD_KEY,
     arrays_from_record,
     arrays_to_record,
     expect,
@@ -35,7 +36,6 @@ from protocol.messages import (
     AbortNotice,
     AnyMessage,
     ErrorReply,
-    NoisyVectorBroadcast,
     PlanAccept,
     PlanRequest,
     ReleaseAck,
@@ -71,6 +71,7 @@ from protocol.stages import ALLOWED_TRANSITIONS, Stage, StageTracker
 from protocol.version import PROTOCOL_VERSION, check_compatible
 
 __all__ = [
+    "MESSAGE_RECORD_KEY",
     "ALLOWED_TRANSITIONS",
     "AbortNotice",
     "ActivationSum",
@@ -87,7 +88,6 @@ __all__ = [
     "MessageDecodeError",
     "NeighbouringRelation",
     "NoiseMode",
-    "NoisyVectorBroadcast",
     "PROTOCOL_VERSION",
     "PlanAccept",
     "PlanMismatchError",

@@ -31,6 +31,7 @@ from protocol.messages import AnyMessage, ErrorReply, SecureSumRequest, WireMess
 from protocol.version import PROTOCOL_VERSION, check_compatible
 
 __all__ = [
+    "MESSAGE_RECORD_KEY",
     "arrays_from_record",
     "arrays_to_record",
     "expect",
@@ -44,7 +45,8 @@ __all__ = [
 _M = TypeVar("_M", bound=WireMessage)
 
 # Record keys. None of the envelope keys may be "stage": SecAgg+ reads that key.
-_MESSAGE_KEY = "dpmtv"
+MESSAGE_RECORD_KEY = "dpmtv"
+_MESSAGE_KEY = MESSAGE_RECORD_KEY
 _ARRAYS_KEY = "dpmtv-arrays"
 _KIND = "kind"
 _VERSION = "protocol-version"

@@ -43,7 +43,6 @@ __all__ = [
     "AbortNotice",
     "AnyMessage",
     "ErrorReply",
-    "NoisyVectorBroadcast",
     "PlanAccept",
     "PlanRequest",
     "ReleaseAck",
@@ -198,6 +197,10 @@ class SecureSumRequest(WireMessage):
         heads: Heads in scope, or ``None`` for every head of the model.
         clip_norm: L2 bound C per layer and chunk; sets the Gaussian sensitivity.
         score_top_r: Heads each chunk votes for; set iff ``stage`` is ``select``.
+        reference_heads: Release-first order with private selection: the heads of the noisy
+            vector the votes are scored against, whose rows travel in the same message (the
+            FitIns parameters), so the site keeps the exact vector it was sent before it
+            votes. None when no vector is sent; only a ``select`` request may carry one.
     """
 
     kind: Literal["secure-sum-request"] = "secure-sum-request"
@@ -206,6 +209,7 @@ class SecureSumRequest(WireMessage):
     heads: HeadList | None
     clip_norm: PositiveFloat
     score_top_r: HeadCount | None
+    reference_heads: HeadList | None = None
 
     @model_validator(mode="after")
     def _check_score_top_r(self) -> Self:
@@ -215,19 +219,12 @@ class SecureSumRequest(WireMessage):
                 f"score_top_r must be {need} when stage is {self.stage!r}, "
                 f"got {self.score_top_r!r}."
             )
+        if self.stage != "select" and self.reference_heads is not None:
+            raise ValueError(
+                f"reference_heads must be None when stage is {self.stage!r}, got "
+                f"{len(self.reference_heads)} heads."
+            )
         return self
-
-
-class NoisyVectorBroadcast(WireMessage):
-    """Coordinator to site: the noisy mean activations; arrays travel beside the body.
-
-    Attributes:
-        heads: Row ``i`` of the arrays belongs to ``heads[i]``.
-    """
-
-    kind: Literal["noisy-vector"] = "noisy-vector"
-    release_id: ReleaseId
-    heads: HeadList
 
 
 class ReleaseRequest(WireMessage):
@@ -277,7 +274,6 @@ AnyMessage: TypeAlias = Annotated[
     | PlanAccept
     | ErrorReply
     | SecureSumRequest
-    | NoisyVectorBroadcast
     | ReleaseRequest
     | ReleaseAck
     | AbortNotice,

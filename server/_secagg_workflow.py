@@ -128,7 +128,9 @@ class CaptureStrategy(Strategy):
     ) -> FitIns:
         """Set what every site is sent at collect, after setup; return those instructions."""
         self._config = dict(config)
-        self._parameters = ndarrays_to_parameters(list(arrays))
+        # Flower's own "no parameters" when there are none, as the setup stage sends.
+        empty = Parameters(tensors=[], tensor_type="")
+        self._parameters = ndarrays_to_parameters(list(arrays)) if arrays else empty
         return FitIns(self._parameters, dict(self._config))
 
     def aggregate_fit(

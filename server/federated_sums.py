@@ -27,14 +27,11 @@ from protocol import (
     ActivationSum,
     DistributedRelease,
     NoiseMode,
-    NoisyVectorBroadcast,
     ReleasePlan,
     SecureSumRequest,
     VoteSum,
-    message_to_record,
     secure_sum_request_to_config,
 )
-from server.messaging import Exchange
 from server.secagg import SecureSumSettings, install_secure_mask_prg, secure_sum
 
 __all__ = ["FederatedSums"]
@@ -100,7 +97,10 @@ class FederatedSums:
         )
 
     def _secure_sum(
-        self, request: SecureSumRequest, grid: DistributedNoise | None
+        self,
+        request: SecureSumRequest,
+        grid: DistributedNoise | None,
+        broadcast: tuple[Float64Array, ...] = (),
     ) -> tuple[list[Float64Array], int, int]:
         self.rounds += 1
         result = secure_sum(
@@ -111,6 +111,7 @@ class FederatedSums:
             round_id=self.rounds,
             settings=self._settings(grid),
             min_sites=self.plan.min_sites,
+            broadcast=broadcast,
         )
         if result is None:
             raise InsufficientSharesError(
@@ -141,37 +142,25 @@ class FederatedSums:
         return ActivationSum(heads, total, count, num_sites)
 
     def vote_sum(self, reference: Float64Array | None) -> VoteSum:
-        """Σ over surviving sites of top-r votes (against ``reference`` when given)."""
-        if reference is not None:
-            self._broadcast_reference(reference)
+        """Σ over surviving sites of top-r votes (against ``reference`` when given).
+
+        The noisy all-head ``reference`` travels in the select request itself (the FitIns
+        parameters of SecAgg+'s collect stage), not in a message of its own: one round
+        trip fewer, and a site votes only against the vector it holds.
+        """
         request = SecureSumRequest(
             release_id=self.plan.release_id,
             stage="select",
             heads=None,
             clip_norm=self.plan.clip_norm,
             score_top_r=self.plan.score_top_r,
+            reference_heads=self.all_heads.heads if reference is not None else None,
         )
         release = self.distributed
         grid = release.votes() if release is not None else None
-        arrays, count, _ = self._secure_sum(request, grid)
+        sent = () if reference is None else (np.asarray(reference, dtype=np.float64),)
+        arrays, count, _ = self._secure_sum(request, grid, sent)
         return VoteSum(np.asarray(arrays[0], dtype=np.float64), count)
-
-    def _broadcast_reference(self, reference: Float64Array) -> None:
-        notice = NoisyVectorBroadcast(release_id=self.plan.release_id, heads=self.all_heads.heads)
-        record = message_to_record(notice, arrays={"values": np.asarray(reference)})
-        exchange = Exchange(self.grid, self.stage_timeout)
-        replies = exchange.send(
-            "noisy_vector",
-            dict.fromkeys(self.sites, record),
-            NoisyVectorBroadcast,
-            f"{self.plan.release_id}-reference",
-        )
-        self.sites = {node: self.sites[node] for node in replies.answers}
-        if len(self.sites) < self.plan.min_sites:
-            raise InsufficientSharesError(
-                f"sites holding the noisy vector must number at least {self.plan.min_sites}, "
-                f"got {len(self.sites)}."
-            )
 
 
 def _neighbourhood(sites: int) -> tuple[int | float, int | float]:

@@ -2,12 +2,15 @@
 
 Message types (the coordinator's ``server.app`` sends them in this order):
 
-* ``query.plan`` — a ``PlanRequest``; replies ``PlanAccept`` or ``ErrorReply``.
+* ``query.plan`` — a ``PlanRequest``; replies ``PlanAccept`` or ``ErrorReply``. The
+  coordinator folds the plan into the first secure sum's SecAgg+ setup instead
+  (:func:`plan_at_setup_mod`); the query remains for tools that check a plan alone.
 * ``train`` — a SecAgg+ round: :func:`secagg_policy_mod` checks the coordinator's SecAgg+
   parameters against the site's policy, then Flower's ``secaggplus_mod`` runs the protocol
   with the service's own state; at collect, :func:`contribute` hands it the site's arrays and
-  the mod masks them here, so a relay only ever carries masked integers.
-* ``query.noisy_vector`` — release-first order: the noisy all-head vector to score against.
+  the mod masks them here, so a relay only ever carries masked integers. In release-first
+  order the select round's request names the noisy all-head vector's heads and carries its
+  rows beside the config; the site keeps that exact vector before it votes against it.
 * ``query.release`` — the signed artifact; replies ``ReleaseAck``.
 * ``query.abort`` — the release stops; the site resolves it from its own record.
 
@@ -20,7 +23,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-from flwr.app import ConfigRecord, Context, Error, Message
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
@@ -30,24 +34,34 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFI
 from client.secagg import install_secure_mask_prg, secaggplus_ranges, secure_sum_reply
 from client.settings import SiteSettings
 from client.site import Site
+from dpmtv_common.aliases import Float64Array
 from dpmtv_common.errors import DpmtvError, PolicyError
 from dpmtv_common.heads import HeadSet
 from protocol import (
+    MESSAGE_RECORD_KEY,
     AbortNotice,
     ErrorReply,
-    NoisyVectorBroadcast,
+    PlanMismatchError,
     PlanRequest,
     ReleaseRequest,
     WireMessage,
     expect,
-    message_arrays_from_record,
     message_to_record,
     secure_sum_request_from_config,
 )
 
-__all__ = ["build_site_app", "error_message", "secagg_policy_mod"]
+__all__ = [
+    "build_site_app",
+    "error_message",
+    "plan_at_setup_mod",
+    "secagg_policy_mod",
+    "sent_reference",
+]
 
 _log = logging.getLogger(__name__)
+# Flower's legacy FitIns record keys, as its SecAgg+ workflow sends them at collect.
+_FITINS_CONFIG = "fitins.config"
+_FITINS_PARAMETERS = "fitins.parameters"
 
 
 def build_site_app(site: Site) -> ClientApp:
@@ -63,24 +77,20 @@ def build_site_app(site: Site) -> ClientApp:
 
         return _reply(msg, handle)
 
-    @app.train(mods=[secagg_policy_mod(site.settings), secaggplus_mod])
+    @app.train(mods=[secagg_policy_mod(site.settings), plan_at_setup_mod(site), secaggplus_mod])
     def contribute(msg: Message, context: Context) -> Message:
-        request = secure_sum_request_from_config(msg.content.config_records["fitins.config"])
-        ranges = secaggplus_ranges(context)
-        arrays = site.contribution(request, run_id=msg.metadata.run_id, ranges=ranges)
-        return secure_sum_reply(msg, arrays, clipping_range=ranges.clipping_range)
-
-    @app.query("noisy_vector")
-    def noisy_vector(msg: Message, context: Context) -> Message:
-        def handle() -> WireMessage:
-            notice = expect(msg.content, NoisyVectorBroadcast)
-            values = message_arrays_from_record(msg.content)["values"]
+        request = secure_sum_request_from_config(msg.content.config_records[_FITINS_CONFIG])
+        run_id = msg.metadata.run_id
+        if request.reference_heads is not None:  # release-first: keep the vector, then vote
+            values = sent_reference(msg)
             site.store_reference(
-                notice.release_id, HeadSet(notice.heads), values, run_id=msg.metadata.run_id
+                request.release_id, HeadSet(request.reference_heads), values, run_id=run_id
             )
-            return notice
-
-        return _reply(msg, handle)
+        elif _carried_arrays(msg):
+            raise PlanMismatchError("a secure sum request must not carry arrays it does not name.")
+        ranges = secaggplus_ranges(context)
+        arrays = site.contribution(request, run_id=run_id, ranges=ranges)
+        return secure_sum_reply(msg, arrays, clipping_range=ranges.clipping_range)
 
     @app.query("release")
     def release(msg: Message, context: Context) -> Message:
@@ -102,6 +112,32 @@ def build_site_app(site: Site) -> ClientApp:
     return app
 
 
+def sent_reference(msg: Message) -> Float64Array:
+    """The one float64 array a select request carries beside its config (the noisy vector).
+
+    Raises:
+        PlanMismatchError: No array, several, or not float64 (decoded without pickles).
+    """
+    arrays = _carried_arrays(msg)
+    if len(arrays) != 1:
+        raise PlanMismatchError(
+            f"a select request naming reference heads must carry one array, got {len(arrays)}."
+        )
+    try:
+        values = arrays[0].numpy()  # numpy's own format, loaded with allow_pickle=False
+    except (TypeError, ValueError) as exc:
+        raise PlanMismatchError(f"the reference array must be a numpy array: {exc}") from exc
+    if values.dtype != np.float64:
+        raise PlanMismatchError(f"the reference array must be float64, got {values.dtype}.")
+    return values
+
+
+def _carried_arrays(msg: Message) -> list[Array]:
+    # Flower encodes "no parameters" as one empty placeholder array; that is not an array.
+    record = msg.content.array_records.get(_FITINS_PARAMETERS, ArrayRecord())
+    return [array for array in record.values() if array.data]
+
+
 def _reply(msg: Message, handle: Callable[[], WireMessage]) -> Message:
     """Run a handler; failures travel back as an ErrorReply with a fixed reason."""
     try:
@@ -120,6 +156,33 @@ def error_message(msg: Message, exc: BaseException) -> Message:
     reply = ErrorReply.from_exception(exc)
     reason = f"{reply.code.value}: {reply.error_type}: {reply.reason}"
     return Message(Error(FlowerErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=msg)
+
+
+def plan_at_setup_mod(site: Site) -> Callable[[Message, Context, ClientAppCallable], Message]:
+    """A mod that accepts a release plan riding on a SecAgg+ setup message, then sets up.
+
+    The coordinator folds the plan into the first secure sum's setup message (one round trip
+    fewer). The site checks and reserves the plan exactly as for a ``query.plan`` message,
+    *before* SecAgg+ generates its keys; a refused plan ends the message with an error, so
+    the site takes no part in the sum. The reply carries SecAgg+'s public keys and, beside
+    them, the site's ``PlanAccept``. Nothing of the site's data is sent at setup.
+    """
+
+    def mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
+        configs = msg.content.config_records
+        stage = configs.get(RECORD_KEY_CONFIGS, ConfigRecord()).get(Key.STAGE)
+        if stage != Stage.SETUP or MESSAGE_RECORD_KEY not in configs:
+            return call_next(msg, context)
+        request = expect(msg.content, PlanRequest)
+        accept = site.accept_plan(request.plan, run_id=msg.metadata.run_id)
+        reply = call_next(msg, context)
+        if reply.has_error():  # reserved, nothing sent: the site's sweep refunds it
+            return reply
+        content = RecordDict(dict(reply.content.items()))
+        content[MESSAGE_RECORD_KEY] = message_to_record(accept)[MESSAGE_RECORD_KEY]
+        return Message(content, reply_to=msg)
+
+    return mod
 
 
 def secagg_policy_mod(

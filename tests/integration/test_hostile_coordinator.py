@@ -36,6 +36,7 @@ from dpmtv_common.fingerprint import fingerprint_model_dir
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.ledger import PrivacyLedger, ReleaseState
 from protocol import (
+    MESSAGE_RECORD_KEY,
     PROTOCOL_VERSION,
     AbortNotice,
     ErrorCode,
@@ -55,7 +56,7 @@ from protocol import (
     plan_calibration,
     secure_sum_request_to_config,
 )
-from server.secagg import SecureSumSettings, install_secure_mask_prg, secure_sum
+from server.secagg import SecureSumRound, SecureSumSettings, install_secure_mask_prg, secure_sum
 from server.simulation import (
     FIRST_NODE_ID,
     InProcessGrid,
@@ -125,7 +126,14 @@ class Consortium:
     def plan(self, plan: ReleasePlan, sites: range = range(SITES)) -> list[Any]:
         return [self.ask(i, "query.plan", PlanRequest(plan=plan)) for i in sites]
 
-    def secure_sum(self, request: SecureSumRequest, *, sites: int = SITES, threshold: float = 0.67):
+    def secure_sum(
+        self,
+        request: SecureSumRequest,
+        *,
+        sites: int = SITES,
+        threshold: float = 0.67,
+        broadcast: tuple[np.ndarray, ...] = (),
+    ):
         self.rounds += 1
         settings = SecureSumSettings.for_plan(
             max_abs_coordinate=64.0,
@@ -142,6 +150,7 @@ class Consortium:
             round_id=self.rounds,
             settings=settings,
             min_sites=2,
+            broadcast=broadcast,
         )
 
     def ledger_state(self, index: int, release_id: str) -> ReleaseState | None:
@@ -353,6 +362,18 @@ def test_error_replies_never_quote_a_private_record(consortium: Consortium) -> N
 
 
 # ---------------------------------------------------------------- contributions
+
+
+def select_request(plan: ReleasePlan, **overrides: Any) -> SecureSumRequest:
+    fields: dict[str, Any] = {
+        "release_id": plan.release_id,
+        "stage": "select",
+        "heads": None,
+        "clip_norm": plan.clip_norm,
+        "score_top_r": plan.score_top_r,
+    }
+    fields.update(overrides)
+    return SecureSumRequest(**fields)
 
 
 def planned(consortium: Consortium, **overrides: Any) -> ReleasePlan:
@@ -694,17 +715,13 @@ def test_a_release_is_idle_only_when_its_run_sends_nothing(consortium: Consortiu
 def test_a_release_first_artifact_must_carry_the_noisy_vector_the_site_was_sent(
     consortium: Consortium,
 ) -> None:
-    # Arrange: a private release-first plan; the site contributed and was sent a noisy vector.
-    from protocol import NoisyVectorBroadcast
-
+    # Arrange: a private release-first plan; the select sum carried the noisy vector.
     plan = planned(consortium, selection=SelectionMode.PRIVATE, order=ReleaseOrder.RELEASE_FIRST)
     assert consortium.secure_sum(extract_request()) is not None
     all_heads = HeadSet.all_heads(num_layers=NUM_LAYERS, num_heads=NUM_HEADS)
     reference = np.random.default_rng(0).normal(size=(NUM_LAYERS, NUM_HEADS, HEAD_DIM))
-    notice = NoisyVectorBroadcast(release_id="r1", heads=all_heads.heads)
-    assert isinstance(
-        consortium.ask(0, "query.noisy_vector", notice, values=reference), type(notice)
-    )
+    select = select_request(plan, reference_heads=all_heads.heads)
+    assert consortium.secure_sum(select, broadcast=(reference,)) is not None
     heads = HeadSet.of([(0, 1), (1, 2)])
     tmp = consortium.tmp / "forged"
     tmp.mkdir()
@@ -718,3 +735,113 @@ def test_a_release_first_artifact_must_carry_the_noisy_vector_the_site_was_sent(
     # Assert
     assert error_code(forged) is ErrorCode.PLAN_MISMATCH
     assert isinstance(accepted, ReleaseAck)
+
+
+@pytest.mark.parametrize(
+    ("order", "names_heads", "arrays"),
+    [
+        (ReleaseOrder.RELEASE_FIRST, False, "one"),  # a vector the request does not name
+        (ReleaseOrder.RELEASE_FIRST, True, "none"),  # named, but not sent
+        (ReleaseOrder.RELEASE_FIRST, True, "two"),  # named, sent twice
+        (ReleaseOrder.RELEASE_FIRST, True, "float32"),  # not the float64 the site scores
+        (ReleaseOrder.RELEASE_FIRST, True, "wrong-shape"),
+        (ReleaseOrder.SELECT_FIRST, True, "one"),  # select-first plans score no vector
+    ],
+)
+def test_a_select_sum_carries_exactly_the_noisy_vector_the_plan_calls_for(
+    consortium: Consortium, order: ReleaseOrder, names_heads: bool, arrays: str
+) -> None:
+    # Arrange: a private plan; in release-first order the extract sum already ran.
+    plan = planned(consortium, selection=SelectionMode.PRIVATE, order=order)
+    if order is ReleaseOrder.RELEASE_FIRST:
+        assert consortium.secure_sum(extract_request()) is not None
+    all_heads = HeadSet.all_heads(num_layers=NUM_LAYERS, num_heads=NUM_HEADS)
+    reference = np.random.default_rng(1).normal(size=(NUM_LAYERS, NUM_HEADS, HEAD_DIM))
+    sent = {
+        "one": (reference,),
+        "none": (),
+        "two": (reference, reference),
+        "float32": (reference.astype(np.float32),),
+        "wrong-shape": (reference[:, :1],),
+    }[arrays]
+    request = select_request(plan, reference_heads=all_heads.heads if names_heads else None)
+    # Act
+    result = consortium.secure_sum(request, broadcast=sent)
+    # Assert: every site refused (no sum), kept no vector and voted nothing.
+    assert result is None
+    for index in range(SITES):
+        record = consortium.services[index].site.records.require(plan.release_id)
+        assert "select" not in record.sent
+        assert record.reference_sha256 is None
+
+
+def setup_round(
+    consortium: Consortium, plan: ReleasePlan, *, sites: int = SITES
+) -> tuple[SecureSumRound, dict[int, Any]]:
+    """A secure sum whose SecAgg+ setup message carries ``plan`` (what the coordinator sends)."""
+    consortium.rounds += 1
+    settings = SecureSumSettings.for_plan(max_abs_coordinate=64.0, max_sites=sites, timeout=30.0)
+    sum_round = SecureSumRound.open(
+        consortium.grid,
+        make_server_context(),
+        [consortium.node(i) for i in range(sites)],
+        round_id=consortium.rounds,
+        settings=settings,
+        min_sites=2,
+    )
+    record = message_to_record(PlanRequest(plan=plan))[MESSAGE_RECORD_KEY]
+    replies = sum_round.setup((MESSAGE_RECORD_KEY, record))
+    decoded = {
+        node: message_from_record(RecordDict({MESSAGE_RECORD_KEY: reply}))
+        for node, reply in replies.items()
+    }
+    return sum_round, decoded
+
+
+def test_a_plan_riding_on_the_secagg_setup_is_accepted_then_summed_in_that_round(
+    consortium: Consortium,
+) -> None:
+    # Arrange
+    plan = make_plan(consortium.world)
+    # Act: setup (with the plan), then the rest of the same secure sum.
+    sum_round, accepts = setup_round(consortium, plan)
+    states = [consortium.ledger_state(i, "r1") for i in range(SITES)]
+    result = sum_round.finish(secure_sum_request_to_config(extract_request()))
+    # Assert: each reply carried the site's PlanAccept; reserved before any data left.
+    assert sorted(accepts) == [consortium.node(i) for i in range(SITES)]
+    assert all(isinstance(a, PlanAccept) and a.num_chunks == M_I for a in accepts.values())
+    assert states == [ReleaseState.RESERVED] * SITES
+    assert result is not None
+    assert result.num_sites == SITES
+    assert round(float(result.arrays[1][0])) == SITES * M_I
+    for index in range(SITES):
+        assert consortium.ledger_state(index, "r1") is ReleaseState.EXPOSED
+
+
+def test_a_plan_refused_at_setup_reserves_nothing_and_keeps_the_site_out_of_the_sum(
+    consortium: Consortium,
+) -> None:
+    # Arrange: above every site's per-release cap of epsilon 8.
+    plan = make_plan(consortium.world, epsilon=50.0)
+    # Act
+    sum_round, accepts = setup_round(consortium, plan)
+    # Assert: no accept, no site left in the sum, no reservation and no record anywhere.
+    assert accepts == {}
+    assert sum_round.active_sites == set()
+    assert sum_round.finish(secure_sum_request_to_config(extract_request())) is None
+    for index in range(SITES):
+        assert consortium.ledger_state(index, "r1") is None
+        assert consortium.record_state(index, "r1") is None
+
+
+def test_secagg_parameters_below_the_site_policy_refuse_the_setup_before_the_plan(
+    consortium: Consortium,
+) -> None:
+    # Arrange: a two-site sum, below every site's minimum of three.
+    plan = make_plan(consortium.world, min_sites=2)
+    # Act
+    _, accepts = setup_round(consortium, plan, sites=2)
+    # Assert: the SecAgg+ policy refused first, so the plan reserved nothing.
+    assert accepts == {}
+    for index in range(2):
+        assert consortium.ledger_state(index, "r1") is None

@@ -13,7 +13,6 @@ from protocol import (
     ErrorCode,
     ErrorReply,
     MessageDecodeError,
-    NoisyVectorBroadcast,
     PlanAccept,
     PlanRequest,
     ReleaseAck,
@@ -69,7 +68,14 @@ EXAMPLES: list[WireMessage] = [
     ),
     ErrorReply(code=ErrorCode.REFUSED, reason="not today"),
     SELECT_REQUEST,
-    NoisyVectorBroadcast(release_id="r1", heads=((0, 1), (3, 2))),
+    SecureSumRequest(
+        release_id="r1",
+        stage="select",
+        heads=None,
+        clip_norm=1.0,
+        score_top_r=4,
+        reference_heads=((0, 1), (3, 2)),
+    ),
     ReleaseRequest(release_id="r1", manifest_json="{}", tensors=b"\x00\x01", signature=b"\xff"),
     ReleaseAck(release_id="r1", site_name="site-a", artifact_sha256="0" * 64),
     ABORT,
@@ -226,12 +232,12 @@ def test_arrays_round_trip_keeps_dtype_shape_and_values(array: npt.NDArray[Any])
 
 
 def test_arrays_travel_beside_a_message() -> None:
-    msg = NoisyVectorBroadcast(release_id="r1", heads=((0, 1), (3, 2)))
+    msg = ABORT
     vector = np.linspace(0, 1, 8).reshape(2, 4)
 
     record = message_to_record(msg, arrays={"mean": vector})
 
-    assert expect(record, NoisyVectorBroadcast) == msg
+    assert expect(record, AbortNotice) == msg
     np.testing.assert_array_equal(message_arrays_from_record(record)["mean"], vector)
 
 

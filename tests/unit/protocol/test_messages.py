@@ -21,7 +21,6 @@ from protocol import (
     ErrorCode,
     ErrorReply,
     MessageDecodeError,
-    NoisyVectorBroadcast,
     PlanAccept,
     PlanMismatchError,
     ProtocolError,
@@ -57,6 +56,7 @@ def secure_sum_requests(draw: st.DrawFn) -> SecureSumRequest:
         heads=draw(st.none() | head_lists),
         clip_norm=draw(positive),
         score_top_r=draw(small_counts) if stage == "select" else None,
+        reference_heads=draw(st.none() | head_lists) if stage == "select" else None,
     )
 
 
@@ -73,7 +73,6 @@ messages = st.one_of(
     ),
     st.builds(ErrorReply, code=st.sampled_from(ErrorCode), reason=st.text()),
     secure_sum_requests(),
-    st.builds(NoisyVectorBroadcast, release_id=release_ids, heads=head_lists),
     st.builds(
         ReleaseRequest,
         release_id=release_ids,
@@ -187,6 +186,18 @@ def test_secure_sum_request_for_extract_refuses_score_top_r() -> None:
         SecureSumRequest(release_id="r", stage="extract", heads=None, clip_norm=1.0, score_top_r=3)
 
 
+def test_only_a_select_request_may_name_reference_heads() -> None:
+    with pytest.raises(ValidationError, match="reference_heads must be None when stage is"):
+        SecureSumRequest(
+            release_id="r",
+            stage="extract",
+            heads=None,
+            clip_norm=1.0,
+            score_top_r=None,
+            reference_heads=((0, 0),),
+        )
+
+
 @pytest.mark.parametrize(
     ("heads", "clip_norm", "message"),
     [
@@ -258,11 +269,11 @@ def test_release_request_bytes_travel_as_base64_in_json() -> None:
 
 
 def test_any_message_dispatches_on_kind() -> None:
-    msg = NoisyVectorBroadcast(release_id="r", heads=((0, 1),))
+    msg = AbortNotice(release_id="r", reason="stop", noisy_output=True)
 
     decoded = ANY_MESSAGE.validate_json(msg.model_dump_json())
 
-    assert type(decoded) is NoisyVectorBroadcast
+    assert type(decoded) is AbortNotice
     assert decoded == msg
 
 
