@@ -757,13 +757,14 @@ def test_a_select_sum_carries_exactly_the_noisy_vector_the_plan_calls_for(
         assert consortium.secure_sum(extract_request()) is not None
     all_heads = HeadSet.all_heads(num_layers=NUM_LAYERS, num_heads=NUM_HEADS)
     reference = np.random.default_rng(1).normal(size=(NUM_LAYERS, NUM_HEADS, HEAD_DIM))
-    sent = {
+    choices: dict[str, tuple[np.ndarray, ...]] = {
         "one": (reference,),
         "none": (),
         "two": (reference, reference),
         "float32": (reference.astype(np.float32),),
         "wrong-shape": (reference[:, :1],),
-    }[arrays]
+    }
+    sent = choices[arrays]
     request = select_request(plan, reference_heads=all_heads.heads if names_heads else None)
     # Act
     result = consortium.secure_sum(request, broadcast=sent)
@@ -789,7 +790,7 @@ def setup_round(
         settings=settings,
         min_sites=2,
     )
-    record = message_to_record(PlanRequest(plan=plan))[MESSAGE_RECORD_KEY]
+    record = message_to_record(PlanRequest(plan=plan)).config_records[MESSAGE_RECORD_KEY]
     replies = sum_round.setup((MESSAGE_RECORD_KEY, record))
     decoded = {
         node: message_from_record(RecordDict({MESSAGE_RECORD_KEY: reply}))
