@@ -13,14 +13,19 @@ whose scenes no site, no public set and no model training ever showed.
    heads that draw released), the share of queries given the most frequent answer (1.0 = the
    patch collapsed the model to one answer; the test's majority-class rate is printed), the
    SNR, and for private selection the recall of the oracle heads.
-3. **Headline per task**: (DP-MTV - zero-shot) / (MTV same heads - zero-shot) at eps = 1.
+3. **Headline per task** of the main task's family: (DP-MTV - zero-shot) / (MTV same heads -
+   zero-shot) at eps = 1. Two families (``client.synthetic.task_family``): the four tasks the
+   embedded models were trained on, and the ``-merged`` tasks they never saw.
 4. **Latency** per query.
 
-Writes ``docs/benchmarks/utility-<size>.json``; ``benchmarks/report.py`` turns it into
+Writes the family's entry of ``docs/benchmarks/utility-<size>.json`` (``{"families": {family:
+run}}``; the other family's entry is kept); ``benchmarks/report.py`` turns it into
 docs/benchmarks.md. Usage (one thread, as the shipped numbers were run):
 
     .venv/bin/python benchmarks/utility.py --size small
     .venv/bin/python benchmarks/utility.py --size deep
+    .venv/bin/python benchmarks/utility.py --size small --task shape-merged
+    .venv/bin/python benchmarks/utility.py --size deep --task shape-merged
     .venv/bin/python benchmarks/utility.py --size small --quick    # a smoke run
 """
 
@@ -46,7 +51,7 @@ from _utility_bench import Bench, dp_row, local_sums, mtv_row, setup
 from client.evaluation.first_token import QuerySet
 from client.evaluation.run import icl_prompts
 from client.models.embedded import embedded_model_path
-from client.synthetic import TASKS
+from client.synthetic import TASKS, task_family
 from protocol import ReleaseOrder, SelectionMode
 
 
@@ -205,7 +210,8 @@ def parse_args() -> argparse.Namespace:
     args.heads = args.heads or {"small": 4, "deep": 8}[args.size]
     args.epsilons = [0.1, 0.25, 0.5, 1.0, 2.0, 8.0]
     args.c_factors = [0.5, 2.0]
-    args.tasks = list(TASKS)
+    args.family = task_family(args.task)
+    args.tasks = [task for task in TASKS if task_family(task) == args.family]
     if args.quick:
         args.epsilons, args.draws, args.choice_draws, args.c_factors = [1.0], 2, 1, [2.0]
         args.pooled, args.test, args.validation, args.tasks = 200, 60, 40, [args.task]
@@ -247,10 +253,18 @@ def main() -> int:
 
         results["latency"] = per_query_latency(bench, bench.test_records, bench.public_records)
     results["seconds"] = time.monotonic() - started
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(results, indent=2, default=_json_default) + "\n")
-    log(f"done in {results['seconds']:.0f} s; wrote {args.out}")
+    _write_family(args.out, args.family, results)
+    log(f"done in {results['seconds']:.0f} s; wrote {args.family!r} of {args.out}")
     return 0
+
+
+def _write_family(out: Path, family: str, results: dict[str, object]) -> None:
+    """Replace ``family``'s run in ``out``, keeping the other family's (one file per size)."""
+    document = json.loads(out.read_text()) if out.is_file() else {}
+    families = document.get("families", {})
+    families[family] = json.loads(json.dumps(results, default=_json_default))
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps({"families": families}, indent=2) + "\n")
 
 
 def _json_default(value: object) -> object:
