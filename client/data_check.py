@@ -110,6 +110,7 @@ class ModelReport:
         chunk_lengths: ``(query record id, prompt tokens)`` of each measured chunk.
         chunks_total: How many chunks the plan cuts (``chunk_lengths`` may be a sample).
         zero_shot_length: Tokens of a zero-shot prompt (one image), the first query's.
+        max_image_crops: The crop cap the prompts were measured under (None: as shipped).
         warnings: What the admin should look at.
         errors: What makes a release fail (prompts beyond the context).
     """
@@ -121,6 +122,7 @@ class ModelReport:
     chunk_lengths: tuple[tuple[str, int], ...]
     chunks_total: int
     zero_shot_length: int
+    max_image_crops: int | None = None
     warnings: tuple[str, ...] = ()
     errors: tuple[str, ...] = ()
 
@@ -250,6 +252,7 @@ def check_with_model(
         chunk_lengths=tuple(lengths),
         chunks_total=report.num_chunks,
         zero_shot_length=zero_shot,
+        max_image_crops=loaded.max_image_crops,
     )
     return _with_model_findings(result)
 
@@ -280,7 +283,8 @@ def _with_model_findings(report: ModelReport) -> ModelReport:
         errors.append(
             f"{len(over)} of {len(report.chunk_lengths)} measured chunk prompts exceed the "
             f"model's context of {report.context} tokens (longest {max(over)}): lower --shots, "
-            "use smaller images or fewer crops an image."
+            "use smaller images or fewer crops an image (--max-image-crops, the plan's "
+            "max-image-crops)."
         )
     return replace(report, warnings=tuple(warnings), errors=tuple(errors))
 
@@ -317,8 +321,14 @@ def report_lines(data: DataReport, model: ModelReport | None = None) -> list[str
 def _model_lines(model: ModelReport) -> list[str]:
     lengths = [length for _, length in model.chunk_lengths]
     context = "unknown" if model.context is None else f"{model.context} tokens"
+    crops = (
+        "as the processor ships"
+        if model.max_image_crops is None
+        else f"at most {model.max_image_crops} an image"
+    )
     lines = [
         f"  model context: {context}; zero-shot prompt: {model.zero_shot_length} tokens",
+        f"  image crops: {crops}",
         f"  chunk prompts ({len(lengths)} of {model.chunks_total} measured): {_spread(lengths)}",
     ]
     longest = sorted(model.chunk_lengths, key=lambda item: -item[1])[:3]

@@ -63,9 +63,16 @@ class LocalSums:
     (``client.extraction``), so both sums have ``num_chunks == len(chunks)`` whatever the
     records hold.
 
+    The model's processor is capped to the plan's ``max_image_crops`` here, so every sum of
+    the plan prompts its chunks with the crops the plan fixed, whoever built the sums.
+
     Attributes:
+        loaded: The holder's model, its processor under the plan's crop cap.
         batch_size: Chunks a forward pass in extraction and shift scoring (a speed setting:
             the fixed padded shape makes each chunk's result independent of its batch-mates).
+
+    Raises:
+        ConfigError: The model's processor cannot meet the plan's ``max_image_crops``.
     """
 
     loaded: LoadedModel
@@ -75,6 +82,9 @@ class LocalSums:
     batch_size: int = 4
     instruction: str | None = None
     progress: bool = True
+
+    def __post_init__(self) -> None:
+        self.loaded = self.loaded.with_image_crops(self.plan.max_image_crops)
 
     def activation_sum(self, heads: HeadSet) -> ActivationSum:
         """Clipped activation sum of every chunk over ``heads``."""

@@ -152,6 +152,7 @@ class Site:
         if self.records.get(plan.release_id) is not None:
             raise StageOrderError(f"release_id must be new to this site, got {plan.release_id!r}.")
         loaded, shape = self.model(), self.shape()
+        loaded = loaded.with_image_crops(plan.max_image_crops)  # refused here, before any cost
         dataset = self.dataset()  # before the reservation: a broken record costs nothing
         check_plan(
             plan,

@@ -95,6 +95,7 @@ def build_plan(run: RunConfig) -> ReleasePlan:
         if distributed
         else None,
         max_chunks_per_site=run.max_chunks_per_site or None,
+        max_image_crops=run.max_image_crops or None,
         created=datetime.now(UTC).isoformat(timespec="seconds"),
     )
 

@@ -14,7 +14,33 @@ from dpmtv_common.artifact import load_artifact
 from dpmtv_common.crypto import TrustedKeys
 from dpmtv_common.errors import ConfigError
 
-__all__ = ["artifact_patch"]
+__all__ = ["artifact_model", "artifact_patch"]
+
+
+def artifact_model(
+    path: Path, *, loaded: LoadedModel, keys: TrustedKeys, requested: int | None = None
+) -> LoadedModel:
+    """``loaded`` prompted as the artifact's chunks were: under its ``max_image_crops``.
+
+    Args:
+        path: The artifact folder (verified again here: signature, integrity, model).
+        loaded: The site's model, its processor as shipped.
+        keys: The trusted keys.
+        requested: A ``--max-image-crops`` given on the command line, which must then be
+            the artifact's (queries prompted otherwise would not match the released heads).
+
+    Raises:
+        ConfigError: ``requested`` differs from the artifact's cap, or the processor cannot
+            meet it.
+    """
+    artifact = load_artifact(path, trusted_keys=keys, expected_model_fingerprint=loaded.fingerprint)
+    made_with = artifact.manifest.max_image_crops
+    if requested is not None and requested != made_with:
+        raise ConfigError(
+            f"--max-image-crops must be the artifact's {made_with!r} (its chunks were prompted "
+            f"under it), got {requested}; leave the option out to use the artifact's."
+        )
+    return loaded.with_image_crops(made_with)
 
 
 def artifact_patch(

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
     from client.models import LoadedModel
 
 __all__ = [
+    "add_image_crops_option",
     "add_model_options",
     "add_patch_options",
     "check_artifact",
@@ -72,6 +73,17 @@ def add_model_options(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--device-map", help="from_pretrained device map, e.g. auto (needs accelerate)"
+    )
+
+
+def add_image_crops_option(parser: argparse.ArgumentParser, *, purpose: str) -> None:
+    """--max-image-crops N: the plan's cap on crops an image (default: the processor as shipped)."""
+    parser.add_argument(
+        "--max-image-crops",
+        type=positive_int,
+        help=f"split no image into more than N crops, {purpose} (1 = no splitting; default: "
+        "the processor as shipped). Image splitting multiplies image tokens; a model whose "
+        "processor cannot meet the cap is refused",
     )
 
 

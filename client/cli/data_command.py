@@ -6,7 +6,12 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from client.cli._common import add_model_options, load_site_model, settings_from
+from client.cli._common import (
+    add_image_crops_option,
+    add_model_options,
+    load_site_model,
+    settings_from,
+)
 from client.cli._types import positive_int
 
 __all__ = ["register"]
@@ -37,6 +42,7 @@ def register(sub: Any) -> None:
         "--max-chunks", type=positive_int, default=32, help="chunks to measure (default 32)"
     )
     check.add_argument("--question", help="question of image-folder records (overrides)")
+    add_image_crops_option(check, purpose="as a plan's max-image-crops would (with --model)")
     check.set_defaults(handler=run_check)
 
 
@@ -48,7 +54,7 @@ def run_check(args: argparse.Namespace) -> int:
     dataset, data = check_dataset(args.directory, shots=args.shots, question=args.question)
     model = None
     if args.model is not None:
-        loaded = load_site_model(settings_from(args))
+        loaded = load_site_model(settings_from(args)).with_image_crops(args.max_image_crops)
         model = check_with_model(dataset, data, loaded, max_chunks=args.max_chunks)
     for line in report_lines(data, model):
         print(line)

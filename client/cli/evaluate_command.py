@@ -8,6 +8,7 @@ from typing import Any
 
 from client.cli._choices import EVALUATION_MODES
 from client.cli._common import (
+    add_image_crops_option,
     add_model_options,
     add_patch_options,
     check_artifact,
@@ -41,6 +42,7 @@ def register(sub: Any) -> None:
     )
     parser.add_argument("--seed", type=non_negative_int, default=0, help="demonstrations (icl)")
     add_patch_options(parser)
+    add_image_crops_option(parser, purpose="for zero-shot and icl (artifact: the artifact's)")
     parser.set_defaults(handler=run)
 
 
@@ -72,9 +74,14 @@ def run(args: argparse.Namespace) -> int:
     support = load_dataset(args.support).records if mode is EvaluationMode.ICL else ()
     loaded = load_site_model(settings)
     patch = None
-    if keys is not None:
-        from client.cli._artifact import artifact_patch
+    if keys is None:
+        loaded = loaded.with_image_crops(args.max_image_crops)
+    else:
+        from client.cli._artifact import artifact_model, artifact_patch
 
+        loaded = artifact_model(
+            args.artifact, loaded=loaded, keys=keys, requested=args.max_image_crops
+        )
         patch = artifact_patch(
             args.artifact,
             loaded=loaded,

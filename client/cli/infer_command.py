@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
     check_artifact(args.artifact, keys)
     loaded = load_site_model(settings)
     # Imported here: the model side needs torch and transformers.
-    from client.cli._artifact import artifact_patch
+    from client.cli._artifact import artifact_model, artifact_patch
     from client.hooks import PatchPolicy
     from client.inference import generate_answers
     from client.models import Example, Prompt
@@ -114,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
         policy=PatchPolicy(args.policy),
         rescale_norm=args.rescale_norm,
     )
+    loaded = artifact_model(args.artifact, loaded=loaded, keys=keys)  # the release's crop cap
     prompts = [
         Prompt.of([], Example(image, q)) for image, (_, q) in zip(images, queries, strict=True)
     ]

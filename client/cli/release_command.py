@@ -16,7 +16,13 @@ from typing import TYPE_CHECKING, Any
 from pydantic import ValidationError
 
 from client.cli._choices import RELEASE_ORDERS, SCORE_METHODS, SELECTION_MODES
-from client.cli._common import add_model_options, load_heads_file, load_site_model, settings_from
+from client.cli._common import (
+    add_image_crops_option,
+    add_model_options,
+    load_heads_file,
+    load_site_model,
+    settings_from,
+)
 from client.cli._errors import validation_line
 from client.cli._types import open_unit_float, positive_float, positive_int
 from dpmtv_common.errors import ConfigError
@@ -40,6 +46,7 @@ _PLAN_OPTIONS = {
     "selection_share": "--selection-share",
     "score_top_r": "--top-r",
     "max_chunks_per_site": "--max-chunks",
+    "max_image_crops": "--max-image-crops",
 }
 
 
@@ -95,6 +102,7 @@ def register(sub: Any) -> None:
     )
     parser.add_argument("--score-method", choices=SCORE_METHODS, default="shift")
     parser.add_argument("--max-chunks", type=positive_int, help="cap on chunks (default: all)")
+    add_image_crops_option(parser, purpose="recorded in the plan and the artifact")
     parser.add_argument("--ledger", dest="ledger_path", type=Path, help="SQLite ledger")
     parser.add_argument("--budget-epsilon", type=positive_float, help="ledger budget epsilon")
     parser.add_argument("--budget-delta", type=open_unit_float, help="ledger budget delta")
@@ -145,6 +153,7 @@ def _plan(args: argparse.Namespace, task: str, fingerprint: str) -> ReleasePlan:
             raise ConfigError("--selection public needs --public-heads FILE (from select-heads).")
         heads, extras = load_heads_file(args.public_heads)
         public_heads = heads.heads
+        _check_heads_file_crops(extras, args.max_image_crops)
     k = len(public_heads) if public_heads else args.heads
     try:
         return ReleasePlan(
@@ -165,10 +174,20 @@ def _plan(args: argparse.Namespace, task: str, fingerprint: str) -> ReleasePlan:
             score_top_r=args.top_r or k,
             min_sites=1,
             max_chunks_per_site=args.max_chunks,
+            max_image_crops=args.max_image_crops,
             created=datetime.now(UTC).isoformat(timespec="seconds"),
         )
     except ValidationError as exc:
         raise ConfigError(validation_line(exc, options=_PLAN_OPTIONS)) from exc
+
+
+def _check_heads_file_crops(extras: dict[str, Any], max_image_crops: int | None) -> None:
+    """Public heads (and their clip norm) measured under one crop cap fit only that cap."""
+    if "max_image_crops" in extras and extras["max_image_crops"] != max_image_crops:
+        raise ConfigError(
+            f"--max-image-crops must be the cap the public heads were selected under "
+            f"({extras['max_image_crops']!r}, from select-heads), got {max_image_crops!r}."
+        )
 
 
 def _check_heads(plan: ReleasePlan, args: argparse.Namespace, layout: HeadLayout) -> None:

@@ -7,7 +7,13 @@ from pathlib import Path
 from typing import Any
 
 from client.cli._choices import SELECTION_METHODS
-from client.cli._common import add_model_options, load_site_model, settings_from, write_heads_file
+from client.cli._common import (
+    add_image_crops_option,
+    add_model_options,
+    load_site_model,
+    settings_from,
+    write_heads_file,
+)
 from client.cli._types import non_negative_int, positive_int
 from dpmtv_common.errors import ConfigError
 
@@ -35,6 +41,7 @@ def register(sub: Any) -> None:
     parser.add_argument("--steps", type=positive_int, default=600, help="REINFORCE (MTV: 600)")
     parser.add_argument("--samples", type=positive_int, default=32, help="REINFORCE (MTV: 32)")
     parser.add_argument("--seed", type=non_negative_int, default=0)
+    add_image_crops_option(parser, purpose="as the release will (written to the heads file)")
     parser.set_defaults(handler=run)
 
 
@@ -68,7 +75,7 @@ def run(args: argparse.Namespace) -> int:
     )
 
     dataset = load_dataset(settings.data_path)
-    loaded = load_site_model(settings)
+    loaded = load_site_model(settings).with_image_crops(args.max_image_crops)
     layout = loaded.adapter.head_shape(loaded.model).layout()
     carried = len(layout.all_heads())  # a hybrid's headless layers carry none
     if args.k > carried:
@@ -101,6 +108,7 @@ def run(args: argparse.Namespace) -> int:
         model_fingerprint=loaded.fingerprint,
         public_chunks=len(chunks.chunks),
         shots=args.shots,
+        max_image_crops=args.max_image_crops,  # release checks it: heads fit their cap only
     )
     print(f"{len(heads)} heads over {heads.num_layers_in_scope} layers -> {args.out}")
     print(f"suggested clip norm C = {clip:.4g} (median per-layer norm on public data)")

@@ -63,6 +63,8 @@ class InferAnswers(BaseModel):
 def answer_queries(site: Site, request: InferRequest) -> InferAnswers:
     """Verify the stored artifact (key, model, dtype), decode the images, answer greedily.
 
+    The images are prompted under the artifact's ``max_image_crops``, as its chunks were.
+
     Raises:
         ConfigError: Questions and images differ in number, or no such artifact is stored.
         DataError: An image cannot be decoded or is too large.
@@ -72,8 +74,9 @@ def answer_queries(site: Site, request: InferRequest) -> InferAnswers:
             f"questions and images must pair up, got {len(request.questions)} and "
             f"{len(request.images)}."
         )
-    loaded = site.model()
-    patch = _patch(site, request)
+    patch, max_image_crops = _patch(site, request)
+    # Queries are prompted under the crop cap the artifact's chunks were prompted under.
+    loaded = site.model().with_image_crops(max_image_crops)
     prompts = [
         Prompt.of([], Example(_decode(image, index), question))
         for index, (image, question) in enumerate(
@@ -90,7 +93,7 @@ def answer_queries(site: Site, request: InferRequest) -> InferAnswers:
     return InferAnswers(answers=tuple(answers))
 
 
-def _patch(site: Site, request: InferRequest) -> TaskVectorPatch:
+def _patch(site: Site, request: InferRequest) -> tuple[TaskVectorPatch, int | None]:
     import numpy as np
     import torch
 
@@ -112,7 +115,8 @@ def _patch(site: Site, request: InferRequest) -> TaskVectorPatch:
             f"got {loaded.dtype_name!r}."
         )
     values = torch.tensor(np.asarray(artifact.values), dtype=torch.float32)
-    return TaskVectorPatch(artifact.heads, values, PatchPolicy(request.policy))
+    patch = TaskVectorPatch(artifact.heads, values, PatchPolicy(request.policy))
+    return patch, artifact.manifest.max_image_crops
 
 
 def _decode(data: bytes, index: int) -> Image.Image:

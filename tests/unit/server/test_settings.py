@@ -34,3 +34,24 @@ def test_coordinator_signing_key_must_exist(tmp_path, monkeypatch):
     monkeypatch.setenv("DPMTV_SERVER_SIGNING_KEY", str(tmp_path / "missing.key"))
     with pytest.raises(ValueError, match="signing_key"):
         CoordinatorSettings()
+
+
+@pytest.mark.parametrize(("given", "planned"), [(0, None), (1, 1), (6, 6)])
+def test_max_image_crops_reaches_the_plan_and_zero_means_as_shipped(given, planned):
+    from server.coordinator import build_plan
+
+    run = RunConfig.from_context({**VALID, "model-fingerprint": "sha256:" + "ab" * 32,
+                                  "max-image-crops": given})  # fmt: skip
+
+    assert build_plan(run).max_image_crops == planned
+
+
+def test_max_image_crops_refuses_a_negative_value_and_the_plan_bounds_it():
+    from pydantic import ValidationError
+
+    from server.coordinator import build_plan
+
+    with pytest.raises(ConfigError, match="max-image-crops"):
+        RunConfig.from_context({**VALID, "max-image-crops": -1})
+    with pytest.raises(ValidationError, match="max_image_crops"):
+        build_plan(RunConfig.from_context({**VALID, "max-image-crops": 65}))
