@@ -374,8 +374,7 @@ _builtin(("smolvlm",), _TEXT, _templates.SMOLVLM, image_crops=image_crops.split_
 _builtin(("paligemma",), _LM, _templates.PALIGEMMA, image_crops=_ONE)
 _builtin(("gemma3",), _LM, _templates.GEMMA3, image_crops=image_crops.pan_and_scan)
 _builtin(("internvl",), _LM, _templates.INTERNVL, image_crops=image_crops.crop_to_patches)
-# Its processor (Pixtral) needs torchvision: tested here model-only, like LFM2-VL below.
-# Pixtral never splits: tokens grow with the image up to size["longest_edge"].
+# Its processor (Pixtral, never splits) needs torchvision: tested model-only, like LFM2-VL.
 _builtin(("mistral3",), _LM, _templates.MISTRAL3, image_crops=_ONE)
 # Cross-attention stack: every fifth layer or so attends to the image through cross_attn.
 # Its tiles are laid out as the vision config's max_num_tiles (refused below it).
