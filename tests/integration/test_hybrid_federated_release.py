@@ -96,7 +96,9 @@ def tmp(world: World, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterat
         yield tmp_path
 
 
-def release(world: World, tmp: Path, release_id: str, **overrides: Any) -> ReleaseReport:
+def release(
+    world: World, tmp: Path, release_id: str, site: dict[str, Any] | None = None, **overrides: Any
+) -> ReleaseReport:
     config = {
         "model-fingerprint": world.fingerprint,
         "release-id": release_id,
@@ -110,7 +112,7 @@ def release(world: World, tmp: Path, release_id: str, **overrides: Any) -> Relea
         "stage-timeout": 60.0,
         **{name.replace("_", "-"): value for name, value in overrides.items()},
     }
-    settings = [site_settings_for_partition(i, {}) for i in range(SITES)]
+    settings = [site_settings_for_partition(i, site or {}) for i in range(SITES)]
     relays = list(open_in_process_sites(settings).relays)
     grid = InProcessGrid(relays, num_nodes=SITES, run_config=config)
     coordinator = CoordinatorSettings(
@@ -135,6 +137,9 @@ def site_entries(tmp: Path, partition: int) -> list[tuple[str, ReleaseState]]:
         return []
     with PrivacyLedger.open(path, BUDGET) as ledger:
         return [(entry.release_id, entry.state) for entry in ledger.releases()]
+
+
+DISTRIBUTED = {"noise_mode": "distributed", "max_chunks_per_site": RECORDS // (SHOTS + 1)}
 
 
 @pytest.mark.parametrize(
@@ -167,6 +172,22 @@ def test_a_hybrid_consortium_releases_only_carried_heads(world, tmp, selection, 
         settings = site_settings_for_partition(partition, {})
         record = ReleaseRecordStore(settings.releases_folder).require(release_id)
         assert (record.head_layers, record.layout.all_heads()) == ((1,), CARRIED)
+
+
+@pytest.mark.parametrize("order", ["release-first", "select-first"])
+def test_a_distributed_hybrid_release_agrees_on_every_grid(world, tmp, order):
+    # Sites recompute the SecAgg+ ranges from the plan and their layout (votes: dense L * H;
+    # activations: the carried heads) and refuse any other, so a disagreement would abort.
+    release_id = f"hybrid-distributed-{order}"
+    report = release(
+        world, tmp, release_id, {"noise_mode": "distributed"}, order=order, **DISTRIBUTED
+    )
+
+    assert set(report.outcome.heads.heads) <= set(CARRIED.heads)
+    assert report.outcome.gaussian_heads.num_layers_in_scope == 1
+    assert report.acknowledged == ("site-0", "site-1", "site-2")
+    for partition in range(SITES):
+        assert site_entries(tmp, partition) == [(release_id, ReleaseState.COMMITTED)]
 
 
 def test_public_heads_in_a_headless_layer_are_refused_by_every_site_at_no_cost(world, tmp):
