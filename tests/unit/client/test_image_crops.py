@@ -18,7 +18,7 @@ from client.models import (
     build_tiny_model,
     get_adapter,
 )
-from client.models.image_crops import cap_image_crops
+from client.models.image_crops import cap_image_crops, llava_next_max_crops
 from dpmtv_common.errors import ConfigError
 
 SMALL = Image.new("RGB", (28, 28), (200, 40, 40))  # the case: a tiny image upscaled
@@ -134,6 +134,7 @@ def test_a_family_that_never_splits_prompts_alike_under_any_cap(arch):
 
 @pytest.mark.parametrize(("arch", "fixed", "config_key"), [
     ("llava_next", 2, "image_grid_pinpoints"),
+    ("llava_onevision", 2, "image_grid_pinpoints"),
     ("mllama", 2, "max_num_tiles"),
 ])  # fmt: skip
 def test_a_family_whose_model_fixes_its_crops_refuses_a_lower_cap_in_one_line(
@@ -155,6 +156,22 @@ def test_a_family_whose_model_fixes_its_crops_refuses_a_lower_cap_in_one_line(
     assert type(loaded.processor.image_processor).__name__ in message
     assert config_key in message
     assert torch.equal(prompt_shape(kept, SMALL)[2], prompt_shape(loaded, SMALL)[2])
+
+
+def test_the_anyres_count_is_the_most_crops_the_processor_makes():
+    # Arrange: LLaVA-NeXT with a 2 x 2 pinpoint; a large square image uses all of it
+    loaded = splitting_model("llava_next", lambda processor: None)
+    loaded.processor.image_processor.image_grid_pinpoints = [[56, 112], [112, 112]]
+    big = Image.new("RGB", (600, 600), "blue")
+
+    # Act
+    counted = llava_next_max_crops(loaded.processor)
+
+    # Assert: 4 patches and the base image, as the processor makes them
+    assert counted == 5
+    assert prompt_shape(loaded, big)[0] == counted
+    with pytest.raises(ConfigError, match="at least 5"):
+        loaded.with_image_crops(4)
 
 
 def test_an_adapter_that_declares_no_crop_knob_refuses_every_cap():
