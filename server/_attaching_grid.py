@@ -24,6 +24,7 @@ class AttachingGrid(Grid):
     Attributes:
         replies: Per site that answered without an error, its reply's record under ``key``
             (None when the reply carried none).
+        errors: Per site that answered with an error (a refusal), the error's reason.
     """
 
     def __init__(self, inner: Grid, key: str, record: ConfigRecord) -> None:
@@ -31,6 +32,7 @@ class AttachingGrid(Grid):
         self.key = key
         self.record = record
         self.replies: dict[int, ConfigRecord | None] = {}
+        self.errors: dict[int, str] = {}
 
     def set_run(self, run: Run) -> None:
         """Set the run (delegated)."""
@@ -74,10 +76,18 @@ class AttachingGrid(Grid):
         """Send ``messages`` with the record attached; keep the replies' records."""
         attached = [_with_record(message, self.key, self.record) for message in messages]
         replies = list(self.inner.send_and_receive(attached, timeout=timeout))
+        # An error the SuperLink makes for a lost site comes from the SuperLink's own node
+        # id: name the site by the message it answers.
+        sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in attached}
+        destinations = set(sent_to.values())
         for reply in replies:
-            if not reply.has_error():
-                records = reply.content.config_records
-                self.replies[reply.metadata.src_node_id] = records.get(self.key)
+            node = reply.metadata.src_node_id
+            if node not in destinations:
+                node = sent_to.get(reply.metadata.reply_to_message_id, node)
+            if reply.has_error():
+                self.errors[node] = f"site error: {reply.error.reason}"
+            else:
+                self.replies[node] = reply.content.config_records.get(self.key)
         return replies
 
 

@@ -43,7 +43,9 @@ from protocol import (
 )
 from server.federated_sums import FederatedSums
 from server.messaging import Exchange
+from server.plan_at_setup import plan_folds_into_setup, send_plan_at_setup
 from server.prompt_grid import site_label
+from server.secagg import SecureSumRound
 from server.settings import CoordinatorSettings, RunConfig
 
 __all__ = ["Coordinator", "ReleaseReport", "build_plan"]
@@ -114,6 +116,8 @@ class Coordinator:
     seconds: dict[str, float] = field(default_factory=dict)
     model_dtype: str | None = None
     sums: FederatedSums | None = None
+    pending: SecureSumRound | None = None
+    planned: list[int] = field(default_factory=list)
 
     def wait_for_sites(self) -> list[int]:
         """Poll until ``expected-sites`` nodes are connected, or the timeout; then go on."""
@@ -130,10 +134,20 @@ class Coordinator:
         return sorted(nodes)
 
     def plan_stage(self, plan: ReleasePlan, nodes: list[int]) -> None:
-        """Broadcast the plan; keep the sites that accept (each reserved its own budget)."""
-        replies = self._exchange().broadcast(
-            "plan", PlanRequest(plan=plan), nodes, PlanAccept, f"{plan.release_id}-plan"
-        )
+        """Send the plan; keep the sites that accept (each reserved its own budget).
+
+        Where the plan sizes the first secure sum by itself, it rides on that sum's SecAgg+
+        setup message (``server.plan_at_setup``): no round trip of its own.
+        """
+        self.planned = list(nodes)
+        if plan_folds_into_setup(plan):
+            replies, self.pending = send_plan_at_setup(
+                self.grid, self.context, plan, nodes, self.run.stage_timeout
+            )
+        else:
+            replies = self._exchange().broadcast(
+                "plan", PlanRequest(plan=plan), nodes, PlanAccept, f"{plan.release_id}-plan"
+            )
         self.accepted = {n: a for n, a in replies.answers.items() if isinstance(a, PlanAccept)}
         for node, reason in replies.failures.items():
             _log.warning(
@@ -169,6 +183,7 @@ class Coordinator:
             first.head_dim,
             layout,
             self.run.stage_timeout,
+            pending=self.pending,
         )
 
         def on_first_noise() -> None:
@@ -210,13 +225,16 @@ class Coordinator:
         return path, sorted(acks)
 
     def abort_stage(self, plan: ReleasePlan, reason: str) -> None:
-        """Tell every site that accepted whether noisy output exists (count) or not (refund)."""
+        """Tell every site sent the plan whether noisy output exists (count) or not (refund).
+
+        Not only the sites whose acceptance arrived: a site whose reply was lost may have
+        reserved; a site that never did answers with a refusal, which changes nothing.
+        """
         notice = AbortNotice(
             release_id=plan.release_id, reason=reason[:500], noisy_output=self.exposed
         )
-        self._exchange().broadcast(
-            "abort", notice, self.accepted, AbortNotice, f"{plan.release_id}-abort"
-        )
+        sites = sorted(set(self.planned) | set(self.accepted))
+        self._exchange().broadcast("abort", notice, sites, AbortNotice, f"{plan.release_id}-abort")
 
     def _survivors(self) -> list[int]:
         # Sites lost in a secure sum are not waited for again: they resolve their own
@@ -269,7 +287,7 @@ def _finish_failed(
         ledger.commit(plan.release_id)
     else:
         ledger.abort(plan.release_id, f"aborted before any noisy output: {exc!r}"[:500])
-    if coordinator.accepted:
+    if coordinator.planned or coordinator.accepted:
         try:
             coordinator.abort_stage(plan, f"{type(exc).__name__}: {exc}")
         except Exception:  # the original failure matters more than a lost notice

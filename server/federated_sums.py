@@ -32,9 +32,14 @@ from protocol import (
     VoteSum,
     secure_sum_request_to_config,
 )
-from server.secagg import SecureSumSettings, install_secure_mask_prg, secure_sum
+from server.secagg import (
+    SecureSumRound,
+    SecureSumSettings,
+    install_secure_mask_prg,
+    secure_sum,
+)
 
-__all__ = ["FederatedSums"]
+__all__ = ["FederatedSums", "neighbourhood"]
 
 
 @dataclass
@@ -46,6 +51,8 @@ class FederatedSums:
         head_dim: D of the consortium's model.
         layout: the consortium model's head layout; its carried heads (``all_heads``) are
             the scope of ``heads=None``, its dense ``L * H`` the vote histogram's length.
+        pending: The release's first secure sum, already set up with the plan riding on it
+            (``server.plan_at_setup``); the first sum asked for finishes it.
     """
 
     grid: Grid
@@ -57,6 +64,7 @@ class FederatedSums:
     stage_timeout: float
     rounds: int = 0
     log: list[str] = field(default_factory=list)
+    pending: SecureSumRound | None = None
 
     def __post_init__(self) -> None:
         install_secure_mask_prg()  # idempotent; the sites refuse any other mask expansion
@@ -74,7 +82,7 @@ class FederatedSums:
         return DistributedRelease(self.plan, self.layout.dense_size, self.head_dim)
 
     def _settings(self, grid: DistributedNoise | None) -> SecureSumSettings:
-        shares, threshold = _neighbourhood(len(self.sites))
+        shares, threshold = neighbourhood(len(self.sites))
         if grid is not None:  # the plan's integer grid: sites refuse any other
             return SecureSumSettings(
                 clipping_range=grid.clipping_range,
@@ -103,16 +111,21 @@ class FederatedSums:
         broadcast: tuple[Float64Array, ...] = (),
     ) -> tuple[list[Float64Array], int, int]:
         self.rounds += 1
-        result = secure_sum(
-            self.grid,
-            self.context,
-            sorted(self.sites),
-            secure_sum_request_to_config(request),
-            round_id=self.rounds,
-            settings=self._settings(grid),
-            min_sites=self.plan.min_sites,
-            broadcast=broadcast,
-        )
+        config = secure_sum_request_to_config(request)
+        if self.pending is not None and grid is None:  # set up with the plan: finish it
+            opened, self.pending = self.pending, None
+            result = opened.finish(config, broadcast)
+        else:
+            result = secure_sum(
+                self.grid,
+                self.context,
+                sorted(self.sites),
+                config,
+                round_id=self.rounds,
+                settings=self._settings(grid),
+                min_sites=self.plan.min_sites,
+                broadcast=broadcast,
+            )
         if result is None:
             raise InsufficientSharesError(
                 f"secure sum {self.rounds} ({request.stage}) produced no result: too few sites "
@@ -163,7 +176,7 @@ class FederatedSums:
         return VoteSum(np.asarray(arrays[0], dtype=np.float64), count)
 
 
-def _neighbourhood(sites: int) -> tuple[int | float, int | float]:
+def neighbourhood(sites: int) -> tuple[int | float, int | float]:
     """SecAgg+ neighbourhood size and threshold for ``sites`` sites.
 
     Up to 10 sites everyone is everyone's neighbour (classic SecAgg, threshold 2/3). Beyond,

@@ -155,6 +155,7 @@ class SecureSumRound:
         self.state = WorkflowState()
         self.sites = set(strategy.node_ids)
         self._alive: bool | None = None  # None: setup not run yet
+        self.setup_errors: dict[int, str] = {}  # site -> why its setup failed (attached runs)
 
     @classmethod
     def open(
@@ -186,6 +187,7 @@ class SecureSumRound:
         self._alive = self.workflow.setup_stage(grid, self.legacy, self.state)
         if not isinstance(grid, AttachingGrid):
             return {}
+        self.setup_errors = dict(grid.errors)
         return {node: record for node, record in grid.replies.items() if record is not None}
 
     def exclude(self, node_ids: Iterable[int]) -> None:

@@ -47,7 +47,7 @@ from protocol import (
     AbortNotice,
     ReleasePlan,
     SelectionMode,
-    expect,
+    message_from_record,
     plan_calibration,
     plan_hash,
     secure_sum_request_from_config,
@@ -278,11 +278,13 @@ def assert_no_artifact(paths: Paths, release_id: str, partitions: Iterable[int])
 
 
 def abort_notices(grid: InProcessGrid) -> dict[int, AbortNotice]:
-    return {
-        node_id: expect(reply.content, AbortNotice)
+    """The abort notices sites acknowledged (a site that never reserved answers an error)."""
+    answers = {
+        node_id: message_from_record(reply.content)
         for node_id, stage, reply in grid.replies
         if stage == "query.abort"
     }
+    return {node_id: a for node_id, a in answers.items() if isinstance(a, AbortNotice)}
 
 
 def planned_epsilon(config: Mapping[str, Any]) -> float:
@@ -348,9 +350,10 @@ def test_a_site_lost_in_the_activation_sum_leaves_the_others_to_release(
 
 def test_every_site_lost_at_setup_aborts_with_too_few_sites(world: World, paths: Paths) -> None:
     # Arrange: regression, the SecAgg+ workflow used to run on with no site left and crash
-    # at unmask with an IndexError instead of halting.
+    # at unmask with an IndexError instead of halting. No chunk cap: the plan goes alone
+    # first, so the sites have reserved when their setup is lost.
     release_id = "all-lost-at-setup"
-    config = run_config(world, release_id, 3, selection="all")
+    config = run_config(world, release_id, 3, selection="all", max_chunks_per_site=0)
     lost = {node(p): {"setup"} for p in range(3)}
     # Act
     with pytest.raises(InsufficientSharesError, match="produced no result"):
@@ -359,6 +362,27 @@ def test_every_site_lost_at_setup_aborts_with_too_few_sites(world: World, paths:
     assert states(paths.consortium_ledger) == {release_id: ReleaseState.ABORTED}
     for partition in range(3):
         assert states(paths.site_ledger(partition)) == {release_id: ReleaseState.ABORTED}
+    assert_no_artifact(paths, release_id, range(3))
+
+
+def test_a_plan_riding_on_a_setup_that_no_site_gets_reserves_nothing(
+    world: World, paths: Paths
+) -> None:
+    # Arrange: the default chunk cap folds the plan into the first SecAgg+ setup message.
+    release_id = "plan-lost-at-setup"
+    config = run_config(world, release_id, 3, selection="all")
+    lost = {node(p): {"setup"} for p in range(3)}
+    grid = InProcessGrid(site_relays(3), num_nodes=3, run_config=config, drops=lost)
+    # Act
+    with pytest.raises(InsufficientSharesError, match="accepting sites must number"):
+        release(world, paths, config, grid=grid)
+    # Assert: refunded at the coordinator; no site saw the plan, so none reserved; every
+    # site it was sent to is told (a lost reply may hide a reservation).
+    assert states(paths.consortium_ledger) == {release_id: ReleaseState.ABORTED}
+    told = sorted(node_id for node_id, stage, _ in grid.replies if stage == "query.abort")
+    assert told == [node(p) for p in range(3)]
+    for partition in range(3):
+        assert states(paths.site_ledger(partition)) == {}
     assert_no_artifact(paths, release_id, range(3))
 
 
