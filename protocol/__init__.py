@@ -71,7 +71,6 @@ from protocol.stages import ALLOWED_TRANSITIONS, Stage, StageTracker
 from protocol.version import PROTOCOL_VERSION, check_compatible
 
 __all__ = [
-    "MESSAGE_RECORD_KEY",
     "ALLOWED_TRANSITIONS",
     "AbortNotice",
     "ActivationSum",
@@ -85,6 +84,7 @@ __all__ = [
     "MAX_IMAGE_CROPS",
     "MAX_SHOTS",
     "MAX_TEXT_CHARS",
+    "MESSAGE_RECORD_KEY",
     "MessageDecodeError",
     "NeighbouringRelation",
     "NoiseMode",

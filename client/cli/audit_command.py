@@ -11,7 +11,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from client.cli._choices import RELEASE_ORDERS, SELECTION_MODES
-from client.cli._common import add_model_options, load_site_model, settings_from
+from client.cli._common import (
+    add_image_crops_option,
+    add_model_options,
+    load_site_model,
+    settings_from,
+)
 from client.cli._types import open_unit_float, positive_float, positive_int
 from dpmtv_common.errors import ConfigError
 
@@ -64,6 +69,7 @@ def register(sub: Any) -> None:
     parser.add_argument("--selection-share", type=open_unit_float, default=0.3)
     parser.add_argument("--top-r", type=positive_int, help="votes a chunk (default: k)")
     parser.add_argument("--max-chunks", type=positive_int, help="cap on chunks (default: all)")
+    add_image_crops_option(parser, purpose="as the audited release's plan would")
     parser.add_argument(
         "--runs", type=positive_int, default=1000, help="releases per side (default 1000)"
     )
