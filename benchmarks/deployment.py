@@ -17,10 +17,14 @@ service and a ``flower-supernode`` given only the service's socket), submits one
 Usage (from the repository root; about 2-3 minutes per consortium size on 2 cores)::
 
     .venv/bin/python -m benchmarks.deployment [--sites 3 --sites 10] \
-        [--compare "before (e1d4c23)=/tmp/old-workdir"] [--output docs/benchmarks/deployment.md]
+        [--run-config "selection='private' order='release-first'"] \
+        [--compare "before (e1d4c23)=/tmp/old-workdir"] \
+        [--output docs/benchmarks/deployment.md [--table NAME]]
 
-``--output`` replaces the table between the ``<!-- deployment table -->`` markers of an
-existing page (docs/benchmarks/deployment.md keeps its text), or writes a new file.
+``--output`` replaces the table between the ``<!-- deployment table -->`` markers (with
+``--table NAME``: ``<!-- deployment table NAME -->``) of an existing page
+(docs/benchmarks/deployment.md keeps its text), or writes a new file. ``--run-config`` changes
+the release (default ``selection='all' shots=2``).
 ``--compare LABEL=WORKDIR[:SITES[:RUN_SECONDS]]`` adds the table of an earlier
 ``local_consortium.py run`` workdir (e.g. one made from an older commit) for a before/after
 comparison.
@@ -128,7 +132,9 @@ def analyse(label: str, workdir: Path, sites: int, status: str, seconds: float) 
     return measured
 
 
-def run_once(workdir: Path, sites: int, label: str) -> Measured:
+def run_once(
+    workdir: Path, sites: int, label: str, overrides: dict[str, object] | None = None
+) -> Measured:
     """Prepare a consortium of ``sites`` under ``workdir``, make one release, analyse it."""
     files = prepare_consortium(workdir, sites=sites, per_site=30)
     creds = make_credentials(workdir / "credentials", [site.name for site in files.sites])
@@ -140,6 +146,7 @@ def run_once(workdir: Path, sites: int, label: str) -> Measured:
         "expected-sites": sites,
         "min-sites": 2,
         "stage-timeout": 600.0,
+        **(overrides or {}),
     }
     with Consortium(workdir, creds, coordinator_env=files.coordinator_env()) as consortium:
         consortium.start_superlink()
@@ -179,18 +186,33 @@ def table(rows: list[Measured]) -> str:
     return "\n".join(lines)
 
 
-_BEGIN, _END = "<!-- deployment table -->", "<!-- /deployment table -->"
+def write_report(path: Path, report: str, name: str = "") -> None:
+    """Replace the table between the markers ``name`` of an existing page, or write a new file.
 
-
-def write_report(path: Path, report: str) -> None:
-    """Replace the table between the markers of an existing page, or write a new file."""
+    The markers are ``<!-- deployment table[ NAME] -->`` and ``<!-- /deployment table[ NAME] -->``.
+    """
+    suffix = f" {name}" if name else ""
+    begin, end = f"<!-- deployment table{suffix} -->", f"<!-- /deployment table{suffix} -->"
     text = path.read_text(encoding="utf-8") if path.exists() else ""
-    if _BEGIN in text and _END in text:
-        head, rest = text.split(_BEGIN, 1)
-        text = f"{head}{_BEGIN}\n{report}{_END}{rest.split(_END, 1)[1]}"
+    if begin in text and end in text:
+        head, rest = text.split(begin, 1)
+        text = f"{head}{begin}\n{report}{end}{rest.split(end, 1)[1]}"
     else:
         text = report
     path.write_text(text, encoding="utf-8")
+
+
+def parse_run_config(text: str) -> dict[str, object]:
+    """``"key=value key=value"`` (TOML scalars: 'text', 1, 0.5, true) as a dict."""
+    import tomllib
+
+    config: dict[str, object] = {}
+    for item in text.split():
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--run-config items must look like key=value, got {item!r}")
+        config[key] = tomllib.loads(f"v = {value}")["v"]
+    return config
 
 
 def _environment() -> str:
@@ -209,8 +231,15 @@ def main(argv: list[str] | None = None) -> int:
         "--compare", action="append", default=[], help="LABEL=WORKDIR[:SITES[:RUN_SECONDS]]"
     )
     parser.add_argument("--label", default="this checkout")
+    parser.add_argument(
+        "--run-config",
+        default="",
+        help="'key=value ...' over the default release (selection='all' shots=2)",
+    )
+    parser.add_argument("--table", default="", help="which marked table of --output to replace")
     parser.add_argument("--output", type=Path)
     args = parser.parse_args(argv)
+    overrides = parse_run_config(args.run_config)
     rows: list[Measured] = []
     for item in args.compare:
         label, _, rest = item.partition("=")
@@ -220,12 +249,12 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(analyse(label, Path(path), int(sites), status, float(seconds)))
     for sites in args.sites or [3]:
         with tempfile.TemporaryDirectory(prefix=f"dpmtv-deploy-{sites}-") as tmp:
-            rows.append(run_once(Path(tmp), sites, args.label))
+            rows.append(run_once(Path(tmp), sites, args.label, overrides))
             print(table(rows), flush=True)
     report = f"{table(rows)}\n\n{_environment()}\n"
     print(report)
     if args.output is not None:
-        write_report(args.output, report)
+        write_report(args.output, report, args.table)
     return 0 if all(r.status == "finished:completed" for r in rows) else 1
 
 

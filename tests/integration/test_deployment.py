@@ -286,8 +286,14 @@ def test_a_site_killed_during_the_activation_secure_sum_costs_seconds_not_the_ti
     victim, survivors = files.sites[-1], files.sites[:-1]
     skip = deployment.line_count(victim.name)
     run = deployment.submit(run_config(files, release_id, stage_timeout=600.0))
-    # Act: the first `train` message is SecAgg+'s setup of the activation secure sum
-    # (selection "all" has no vote sum); the victim dies as it receives it.
+    # Act: the first `train` message is SecAgg+'s setup of the activation secure sum with the
+    # plan riding on it (selection "all" has no vote sum); the victim accepts the plan there
+    # and dies as it receives the second one (share keys), before any of its data left.
+    deployment.wait_for_line(victim.name, r"Receiving: train message", timeout=240, skip=skip)
+    deployment.wait_for_line(
+        f"{victim.name}-service", rf"release {release_id}: plan accepted", timeout=120
+    )
+    skip = deployment.line_count(victim.name)
     deployment.wait_for_line(victim.name, r"Receiving: train message", timeout=240, skip=skip)
     deployment.kill(victim.name)
     result = deployment.wait_run(run, timeout=500)
