@@ -39,7 +39,7 @@ from protocol import (
 from server.federated_sums import neighbourhood
 from server.messaging import Replies
 from server.prompt_grid import site_label
-from server.secagg import SecureSumRound, SecureSumSettings
+from server.secagg import SecureSumRound, SecureSumSettings, install_secure_mask_prg
 
 __all__ = ["plan_folds_into_setup", "send_plan_at_setup"]
 
@@ -63,6 +63,7 @@ def send_plan_at_setup(
     """
     if not plan_folds_into_setup(plan) or plan.max_chunks_per_site is None:
         raise _not_foldable(plan)
+    install_secure_mask_prg()  # idempotent; the sites refuse any other mask expansion
     shares, threshold = neighbourhood(len(nodes))
     settings = SecureSumSettings.for_plan(
         # A site sums at most cap chunks, each clipped to C; its count reaches the cap.
