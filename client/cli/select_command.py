@@ -73,6 +73,7 @@ def run(args: argparse.Namespace) -> int:
         select_heads_reinforce,
         suggested_clip_norm,
     )
+    from client.scoring import check_answer_vocabulary
 
     dataset = load_dataset(settings.data_path)
     loaded = load_site_model(settings).with_image_crops(args.max_image_crops)
@@ -85,11 +86,14 @@ def run(args: argparse.Namespace) -> int:
             f"got {args.k}."
         )
     chunks = make_chunks(dataset, shots=args.shots, seed=args.seed, max_chunks=args.max_chunks)
+    queries = [chunk.query for chunk in chunks.chunks][: args.queries]
+    # Selection scores each query's first answer token: all of them <unk> would select heads
+    # for p(<unk>), so that is refused before any forward pass, as a release refuses it.
+    check_answer_vocabulary(loaded, [query.answer for query in queries])
     acts = public_activations(
         loaded, chunks.chunks, batch_size=settings.batch_size, instruction=dataset.instruction
     )
     mean = acts.mean(0)
-    queries = [chunk.query for chunk in chunks.chunks][: args.queries]
     if SelectionMethod(args.method) is SelectionMethod.REINFORCE:
         settings_rl = ReinforceSettings(steps=args.steps, samples=args.samples, seed=args.seed)
         heads = select_heads_reinforce(
