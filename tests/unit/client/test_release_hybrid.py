@@ -9,6 +9,7 @@ artifact, and a plan naming a head of layer 0 costs nothing.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import pytest
@@ -45,7 +46,7 @@ def chunks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Chunk, ...]:
 
 
 def make_plan(loaded: LoadedModel, selection: SelectionMode, order: ReleaseOrder, **overrides):
-    fields = {
+    fields: dict[str, Any] = {
         "protocol_version": PROTOCOL_VERSION,
         "release_id": "r1",
         "task": "shapes",

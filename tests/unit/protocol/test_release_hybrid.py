@@ -154,9 +154,10 @@ def test_the_reference_is_dense_with_zeros_in_headless_layers():
     release(make_plan(SelectionMode.PRIVATE, ReleaseOrder.RELEASE_FIRST), sums)
 
     reference = sums.references[0]
+    assert reference is not None
     assert reference.shape == (LAYERS, HEADS, DIM)
     assert not reference[[0, 2]].any()
-    np.testing.assert_allclose(reference[3, 1], [31.0, 31.0], atol=1.0)
+    np.testing.assert_allclose(reference[3, 1], np.array([31.0, 31.0]), atol=1.0)
 
 
 @pytest.mark.parametrize("order", list(ReleaseOrder))
