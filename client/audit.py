@@ -29,38 +29,30 @@ private head selection (Gumbel top-k) and the accountant's composition are not a
 and the report is computed from the private data without noise (‖Δ‖, the sums' projections):
 it is for the site's own eyes, is not a release, and is never written to the ledger.
 
-Size: about 500 lines, over the house's 400. The pure statistics (``epsilon_of_gdp``,
-``clopper_pearson_epsilon``, the μ estimate) belong in ``dpmtv_common.privacy`` (numpy and
-scipy only); they stay here until that move is made by its owner.
+The pure statistics (``epsilon_of_gdp``, ``clopper_pearson_epsilon``, ``mu_estimate``) live
+in :mod:`dpmtv_common.privacy.auditing` (numpy and scipy only).
 """
 
 from __future__ import annotations
 
-import math
-from collections import Counter
-from collections.abc import Sequence
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-from PIL import Image, ImageOps
-from scipy import optimize, stats
 
-from client.chunking import Chunk, make_chunks
-from client.data import Record, SiteDataset
-from client.extraction import chunk_contributions
+from client.canary import audited_heads, changed_chunks, releases_whole_scope
+from client.chunking import make_chunks
+from client.data import SiteDataset
 from client.models import LoadedModel
 from client.release import LocalSums
 from dpmtv_common.aliases import Float64Array, Int64Array
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadLayout, HeadSet
+from dpmtv_common.privacy.auditing import clopper_pearson_epsilon, epsilon_of_gdp, mu_estimate
 from dpmtv_common.privacy.noise import NoiseSource
 from protocol import (
     ActivationSum,
-    ReleaseOrder,
     ReleasePlan,
-    SelectionMode,
     VoteSum,
     plan_calibration,
     run_release,
@@ -71,12 +63,7 @@ __all__ = [
     "CanaryPair",
     "ScaledNoise",
     "audit_pair",
-    "canary_candidates",
-    "choose_canary",
-    "clopper_pearson_epsilon",
-    "epsilon_of_gdp",
     "make_canary_pair",
-    "plant_canary",
 ]
 
 
@@ -112,93 +99,6 @@ class ScaledNoise:
         return self.inner.gumbel_top_k(scores, k=k, scale=scale)
 
 
-def plant_canary(dataset: SiteDataset, canary: Record, *, index: int) -> SiteDataset:
-    """``dataset`` with record ``index`` replaced by ``canary`` (a replace-one neighbour)."""
-    if not 0 <= index < len(dataset.records):
-        raise ConfigError(
-            f"index must lie in [0, {len(dataset.records)}), got {index!r} (the canary replaces "
-            "one existing record)."
-        )
-    if dataset.privacy_unit == "group":
-        canary = replace(canary, group=dataset.records[index].group)
-    records = list(dataset.records)
-    records[index] = replace(canary, id=records[index].id)
-    return replace(dataset, records=tuple(records))
-
-
-def _changed_chunks(first: Sequence[Chunk], second: Sequence[Chunk]) -> int:
-    return sum(a != b for a, b in zip(first, second, strict=True))
-
-
-def canary_candidates(dataset: SiteDataset, folder: Path) -> list[Record]:
-    """Canary records to try, their images written to ``folder``.
-
-    Extreme images (noise, black, white, an inverted record), each with a frequent and a rare
-    answer of ``dataset``: the audit keeps the one that moves its chunk most.
-    """
-    folder.mkdir(parents=True, exist_ok=True)
-    first = dataset.records[0]
-    size = first.load_image().size
-    rng = np.random.default_rng(0)  # public canary content, not DP noise
-    images = {
-        "noise": Image.fromarray(rng.integers(0, 256, (size[1], size[0], 3), dtype=np.uint8)),
-        "black": Image.new("RGB", size, (0, 0, 0)),
-        "white": Image.new("RGB", size, (255, 255, 255)),
-        "inverted": ImageOps.invert(first.load_image()),
-    }
-    counts = Counter(r.answer for r in dataset.records)
-    answers = dict.fromkeys([counts.most_common()[0][0], counts.most_common()[-1][0]])
-    candidates = []
-    for name, image in images.items():
-        path = folder / f"canary-{name}.png"
-        image.save(path)
-        for answer in answers:
-            candidates.append(Record(f"canary-{name}", path, first.question, (answer,)))
-    return candidates
-
-
-def choose_canary(
-    loaded: LoadedModel,
-    dataset: SiteDataset,
-    candidates: Sequence[Record],
-    plan: ReleasePlan,
-    *,
-    chunk_seed: int,
-) -> tuple[Record, int, float]:
-    """The canary and position that move their chunk's clipped contribution most.
-
-    Positions tried: the query and the first demonstration of the first chunk. Returns the
-    canary, the index of the record it replaces and ‖Δ‖ of that chunk's contribution.
-    """
-    heads = _audited_heads(plan, loaded.adapter.head_shape(loaded.model).layout())
-
-    def first_chunk(data: SiteDataset) -> Chunk:
-        cut = make_chunks(
-            data, shots=plan.shots, seed=chunk_seed, max_chunks=plan.max_chunks_per_site
-        )
-        return cut.chunks[0]
-
-    target = first_chunk(dataset)
-    index_of = {record.id: i for i, record in enumerate(dataset.records)}
-    positions = [index_of[target.query.id], index_of[target.demonstrations[0].id]]
-
-    def contribution(chunk: Chunk) -> Float64Array:
-        (rows,) = chunk_contributions(loaded, [chunk], heads=heads, clip_norm=plan.clip_norm)
-        return rows
-
-    base = contribution(target)
-    best: tuple[Record, int, float] | None = None
-    for index in positions:
-        for candidate in candidates:
-            planted = plant_canary(dataset, candidate, index=index)
-            distance = float(np.linalg.norm(contribution(first_chunk(planted)) - base))
-            if best is None or distance > best[2]:
-                best = (candidate, index, distance)
-    if best is None:
-        raise ConfigError("candidates must hold at least one canary record, got none.")
-    return best
-
-
 @dataclass(frozen=True)
 class CanaryPair:
     """The two noise-free clipped sums of a neighbouring pair, and how far apart they are.
@@ -218,20 +118,6 @@ class CanaryPair:
     sensitivity: float
 
 
-def _through_run_release(plan: ReleasePlan) -> bool:
-    """Whether run_release's output is exactly the Gaussian's scope (no heads dropped after)."""
-    if plan.selection is SelectionMode.ALL:
-        return True
-    return plan.selection is SelectionMode.PUBLIC and plan.order is ReleaseOrder.SELECT_FIRST
-
-
-def _audited_heads(plan: ReleasePlan, layout: HeadLayout) -> HeadSet:
-    # The scope of the Gaussian draw: every carried head, except a public list selected first.
-    if plan.public_heads and _through_run_release(plan) and plan.selection is SelectionMode.PUBLIC:
-        return HeadSet(plan.public_heads)
-    return layout.all_heads()
-
-
 def make_canary_pair(
     loaded: LoadedModel,
     dataset: SiteDataset,
@@ -245,7 +131,7 @@ def make_canary_pair(
     Both are cut with the same secret ``chunk_seed`` and summed by :class:`LocalSums` over the
     plan's Gaussian scope, once each (one forward pass per chunk, as a release does).
     """
-    heads = _audited_heads(plan, loaded.adapter.head_shape(loaded.model).layout())
+    heads = audited_heads(plan, loaded.adapter.head_shape(loaded.model).layout())
     max_chunks = plan.max_chunks_per_site
     chunks = [
         make_chunks(data, shots=plan.shots, seed=chunk_seed, max_chunks=max_chunks).chunks
@@ -260,7 +146,7 @@ def make_canary_pair(
     return CanaryPair(
         without=without,
         with_canary=with_canary,
-        changed_chunks=_changed_chunks(chunks[0], chunks[1]),
+        changed_chunks=changed_chunks(chunks[0], chunks[1]),
         distance=float(np.linalg.norm(with_canary.total - without.total)),
         sensitivity=mechanism.l2_sensitivity,
     )
@@ -285,7 +171,7 @@ def _released_values(
     plan: ReleasePlan, summed: ActivationSum, noise: NoiseSource, layout: HeadLayout
 ) -> Float64Array:
     """One production release of ``summed``: the noisy mean over the audited heads."""
-    if not _through_run_release(plan):
+    if not releases_whole_scope(plan):
         # run_release would then keep only some rows (release-first: post-processing) or pick
         # heads first (votes need forward passes each time); the Gaussian it runs is this one:
         # the plan's calibration over the scope, noisy_mean of the sum. Auditing every row
@@ -344,90 +230,6 @@ class AuditReport:
         return self.mu_low > self.mu_claimed
 
 
-def epsilon_of_gdp(mu: float, delta: float) -> float:
-    """The smallest ε ≥ 0 with δ(ε) ≤ ``delta`` for a μ-GDP mechanism (Dong, Roth & Su 2019).
-
-    δ(ε) = Φ(−ε/μ + μ/2) − e^ε·Φ(−ε/μ − μ/2); infinite μ gives infinite ε.
-    """
-    if not 0.0 < delta < 1.0:
-        raise ConfigError(f"delta must lie in (0, 1), got {delta!r}.")
-    if mu <= 0.0:
-        return 0.0
-    if mu > 100.0:  # ε > 5000 at any δ of interest; e^ε overflows in floating point
-        return math.inf
-
-    def excess(epsilon: float) -> float:
-        tail = float(stats.norm.cdf(-epsilon / mu + mu / 2))
-        # e^ε·Φ(·) in log space: ε reaches hundreds for large μ, where e^ε alone overflows.
-        shifted = math.exp(epsilon + float(stats.norm.logcdf(-epsilon / mu - mu / 2)))
-        return tail - shifted - delta
-
-    if excess(0.0) <= 0.0:
-        return 0.0
-    upper = mu * mu / 2 + mu * 10.0  # δ(ε) is far below any δ of interest there
-    return float(optimize.brentq(excess, 0.0, upper, xtol=1e-9))
-
-
-def _clopper_pearson_upper(failures: int, trials: int, alpha: float) -> float:
-    if failures >= trials:
-        return 1.0
-    return float(stats.beta.ppf(1 - alpha, failures + 1, trials - failures))
-
-
-def _threshold_epsilon(fpr: float, fnr: float, delta: float) -> float:
-    if fpr <= 0.0:
-        return math.inf
-    return max(math.log(max(1 - delta - fnr, 1e-300) / fpr), 0.0)
-
-
-def _best_threshold(without: Float64Array, with_canary: Float64Array, delta: float) -> float:
-    """The threshold of the largest empirical ε on the selection half (outputs above: 'in')."""
-    candidates = np.unique(np.concatenate([without, with_canary]))
-    best, best_epsilon = float(candidates[0]), -1.0
-    for threshold in candidates[:: max(1, len(candidates) // 400)]:
-        fpr = float(np.mean(without > threshold))
-        fnr = float(np.mean(with_canary <= threshold))
-        epsilon = _threshold_epsilon(max(fpr, 0.5 / len(without)), fnr, delta)
-        if epsilon > best_epsilon:
-            best, best_epsilon = float(threshold), epsilon
-    return best
-
-
-def clopper_pearson_epsilon(
-    without: Float64Array, with_canary: Float64Array, *, delta: float, confidence: float
-) -> float:
-    """Non-parametric ε lower bound: threshold from the first half, rates from the second."""
-    half0, half1 = len(without) // 2, len(with_canary) // 2
-    threshold = _best_threshold(without[:half0], with_canary[:half1], delta)
-    test0, test1 = without[half0:], with_canary[half1:]
-    alpha = (1 - confidence) / 2  # both rates at once (union bound)
-    fpr = _clopper_pearson_upper(int(np.sum(test0 > threshold)), len(test0), alpha)
-    fnr = _clopper_pearson_upper(int(np.sum(test1 <= threshold)), len(test1), alpha)
-    return _threshold_epsilon(fpr, fnr, delta)
-
-
-def _mu_estimate(
-    without: Float64Array, with_canary: Float64Array, confidence: float
-) -> tuple[float, float, float]:
-    """μ̂ = mean difference / pooled sd, with a normal-approximation confidence interval.
-
-    Var(μ̂) ≈ 1/n₀ + 1/n₁ + μ̂²/(2(n₀ + n₁ − 2)) (difference of means over an estimated sd).
-    """
-    n0, n1 = len(without), len(with_canary)
-    difference = float(with_canary.mean() - without.mean())
-    pooled = math.sqrt(
-        (float(without.var(ddof=1)) * (n0 - 1) + float(with_canary.var(ddof=1)) * (n1 - 1))
-        / (n0 + n1 - 2)
-    )
-    if pooled == 0.0:
-        mu = math.inf if difference > 0 else 0.0
-        return mu, mu, mu
-    mu = difference / pooled
-    spread = math.sqrt(1 / n0 + 1 / n1 + mu * mu / (2 * (n0 + n1 - 2)))
-    z = float(stats.norm.isf((1 - confidence) / 2))
-    return mu, mu - z * spread, mu + z * spread
-
-
 def _projections(
     plan: ReleasePlan,
     summed: ActivationSum,
@@ -483,7 +285,7 @@ def audit_pair(
     ]
     mechanism = plan_calibration(plan).gaussian(clip_norm=plan.clip_norm, heads=pair.without.heads)
     mu_claimed = mechanism.l2_sensitivity / mechanism.noise_std
-    mu_hat, mu_low, mu_high = _mu_estimate(sides[0], sides[1], confidence)
+    mu_hat, mu_low, mu_high = mu_estimate(sides[0], sides[1], confidence)
     return AuditReport(
         label=label,
         runs=runs,

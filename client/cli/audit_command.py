@@ -120,14 +120,8 @@ def run(args: argparse.Namespace) -> int:
     if args.json_out is not None and not args.json_out.parent.is_dir():
         raise ConfigError(f"--json must lie in an existing folder, got {str(args.json_out)!r}.")
     # Imported here: the data and model side need PIL, torch and transformers.
-    from client.audit import (
-        ScaledNoise,
-        audit_pair,
-        canary_candidates,
-        choose_canary,
-        make_canary_pair,
-        plant_canary,
-    )
+    from client.audit import ScaledNoise, audit_pair, make_canary_pair
+    from client.canary import canary_candidates, choose_canary, plant_canary
     from client.cli.release_command import _check_heads, _plan
     from client.data import load_dataset
     from dpmtv_common.privacy.noise import NoiseSource, secure_noise

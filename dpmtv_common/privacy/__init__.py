@@ -1,4 +1,4 @@
-"""Differential-privacy building blocks: mechanisms, noise, accounting, budgets, ledger."""
+"""Differential-privacy building blocks: mechanisms, noise, accounting, budgets, ledger, audit."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from dpmtv_common.privacy.accounting import (
     epsilon_bound,
     epsilon_per_pick_from_share,
 )
+from dpmtv_common.privacy.auditing import clopper_pearson_epsilon, epsilon_of_gdp, mu_estimate
 from dpmtv_common.privacy.budget import PrivacyBudget
 from dpmtv_common.privacy.calibration import ReleaseCalibration
 from dpmtv_common.privacy.events import ReleaseEvent
@@ -41,8 +42,11 @@ __all__ = [
     "calibrate_noise_multiplier",
     "clip_per_layer",
     "clip_scores",
+    "clopper_pearson_epsilon",
     "epsilon_bound",
+    "epsilon_of_gdp",
     "epsilon_per_pick_from_share",
+    "mu_estimate",
     "require_cryptographic",
     "secure_noise",
     "sum_clipped_contributions",

@@ -26,16 +26,14 @@ from client.audit import (
     CanaryPair,
     ScaledNoise,
     audit_pair,
-    canary_candidates,
-    choose_canary,
-    epsilon_of_gdp,
     make_canary_pair,
-    plant_canary,
 )
+from client.canary import canary_candidates, choose_canary, plant_canary
 from client.data import SiteDataset, load_dataset
 from client.models import LoadedModel, load_model, save_tiny_model
 from client.synthetic import write_task_datasets
 from dpmtv_common.heads import HeadLayout
+from dpmtv_common.privacy.auditing import epsilon_of_gdp
 from dpmtv_common.privacy.noise import secure_noise
 from protocol import PROTOCOL_VERSION, ReleaseOrder, ReleasePlan, SelectionMode
 
