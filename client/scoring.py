@@ -39,11 +39,11 @@ from tqdm import tqdm
 from client.chunking import Chunk
 from client.extraction import (
     chunk_prompt,
-    fixed_shape_heads,
     forward_last_token_heads,
     log_replaced_chunks,
     zero_shot_prompt,
 )
+from client.fixed_shape import fixed_shape_heads
 from client.hooks import registered_pre_hooks
 from client.models import HeadShape, LoadedModel, Prompt
 from dpmtv_common.aliases import Float64Array

@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 import torch
 
-import client.extraction as extraction
+import client.fixed_shape as fixed_shape
 from client.chunking import Chunk, make_chunks
 from client.data import SiteDataset, load_dataset, write_jsonl_dataset
 from client.extraction import chunk_contributions, chunk_prompt, extract_clipped_sum
@@ -168,7 +168,7 @@ def test_a_chunks_contribution_is_bit_identical_whoever_its_batch_mates_are(type
 
 def _poisoned(loaded: LoadedModel, chunk: Chunk, failure: str):
     """Hooks that make exactly the rows of ``chunk``'s prompt fail (NaN or an exception)."""
-    target = extraction._prompt_inputs(loaded, chunk_prompt(chunk), None)["input_ids"][0]
+    target = fixed_shape._prompt_inputs(loaded, chunk_prompt(chunk), None)["input_ids"][0]
     hit_rows: list[int] = []
 
     def find_rows(module, args, kwargs):

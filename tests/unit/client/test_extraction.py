@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-import client.extraction as extraction
+import client.fixed_shape as fixed_shape
 from client.chunking import Chunk, make_chunks
 from client.extraction import (
     batched,
@@ -169,8 +169,8 @@ def test_a_prompt_with_an_unpaddable_per_token_input_runs_alone_and_unpadded():
     plain = {"input_ids": torch.zeros(1, 20), "pixel_values": torch.zeros(3, 3, 8, 8)}
     crossed = {**plain, "cross_attention_mask": torch.zeros(1, 20, 3, 1)}
 
-    assert extraction._signature(plain, 2) == (32, -1, (("pixel_values", (3, 3, 8, 8)),))
-    length, alone, _ = extraction._signature(crossed, 2)
+    assert fixed_shape._signature(plain, 2) == (32, -1, (("pixel_values", (3, 3, 8, 8)),))
+    length, alone, _ = fixed_shape._signature(crossed, 2)
     assert (length, alone) == (20, 2)
 
 
@@ -178,7 +178,7 @@ def test_a_prompt_with_an_unpaddable_per_token_input_runs_alone_and_unpadded():
 def test_the_alone_path_gives_exactly_the_unpadded_single_pass(loaded, chunks, monkeypatch):
     # Arrange: force every chunk onto the alone path
     monkeypatch.setattr(
-        extraction,
+        fixed_shape,
         "_signature",
         lambda inputs, position: (inputs["input_ids"].shape[1], position, ()),
     )
