@@ -78,8 +78,9 @@ class AttachingGrid(Grid):
         replies = list(self.inner.send_and_receive(attached, timeout=timeout))
         # An error the SuperLink makes for a lost site comes from the SuperLink's own node
         # id: name the site by the message it answers.
+        destinations = {m.metadata.dst_node_id for m in attached}
         sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in attached}
-        destinations = set(sent_to.values())
+        sent_to.pop("", None)  # a grid that sets ids on its own copies leaves ours empty
         for reply in replies:
             node = reply.metadata.src_node_id
             if node not in destinations:

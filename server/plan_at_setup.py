@@ -83,25 +83,37 @@ def send_plan_at_setup(
     )
     record = message_to_record(PlanRequest(plan=plan)).config_records[MESSAGE_RECORD_KEY]
     answers = sum_round.setup((MESSAGE_RECORD_KEY, record))
-    replies = _decoded(grid, answers, nodes, sum_round)
+    replies = _decoded(grid, answers, nodes, sum_round, plan.release_id)
     sum_round.exclude(set(nodes) - set(replies.answers))
     return replies, sum_round
 
 
 def _decoded(
-    grid: Grid, answers: dict[int, ConfigRecord], nodes: list[int], sum_round: SecureSumRound
+    grid: Grid,
+    answers: dict[int, ConfigRecord | None],
+    nodes: list[int],
+    sum_round: SecureSumRound,
+    release_id: str,
 ) -> Replies:
     accepted: dict[int, PlanAccept] = {}
     failures: dict[int, str] = {}
     for node in nodes:
-        reply = answers.get(node)
-        if reply is None:
+        if node not in answers:
             failures[node] = sum_round.setup_errors.get(node, "no reply before the timeout")
             continue
+        reply = answers[node]
+        if reply is None:
+            failures[node] = "answered the setup without an answer to the plan"
+            continue
         try:
-            accepted[node] = expect(RecordDict({MESSAGE_RECORD_KEY: reply}), PlanAccept)
+            accept = expect(RecordDict({MESSAGE_RECORD_KEY: reply}), PlanAccept)
         except DpmtvError as exc:
             failures[node] = str(exc)
+            continue
+        if accept.release_id != release_id:
+            failures[node] = f"accepted release {accept.release_id!r}, not {release_id!r}"
+            continue
+        accepted[node] = accept
     for node, reason in failures.items():
         _log.warning("site %s: plan at setup failed: %s", site_label(grid, node), reason)
     return Replies(dict(accepted), failures)

@@ -175,11 +175,13 @@ class SecureSumRound:
         legacy = _legacy_context(grid, context, sites, strategy, round_id)
         return cls(grid, legacy, strategy, settings, min_sites)
 
-    def setup(self, attach: tuple[str, ConfigRecord] | None = None) -> dict[int, ConfigRecord]:
-        """Run the setup stage; return, by site, the reply record under the attached key.
+    def setup(
+        self, attach: tuple[str, ConfigRecord] | None = None
+    ) -> dict[int, ConfigRecord | None]:
+        """Run the setup stage; return, by site that answered, its reply record under the key.
 
-        Sites that answered the setup without that record are left out of the dict (and
-        stay in the sum unless :meth:`exclude` removes them).
+        None for a site that answered the setup without that record (it stays in the sum
+        unless :meth:`exclude` removes it); sites that failed are in ``setup_errors``.
         """
         if self._alive is not None:
             raise ConfigError("setup must run once a secure sum, got a second call.")
@@ -188,7 +190,7 @@ class SecureSumRound:
         if not isinstance(grid, AttachingGrid):
             return {}
         self.setup_errors = dict(grid.errors)
-        return {node: record for node, record in grid.replies.items() if record is not None}
+        return dict(grid.replies)
 
     def exclude(self, node_ids: Iterable[int]) -> None:
         """Leave sites out after setup (they masked nothing yet: forgetting them is exact)."""

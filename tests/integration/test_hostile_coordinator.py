@@ -795,6 +795,7 @@ def setup_round(
     decoded = {
         node: message_from_record(RecordDict({MESSAGE_RECORD_KEY: reply}))
         for node, reply in replies.items()
+        if reply is not None
     }
     return sum_round, decoded
 

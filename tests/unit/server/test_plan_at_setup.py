@@ -8,7 +8,8 @@ from types import SimpleNamespace
 from typing import Any
 
 import pytest
-from flwr.app import Message
+from flwr.app import ConfigRecord, Message, RecordDict
+from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 from flwr.server.workflow.secure_aggregation import secaggplus_workflow as flwr_workflow
 
 from dpmtv_common.crypto import mask_prg
@@ -17,11 +18,13 @@ from protocol import (
     MESSAGE_RECORD_KEY,
     PROTOCOL_VERSION,
     NoiseMode,
+    PlanAccept,
     PlanRequest,
     ReleaseOrder,
     ReleasePlan,
     SelectionMode,
     expect,
+    message_to_record,
 )
 from server.plan_at_setup import plan_folds_into_setup, send_plan_at_setup
 from server.secagg import mask_prg_in_use
@@ -109,3 +112,58 @@ def test_the_setup_carries_the_plan_and_the_secure_mask_expansion_is_installed(
     assert replies.answers == {}
     assert sorted(replies.failures) == [1, 2, 3]
     assert sum_round.active_sites == set()
+
+
+class AnsweringGrid(SilentGrid):
+    """Every site answers SecAgg+'s setup with keys and, beside them, a chosen plan answer."""
+
+    def __init__(self, answers: dict[int, PlanAccept | None]) -> None:
+        super().__init__()
+        self.answers = answers
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> list[Message]:
+        sent = list(messages)
+        super().send_and_receive(sent, timeout=timeout)
+        replies = []
+        for message in sent:
+            keys = ConfigRecord({Key.PUBLIC_KEY_1: b"pk1", Key.PUBLIC_KEY_2: b"pk2"})
+            content = RecordDict({RECORD_KEY_CONFIGS: keys})
+            accept = self.answers[message.metadata.dst_node_id]
+            if accept is not None:
+                content[MESSAGE_RECORD_KEY] = message_to_record(accept).config_records[
+                    MESSAGE_RECORD_KEY
+                ]
+            replies.append(Message(content, reply_to=message))
+        return replies
+
+
+def accept_for(release_id: str, site: int) -> PlanAccept:
+    return PlanAccept(
+        release_id=release_id,
+        site_name=f"site-{site}",
+        num_chunks=5,
+        num_layers=2,
+        num_heads=4,
+        head_dim=16,
+    )
+
+
+def test_only_an_accept_of_this_plan_counts_and_the_others_leave_the_sum() -> None:
+    # Arrange: site 1 accepts r1; site 2 answers for another release; site 3 with keys only.
+    grid = AnsweringGrid({1: accept_for("r1", 1), 2: accept_for("other", 2), 3: None})
+    # Act
+    replies, sum_round = send_plan_at_setup(
+        grid,  # type: ignore[arg-type]
+        make_server_context(),
+        make_plan(),
+        [1, 2, 3],
+        1.0,
+    )
+    # Assert
+    assert sorted(replies.answers) == [1]
+    assert "accepted release 'other', not 'r1'" in replies.failures[2]
+    assert "without an answer to the plan" in replies.failures[3]
+    assert 2 not in sum_round.active_sites
+    assert 3 not in sum_round.active_sites
