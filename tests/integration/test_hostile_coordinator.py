@@ -746,6 +746,7 @@ def test_a_release_first_artifact_must_carry_the_noisy_vector_the_site_was_sent(
         (ReleaseOrder.RELEASE_FIRST, True, "float32"),  # not the float64 the site scores
         (ReleaseOrder.RELEASE_FIRST, True, "wrong-shape"),
         (ReleaseOrder.SELECT_FIRST, True, "one"),  # select-first plans score no vector
+        (ReleaseOrder.SELECT_FIRST, False, "one"),  # nor carry arrays the request does not name
     ],
 )
 def test_a_select_sum_carries_exactly_the_noisy_vector_the_plan_calls_for(
@@ -839,8 +840,9 @@ def test_a_plan_refused_at_setup_reserves_nothing_and_keeps_the_site_out_of_the_
 def test_secagg_parameters_below_the_site_policy_refuse_the_setup_before_the_plan(
     consortium: Consortium,
 ) -> None:
-    # Arrange: a two-site sum, below every site's minimum of three.
-    plan = make_plan(consortium.world, min_sites=2)
+    # Arrange: a plan every site accepts (min-sites 3), riding on a two-site SecAgg+ setup,
+    # below every site's minimum of three.
+    plan = make_plan(consortium.world)
     # Act
     _, accepts = setup_round(consortium, plan, sites=2)
     # Assert: the SecAgg+ policy refused first, so the plan reserved nothing.
