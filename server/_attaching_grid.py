@@ -11,14 +11,14 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from flwr.app import ConfigRecord, Message, RecordDict
-from flwr.proto.node_pb2 import NodeInfo
 from flwr.serverapp import Grid
-from flwr.supercore.run import Run
+
+from server._delegating_grid import DelegatingGrid
 
 __all__ = ["AttachingGrid"]
 
 
-class AttachingGrid(Grid):
+class AttachingGrid(DelegatingGrid):
     """Delegates to ``inner``; ``send_and_receive`` adds ``record`` under ``key`` to each message.
 
     Attributes:
@@ -28,47 +28,11 @@ class AttachingGrid(Grid):
     """
 
     def __init__(self, inner: Grid, key: str, record: ConfigRecord) -> None:
-        self.inner = inner
+        super().__init__(inner)
         self.key = key
         self.record = record
         self.replies: dict[int, ConfigRecord | None] = {}
         self.errors: dict[int, str] = {}
-
-    def set_run(self, run: Run) -> None:
-        """Set the run (delegated)."""
-        self.inner.set_run(run)
-
-    @property
-    def run(self) -> Run:
-        """The run (delegated)."""
-        return self.inner.run
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        """Create a message (delegated)."""
-        return self.inner.create_message(content, message_type, dst_node_id, group_id, ttl)
-
-    def get_node_ids(self) -> Iterable[int]:
-        """Node ids of the connected sites (delegated)."""
-        return self.inner.get_node_ids()
-
-    def get_nodes(self) -> Iterable[NodeInfo]:
-        """Node records (delegated)."""
-        return self.inner.get_nodes()
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        """Push messages (delegated; nothing attached: use ``send_and_receive``)."""
-        return self.inner.push_messages(messages)
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        """Pull replies (delegated)."""
-        return self.inner.pull_messages(message_ids)
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None

@@ -31,12 +31,12 @@ import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
-from flwr.app import Message, RecordDict
+from flwr.app import Message
 from flwr.proto.node_pb2 import NodeInfo
 from flwr.serverapp import Grid
-from flwr.supercore.run import Run
 
 from dpmtv_common.errors import ConfigError
+from server._delegating_grid import DelegatingGrid
 
 __all__ = ["PromptGrid", "StragglerPolicy", "site_label"]
 
@@ -67,7 +67,7 @@ class StragglerPolicy:
         return silent_for > max(self.min_grace, self.factor * answered_after)
 
 
-class PromptGrid(Grid):
+class PromptGrid(DelegatingGrid):
     """Delegates to Flower's grid; ``send_and_receive`` pulls often and skips dead sites.
 
     Args:
@@ -90,54 +90,20 @@ class PromptGrid(Grid):
     ) -> None:
         if not isinstance(pull_interval, int | float) or not 0 < pull_interval <= 3:
             raise ConfigError(f"pull_interval must be in (0, 3] seconds, got {pull_interval!r}.")
-        self.inner = inner
+        super().__init__(inner)
         self.pull_interval = float(pull_interval)
         self.stragglers = stragglers
         self._clock = clock
         self._sleep = sleep
         self._names: dict[int, str] = {}
 
-    # -- delegated ------------------------------------------------------------------------
-
-    def set_run(self, run: Run) -> None:
-        """Set the run (delegated)."""
-        self.inner.set_run(run)
-
-    @property
-    def run(self) -> Run:
-        """The run (delegated)."""
-        return self.inner.run
-
-    def create_message(
-        self,
-        content: RecordDict,
-        message_type: str,
-        dst_node_id: int,
-        group_id: str,
-        ttl: float | None = None,
-    ) -> Message:
-        """Create a message without Flower's deprecation warning for ``Grid.create_message``."""
-        return Message(content, dst_node_id, message_type, ttl=ttl, group_id=group_id)
-
-    def get_node_ids(self) -> Iterable[int]:
-        """Node ids of the connected sites (delegated)."""
-        return self.inner.get_node_ids()
+    # -- ours -----------------------------------------------------------------------------
 
     def get_nodes(self) -> Iterable[NodeInfo]:
         """Node records, including the name each site registered with (delegated)."""
         nodes = list(self.inner.get_nodes())
         self._names.update({node.node_id: node.name for node in nodes if node.name})
         return nodes
-
-    def push_messages(self, messages: Iterable[Message]) -> Iterable[str]:
-        """Push messages (delegated)."""
-        return self.inner.push_messages(messages)
-
-    def pull_messages(self, message_ids: Iterable[str]) -> Iterable[Message]:
-        """Pull replies (delegated)."""
-        return self.inner.pull_messages(message_ids)
-
-    # -- ours -----------------------------------------------------------------------------
 
     def send_and_receive(
         self, messages: Iterable[Message], *, timeout: float | None = None
