@@ -797,10 +797,10 @@ def stage_timings(log: str) -> dict[str, float]:
 # ---------------------------------------------------------------- command line
 
 
-def _run(args: argparse.Namespace) -> int:
-    workdir: Path = args.workdir.resolve()
-    files = prepare_consortium(
-        workdir,
+def _prepare_from_args(root: Path, args: argparse.Namespace) -> ConsortiumFiles:
+    """``prepare_consortium`` with the options ``prepare`` and ``run`` share."""
+    return prepare_consortium(
+        root,
         sites=args.sites,
         per_site=args.per_site,
         task=args.task,
@@ -808,6 +808,11 @@ def _run(args: argparse.Namespace) -> int:
         data=args.data.resolve() if args.data else None,
         noise_mode=args.noise_mode,
     )
+
+
+def _run(args: argparse.Namespace) -> int:
+    workdir: Path = args.workdir.resolve()
+    files = _prepare_from_args(workdir, args)
     creds = make_credentials(workdir / "credentials", [site.name for site in files.sites])
     run_config: dict[str, object] = {
         "task": args.task,
@@ -891,15 +896,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.command == "prepare":
         root = args.root.resolve()
-        files = prepare_consortium(
-            root,
-            sites=args.sites,
-            per_site=args.per_site,
-            task=args.task,
-            model=args.model.resolve() if args.model else None,
-            data=args.data.resolve() if args.data else None,
-            noise_mode=args.noise_mode,
-        )
+        files = _prepare_from_args(root, args)
         print(f"wrote data, model and coordinator key under {root}")
         print(f"model-fingerprint = {files.fingerprint}")
         return 0
