@@ -1,5 +1,9 @@
 """Site side of the secure sum: the reply SecAgg+ masks, and the ChaCha20 mask-PRG patch.
 
+What a collect message carries beside its config is read here too: :func:`sent_reference`
+decodes the one float64 noisy vector a release-first select request names (numpy's format,
+never a pickle), and :func:`carried_arrays` lets the handler refuse arrays it did not ask for.
+
 The site's ``train`` handler runs under Flower's ``secaggplus_mod``
 (``@app.train(mods=[secaggplus_mod])``). At the collect stage the mod calls the handler,
 which returns :func:`secure_sum_reply`; the mod then quantises every coordinate to the
@@ -22,7 +26,7 @@ from dataclasses import dataclass
 
 import numpy as np
 import numpy.typing as npt
-from flwr.app import ConfigRecord, Context, Message
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message
 from flwr.common import (
     Code,
     FitRes,
@@ -36,14 +40,19 @@ from flwr.compat.common.recorddict_compat import fitres_to_recorddict
 from dpmtv_common.aliases import Float64Array
 from dpmtv_common.crypto import mask_prg
 from dpmtv_common.errors import ConfigError
+from protocol import PlanMismatchError
 
 __all__ = [
+    "FITINS_CONFIG",
+    "FITINS_PARAMETERS",
     "SecAggRanges",
+    "carried_arrays",
     "install_secure_mask_prg",
     "mask_prg_in_use",
     "secaggplus_clipping_range",
     "secaggplus_ranges",
     "secure_sum_reply",
+    "sent_reference",
 ]
 
 # The package ``flwr.client.mod.secure_aggregation`` rebinds the name ``secaggplus_mod`` to
@@ -51,7 +60,9 @@ __all__ = [
 _MOD_MODULE = "flwr.client.mod.secure_aggregation.secaggplus_mod"
 # The global that the mod module imported from secaggplus_utils and calls at collect.
 _PATCHED_NAME = "pseudo_rand_gen"
-_FITINS_CONFIG = "fitins.config"
+# Flower's legacy FitIns record keys, as its SecAgg+ workflow sends them at collect.
+FITINS_CONFIG = "fitins.config"
+FITINS_PARAMETERS = "fitins.parameters"
 
 
 def secure_sum_reply(
@@ -163,7 +174,7 @@ def _chacha20_pseudo_rand_gen(
 
 
 def _check_mask_prg(msg: Message) -> None:
-    config = msg.content.config_records.get(_FITINS_CONFIG, ConfigRecord())
+    config = msg.content.config_records.get(FITINS_CONFIG, ConfigRecord())
     announced = config.get(mask_prg.MASK_PRG_CONFIG_KEY)
     ours = mask_prg_in_use()
     if announced != ours:
@@ -194,3 +205,30 @@ def _checked_array(index: int, array: npt.ArrayLike, bound: float) -> Float64Arr
             f"Clip before summing or size the plan's range for the site's chunk count."
         )
     return values
+
+
+def sent_reference(msg: Message) -> Float64Array:
+    """The one float64 array a select request carries beside its config (the noisy vector).
+
+    Raises:
+        PlanMismatchError: No array, several, or not float64 (decoded without pickles).
+    """
+    arrays = carried_arrays(msg)
+    if len(arrays) != 1:
+        raise PlanMismatchError(
+            f"a select request naming reference heads must carry one array, got {len(arrays)}."
+        )
+    try:
+        values = arrays[0].numpy()  # numpy's own format, loaded with allow_pickle=False
+    except (TypeError, ValueError) as exc:
+        raise PlanMismatchError(f"the reference array must be a numpy array: {exc}") from exc
+    if values.dtype != np.float64:
+        raise PlanMismatchError(f"the reference array must be float64, got {values.dtype}.")
+    return values
+
+
+def carried_arrays(msg: Message) -> list[Array]:
+    """The arrays a collect message carries beside its config (the FitIns parameters)."""
+    # Flower encodes "no parameters" as one empty placeholder array; that is not an array.
+    record = msg.content.array_records.get(FITINS_PARAMETERS, ArrayRecord())
+    return [array for array in record.values() if array.data]

@@ -23,18 +23,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 
-import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Error, Message, RecordDict
+from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.client.mod import secaggplus_mod
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode as FlowerErrorCode
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
 
-from client.secagg import install_secure_mask_prg, secaggplus_ranges, secure_sum_reply
+from client.secagg import (
+    FITINS_CONFIG,
+    carried_arrays,
+    install_secure_mask_prg,
+    secaggplus_ranges,
+    secure_sum_reply,
+    sent_reference,
+)
 from client.settings import SiteSettings
 from client.site import Site
-from dpmtv_common.aliases import Float64Array
 from dpmtv_common.errors import DpmtvError, PolicyError
 from dpmtv_common.heads import HeadSet
 from protocol import (
@@ -55,13 +60,9 @@ __all__ = [
     "error_message",
     "plan_at_setup_mod",
     "secagg_policy_mod",
-    "sent_reference",
 ]
 
 _log = logging.getLogger(__name__)
-# Flower's legacy FitIns record keys, as its SecAgg+ workflow sends them at collect.
-_FITINS_CONFIG = "fitins.config"
-_FITINS_PARAMETERS = "fitins.parameters"
 
 
 def build_site_app(site: Site) -> ClientApp:
@@ -79,14 +80,14 @@ def build_site_app(site: Site) -> ClientApp:
 
     @app.train(mods=[secagg_policy_mod(site.settings), plan_at_setup_mod(site), secaggplus_mod])
     def contribute(msg: Message, context: Context) -> Message:
-        request = secure_sum_request_from_config(msg.content.config_records[_FITINS_CONFIG])
+        request = secure_sum_request_from_config(msg.content.config_records[FITINS_CONFIG])
         run_id = msg.metadata.run_id
         if request.reference_heads is not None:  # release-first: keep the vector, then vote
             values = sent_reference(msg)
             site.store_reference(
                 request.release_id, HeadSet(request.reference_heads), values, run_id=run_id
             )
-        elif _carried_arrays(msg):
+        elif carried_arrays(msg):
             raise PlanMismatchError("a secure sum request must not carry arrays it does not name.")
         ranges = secaggplus_ranges(context)
         arrays = site.contribution(request, run_id=run_id, ranges=ranges)
@@ -110,32 +111,6 @@ def build_site_app(site: Site) -> ClientApp:
         return _reply(msg, handle)
 
     return app
-
-
-def sent_reference(msg: Message) -> Float64Array:
-    """The one float64 array a select request carries beside its config (the noisy vector).
-
-    Raises:
-        PlanMismatchError: No array, several, or not float64 (decoded without pickles).
-    """
-    arrays = _carried_arrays(msg)
-    if len(arrays) != 1:
-        raise PlanMismatchError(
-            f"a select request naming reference heads must carry one array, got {len(arrays)}."
-        )
-    try:
-        values = arrays[0].numpy()  # numpy's own format, loaded with allow_pickle=False
-    except (TypeError, ValueError) as exc:
-        raise PlanMismatchError(f"the reference array must be a numpy array: {exc}") from exc
-    if values.dtype != np.float64:
-        raise PlanMismatchError(f"the reference array must be float64, got {values.dtype}.")
-    return values
-
-
-def _carried_arrays(msg: Message) -> list[Array]:
-    # Flower encodes "no parameters" as one empty placeholder array; that is not an array.
-    record = msg.content.array_records.get(_FITINS_PARAMETERS, ArrayRecord())
-    return [array for array in record.values() if array.data]
 
 
 def _reply(msg: Message, handle: Callable[[], WireMessage]) -> Message:
