@@ -233,8 +233,9 @@ class Coordinator:
         notice = AbortNotice(
             release_id=plan.release_id, reason=reason[:500], noisy_output=self.exposed
         )
-        sites = sorted(set(self.planned) | set(self.accepted))
-        self._exchange().broadcast("abort", notice, sites, AbortNotice, f"{plan.release_id}-abort")
+        self._exchange().broadcast(
+            "abort", notice, self.planned, AbortNotice, f"{plan.release_id}-abort"
+        )
 
     def _survivors(self) -> list[int]:
         # Sites lost in a secure sum are not waited for again: they resolve their own
@@ -287,7 +288,7 @@ def _finish_failed(
         ledger.commit(plan.release_id)
     else:
         ledger.abort(plan.release_id, f"aborted before any noisy output: {exc!r}"[:500])
-    if coordinator.planned or coordinator.accepted:
+    if coordinator.planned:  # the sites that accepted are among them
         try:
             coordinator.abort_stage(plan, f"{type(exc).__name__}: {exc}")
         except Exception:  # the original failure matters more than a lost notice

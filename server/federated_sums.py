@@ -112,7 +112,7 @@ class FederatedSums:
     ) -> tuple[list[Float64Array], int, int]:
         self.rounds += 1
         config = secure_sum_request_to_config(request)
-        if self.pending is not None and grid is None:  # set up with the plan: finish it
+        if self.pending is not None:  # set up with the plan (central mode only): finish it
             opened, self.pending = self.pending, None
             result = opened.finish(config, broadcast)
         else:
