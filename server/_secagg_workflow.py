@@ -5,10 +5,6 @@ Re-exported by ``server.secagg``; see that module for how the pieces connect.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
-from typing import Any
-
-import numpy.typing as npt
 from flwr.common import (
     EvaluateIns,
     EvaluateRes,
@@ -16,7 +12,6 @@ from flwr.common import (
     FitRes,
     Parameters,
     Scalar,
-    ndarrays_to_parameters,
 )
 from flwr.server.client_manager import ClientManager
 from flwr.server.client_proxy import ClientProxy
@@ -86,23 +81,17 @@ class RobustSecAggPlusWorkflow(SecAggPlusWorkflow):
 
 
 class CaptureStrategy(Strategy):
-    """Legacy strategy that sends one FitIns (config, and arrays if any) to chosen sites.
+    """Legacy strategy that chooses the sites of a secure sum and keeps its result.
+
+    What the sites are sent at collect is set by ``server.secagg.SecureSumRound.finish``.
 
     SecAgg+ replaces every FitRes' parameters by the unmasked aggregate before calling
     :meth:`aggregate_fit`, so this strategy only records it, with the surviving sites. It
     returns no parameters, so Flower writes nothing into the run's state or history.
     """
 
-    def __init__(
-        self,
-        node_ids: set[int],
-        config: Mapping[str, Scalar],
-        arrays: Sequence[npt.NDArray[Any]] = (),
-    ) -> None:
+    def __init__(self, node_ids: set[int]) -> None:
         self.node_ids = frozenset(node_ids)
-        self._config = dict(config)
-        # Sent in the clear beside the config (the FitIns parameters), never summed.
-        self._parameters = ndarrays_to_parameters(list(arrays)) if arrays else None
         self.aggregate: Parameters | None = None
         self.survivor_ids: list[int] = []
         self.failures: list[BaseException] = []
@@ -114,24 +103,11 @@ class CaptureStrategy(Strategy):
     def configure_fit(
         self, server_round: int, parameters: Parameters, client_manager: ClientManager
     ) -> list[tuple[ClientProxy, FitIns]]:
-        """Send the config (and the strategy's arrays, if any) to every chosen site."""
+        """Choose the sites; what they get at collect is set after setup (``SecureSumRound``)."""
         proxies = client_manager.all().values()
-        sent = self._parameters if self._parameters is not None else parameters
         return [
-            (proxy, FitIns(sent, dict(self._config)))
-            for proxy in proxies
-            if proxy.node_id in self.node_ids
+            (proxy, FitIns(parameters, {})) for proxy in proxies if proxy.node_id in self.node_ids
         ]
-
-    def instruct(
-        self, config: Mapping[str, Scalar], arrays: Sequence[npt.NDArray[Any]] = ()
-    ) -> FitIns:
-        """Set what every site is sent at collect, after setup; return those instructions."""
-        self._config = dict(config)
-        # Flower's own "no parameters" when there are none, as the setup stage sends.
-        empty = Parameters(tensors=[], tensor_type="")
-        self._parameters = ndarrays_to_parameters(list(arrays)) if arrays else empty
-        return FitIns(self._parameters, dict(self._config))
 
     def aggregate_fit(
         self,

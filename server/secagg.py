@@ -37,7 +37,14 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from flwr.app import ArrayRecord, ConfigRecord, Context, RecordDict
-from flwr.common import NDArrayInt, Scalar, parameters_to_ndarrays
+from flwr.common import (
+    FitIns,
+    NDArrayInt,
+    Parameters,
+    Scalar,
+    ndarrays_to_parameters,
+    parameters_to_ndarrays,
+)
 from flwr.compat.common.recorddict_compat import fitins_to_recorddict
 from flwr.server import LegacyContext, ServerConfig
 from flwr.server.client_manager import SimpleClientManager
@@ -153,7 +160,6 @@ class SecureSumRound:
         self.min_sites = min_sites
         self.workflow = _workflow(settings)
         self.state = WorkflowState()
-        self.sites = set(strategy.node_ids)
         self._alive: bool | None = None  # None: setup not run yet
         self.setup_errors: dict[int, str] = {}  # site -> why its setup failed (attached runs)
 
@@ -171,7 +177,7 @@ class SecureSumRound:
         """Check the arguments; nothing is sent yet (see :func:`secure_sum`)."""
         _fit_config({}, settings)  # refuse a weak mask PRG before anything is sent
         sites = _checked_sites(node_ids, settings, min_sites)
-        strategy = CaptureStrategy(sites, {})
+        strategy = CaptureStrategy(sites)
         legacy = _legacy_context(grid, context, sites, strategy, round_id)
         return cls(grid, legacy, strategy, settings, min_sites)
 
@@ -212,7 +218,7 @@ class SecureSumRound:
             raise ConfigError("finish must follow setup, got no setup.")
         if not self._alive:
             return None
-        instructions = self.strategy.instruct(_fit_config(config, self.settings), broadcast)
+        instructions = _instructions(_fit_config(config, self.settings), broadcast)
         self.state.nid_to_fitins = {
             node: fitins_to_recorddict(instructions, True) for node in self.state.nid_to_fitins
         }
@@ -235,7 +241,7 @@ class SecureSumRound:
         if len(survivors) < self.min_sites:
             raise InsufficientSharesError(
                 f"surviving sites must number at least min_sites={self.min_sites}, got "
-                f"{len(survivors)} of {len(self.sites)}: abort this release."
+                f"{len(survivors)} of {len(self.strategy.node_ids)}: abort this release."
             )
         averages = parameters_to_ndarrays(strategy.aggregate)
         sums = [np.asarray(average, dtype=np.float64) * len(survivors) for average in averages]
@@ -305,6 +311,13 @@ def _fit_config(config: Mapping[str, Scalar], settings: SecureSumSettings) -> di
             f"allow_weak_mask_prg=True in SecureSumSettings (tests only)."
         )
     return {**config, mask_prg.MASK_PRG_CONFIG_KEY: prg}
+
+
+def _instructions(config: Mapping[str, Scalar], arrays: Sequence[npt.NDArray[Any]]) -> FitIns:
+    """What every site is sent at collect: the config and, in the clear, ``arrays``."""
+    # Flower's own "no parameters" when there are none, as its setup stage sends.
+    empty = Parameters(tensors=[], tensor_type="")
+    return FitIns(ndarrays_to_parameters(list(arrays)) if arrays else empty, dict(config))
 
 
 def _legacy_context(
