@@ -219,8 +219,10 @@ def sent_reference(msg: Message) -> Float64Array:
             f"a select request naming reference heads must carry one array, got {len(arrays)}."
         )
     try:
-        values = arrays[0].numpy()  # numpy's own format, loaded with allow_pickle=False
-    except (TypeError, ValueError) as exc:
+        # numpy's own format, loaded with allow_pickle=False. Flower's legacy encoding has no
+        # dtype or shape header, so protocol.arrays_from_record's header check cannot apply.
+        values = arrays[0].numpy()
+    except (TypeError, ValueError, EOFError, OSError) as exc:
         raise PlanMismatchError(f"the reference array must be a numpy array: {exc}") from exc
     if values.dtype != np.float64:
         raise PlanMismatchError(f"the reference array must be float64, got {values.dtype}.")

@@ -4,18 +4,23 @@ from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import ConfigRecord, Context, Message, RecordDict
-from flwr.common import parameters_to_ndarrays
+from flwr.app import Array, ArrayRecord, ConfigRecord, Context, Message, RecordDict
+from flwr.common import ndarrays_to_parameters, parameters_to_ndarrays
 from flwr.compat.common.recorddict_compat import recorddict_to_fitres
 
 from client.secagg import (
+    FITINS_CONFIG,
+    FITINS_PARAMETERS,
+    carried_arrays,
     install_secure_mask_prg,
     mask_prg_in_use,
     secaggplus_clipping_range,
     secure_sum_reply,
+    sent_reference,
 )
 from dpmtv_common.crypto.mask_prg import FLOWER_PRG_NAME, MASK_PRG_CONFIG_KEY, MASK_PRG_NAME
 from dpmtv_common.errors import ConfigError
+from protocol import PlanMismatchError
 from tests.flower_harness import flower_process_state, set_task_identity
 
 
@@ -29,7 +34,7 @@ def chacha20_site():
 
 def collect_message(prg: str | None = MASK_PRG_NAME) -> Message:
     config = ConfigRecord({} if prg is None else {MASK_PRG_CONFIG_KEY: prg})
-    return Message(RecordDict({"fitins.config": config}), dst_node_id=7, message_type="train")
+    return Message(RecordDict({FITINS_CONFIG: config}), dst_node_id=7, message_type="train")
 
 
 def context_with(state: dict[str, Any] | None) -> Context:
@@ -114,3 +119,39 @@ def test_clipping_range_is_read_from_the_mods_state_at_the_collect_stage():
 def test_clipping_range_outside_the_collect_stage_is_refused(state):
     with pytest.raises(ConfigError, match="secaggplus_clipping_range must be called"):
         secaggplus_clipping_range(context_with(state))
+
+
+def with_parameters(*arrays: Array) -> Message:
+    content = RecordDict(
+        {FITINS_PARAMETERS: ArrayRecord({str(i): a for i, a in enumerate(arrays)})}
+    )
+    return Message(content, dst_node_id=1, message_type="train")
+
+
+def test_the_sent_reference_is_the_one_float64_array_beside_the_config():
+    vector = np.arange(6.0).reshape(1, 2, 3)
+    (encoded,) = ndarrays_to_parameters([vector]).tensors
+    placeholder = Array(dtype="", shape=(), stype="", data=b"")  # Flower's "no parameters"
+
+    np.testing.assert_array_equal(
+        sent_reference(
+            with_parameters(Array(dtype="", shape=(), stype="numpy.ndarray", data=encoded))
+        ),
+        vector,
+    )
+    assert carried_arrays(with_parameters(placeholder)) == []
+
+
+@pytest.mark.parametrize(
+    ("data", "match"),
+    [
+        (b"x", "must be a numpy array"),  # corrupt bytes
+        (None, "must be float64"),  # a float32 vector
+    ],
+)
+def test_a_reference_that_is_not_a_float64_numpy_array_is_refused(data, match):
+    float32 = ndarrays_to_parameters([np.zeros(3, dtype=np.float32)]).tensors[0]
+    array = Array(dtype="", shape=(), stype="numpy.ndarray", data=data or float32)
+
+    with pytest.raises(PlanMismatchError, match=match):
+        sent_reference(with_parameters(array))
