@@ -9,10 +9,7 @@ from __future__ import annotations
 from protocol.calibration import plan_calibration
 from protocol.codec import (
     MESSAGE_RECORD_KEY,
-    arrays_from_record,
-    arrays_to_record,
     expect,
-    message_arrays_from_record,
     message_from_record,
     message_to_record,
     secure_sum_request_from_config,
@@ -109,12 +106,9 @@ __all__ = [
     "VersionMismatchError",
     "VoteSum",
     "WireMessage",
-    "arrays_from_record",
-    "arrays_to_record",
     "check_compatible",
     "check_plan_scope",
     "expect",
-    "message_arrays_from_record",
     "message_from_record",
     "message_to_record",
     "plan_calibration",

@@ -5,8 +5,9 @@ call :func:`message_to_record` and put the ``RecordDict`` in a Flower ``Message`
 receiver calls :func:`expect` (or :func:`message_from_record`) on the content. A SecAgg+
 round cannot carry our records (``secaggplus_mod`` owns the ``train`` content), so its
 :class:`~protocol.messages.SecureSumRequest` travels flattened in the legacy FitIns config
-through :func:`secure_sum_request_to_config`. Arrays never go through JSON: they travel as
-a Flower ``ArrayRecord`` beside the body.
+through :func:`secure_sum_request_to_config`. Arrays never go through JSON: the one array a
+coordinator sends (the noisy vector of a release-first select sum) travels in that round's
+FitIns parameters (``client.secagg.sent_reference``); artifacts travel as signed bytes.
 
 Envelope, the same in a ``ConfigRecord`` and in a FitIns config::
 
@@ -21,9 +22,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-import numpy as np
-import numpy.typing as npt
-from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import ConfigRecord, RecordDict
 from pydantic import TypeAdapter, ValidationError
 
 from protocol.errors import MessageDecodeError
@@ -32,10 +31,7 @@ from protocol.version import PROTOCOL_VERSION, check_compatible
 
 __all__ = [
     "MESSAGE_RECORD_KEY",
-    "arrays_from_record",
-    "arrays_to_record",
     "expect",
-    "message_arrays_from_record",
     "message_from_record",
     "message_to_record",
     "secure_sum_request_from_config",
@@ -47,7 +43,6 @@ _M = TypeVar("_M", bound=WireMessage)
 # Record keys. None of the envelope keys may be "stage": SecAgg+ reads that key.
 MESSAGE_RECORD_KEY = "dpmtv"
 _MESSAGE_KEY = MESSAGE_RECORD_KEY
-_ARRAYS_KEY = "dpmtv-arrays"
 _KIND = "kind"
 _VERSION = "protocol-version"
 _BODY = "body"
@@ -81,22 +76,12 @@ def _message_from_envelope(envelope: Mapping[str, Any]) -> AnyMessage:
     return msg
 
 
-def message_to_record(
-    msg: WireMessage, *, arrays: Mapping[str, npt.NDArray[Any]] | None = None
-) -> RecordDict:
-    """Encode a message, and optionally the arrays that travel with it, as a record.
-
-    Args:
-        msg: Any message of ``protocol.messages``.
-        arrays: Named arrays sent beside the body (e.g. the noisy vector), or ``None``.
-    """
+def message_to_record(msg: WireMessage) -> RecordDict:
+    """Encode a message (any of ``protocol.messages``) as a record."""
     # update() rather than ConfigRecord(dict): its constructor wants the full value union.
     envelope = ConfigRecord()
     envelope.update(_envelope(msg))
-    content = RecordDict({_MESSAGE_KEY: envelope})
-    if arrays is not None:
-        content[_ARRAYS_KEY] = arrays_to_record(arrays)
-    return content
+    return RecordDict({_MESSAGE_KEY: envelope})
 
 
 def message_from_record(record: RecordDict) -> AnyMessage:
@@ -130,45 +115,6 @@ def expect(record: RecordDict, message_type: type[_M]) -> _M:
         f"message must be a {message_type.__name__}, got a {type(msg).__name__} "
         f"(kind {msg.kind!r})."
     )
-
-
-def message_arrays_from_record(record: RecordDict) -> dict[str, npt.NDArray[Any]]:
-    """Return the arrays sent beside a message by ``message_to_record(..., arrays=...)``.
-
-    Raises:
-        MessageDecodeError: The record carries no arrays.
-    """
-    if _ARRAYS_KEY not in record.array_records:
-        raise MessageDecodeError(
-            f"record must hold an array record {_ARRAYS_KEY!r}, got keys {sorted(record)!r}."
-        )
-    return arrays_from_record(record.array_records[_ARRAYS_KEY])
-
-
-def arrays_to_record(arrays: Mapping[str, npt.NDArray[Any]]) -> ArrayRecord:
-    """Pack named numpy arrays into an ``ArrayRecord``, keeping dtype and shape."""
-    return ArrayRecord({name: Array(np.asarray(value)) for name, value in arrays.items()})
-
-
-def arrays_from_record(record: ArrayRecord) -> dict[str, npt.NDArray[Any]]:
-    """Unpack an ``ArrayRecord`` into named numpy arrays.
-
-    Raises:
-        MessageDecodeError: An array's bytes do not match its declared dtype and shape.
-    """
-    arrays: dict[str, npt.NDArray[Any]] = {}
-    for name, array in record.items():
-        try:
-            value = array.numpy()
-        except (ValueError, TypeError, EOFError, OSError) as exc:
-            raise MessageDecodeError(f"array {name!r} could not be decoded: {exc}") from exc
-        if list(value.shape) != list(array.shape) or str(value.dtype) != array.dtype:
-            raise MessageDecodeError(
-                f"array {name!r} must have dtype {array.dtype} and shape {array.shape}, "
-                f"got {value.dtype} and {value.shape}."
-            )
-        arrays[name] = value
-    return arrays
 
 
 def secure_sum_request_to_config(req: SecureSumRequest) -> dict[str, str | int | float | bool]:

@@ -117,8 +117,8 @@ class Consortium:
     def settings(self, index: int) -> SiteSettings:
         return self.services[index].settings
 
-    def ask(self, index: int, message_type: str, body: Any, **arrays: np.ndarray) -> Any:
-        record = message_to_record(body, arrays=arrays or None)
+    def ask(self, index: int, message_type: str, body: Any) -> Any:
+        record = message_to_record(body)
         message = self.grid.create_message(record, message_type, self.node(index), "hostile")
         (reply,) = self.grid.send_and_receive([message])
         return message_from_record(reply.content)

@@ -2,10 +2,8 @@ import json
 from datetime import UTC, datetime
 from typing import Any
 
-import numpy as np
-import numpy.typing as npt
 import pytest
-from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
+from flwr.app import ConfigRecord, RecordDict
 
 from protocol import (
     PROTOCOL_VERSION,
@@ -24,11 +22,8 @@ from protocol import (
     SelectionMode,
     VersionMismatchError,
     WireMessage,
-    arrays_from_record,
-    arrays_to_record,
     check_compatible,
     expect,
-    message_arrays_from_record,
     message_from_record,
     message_to_record,
     secure_sum_request_from_config,
@@ -209,58 +204,6 @@ def test_expect_refuses_another_kind() -> None:
 
 
 # ----------------------------------------------------------------- arrays
-
-
-@pytest.mark.parametrize(
-    "array",
-    [
-        np.arange(12, dtype=np.float32).reshape(3, 4),
-        np.arange(12, dtype=np.float64).reshape(3, 4).T,  # not C-contiguous
-        np.zeros((2, 0, 5), dtype=np.float16),
-        np.array([1, -2, 3], dtype=np.int64),
-        np.array([[True, False]]),
-        np.array(7, dtype=np.int32),
-    ],
-    ids=["f32", "f64-transposed", "f16-empty", "i64", "bool", "0d"],
-)
-def test_arrays_round_trip_keeps_dtype_shape_and_values(array: npt.NDArray[Any]) -> None:
-    decoded = arrays_from_record(arrays_to_record({"x": array}))
-
-    assert decoded["x"].dtype == array.dtype
-    assert decoded["x"].shape == array.shape
-    np.testing.assert_array_equal(decoded["x"], array)
-
-
-def test_arrays_travel_beside_a_message() -> None:
-    msg = ABORT
-    vector = np.linspace(0, 1, 8).reshape(2, 4)
-
-    record = message_to_record(msg, arrays={"mean": vector})
-
-    assert expect(record, AbortNotice) == msg
-    np.testing.assert_array_equal(message_arrays_from_record(record)["mean"], vector)
-
-
-def test_missing_arrays_are_a_decode_error() -> None:
-    with pytest.raises(MessageDecodeError, match="must hold an array record"):
-        message_arrays_from_record(message_to_record(ABORT))
-
-
-def test_corrupt_array_bytes_are_a_decode_error() -> None:
-    record = ArrayRecord(
-        {"x": Array(dtype="float32", shape=(2,), stype="numpy.ndarray", data=b"x")}
-    )
-
-    with pytest.raises(MessageDecodeError, match="array 'x' could not be decoded"):
-        arrays_from_record(record)
-
-
-def test_array_whose_header_disagrees_with_its_bytes_is_a_decode_error() -> None:
-    good = Array(np.zeros(3, dtype=np.float32))
-    lying = Array(dtype="float64", shape=(3,), stype=good.stype, data=good.data)
-
-    with pytest.raises(MessageDecodeError, match="must have dtype float64"):
-        arrays_from_record(ArrayRecord({"x": lying}))
 
 
 # ----------------------------------------------------------------- FitIns config
