@@ -26,19 +26,19 @@ import tempfile
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
-from functools import lru_cache
 from pathlib import Path
 
 import numpy as np
 
 from client.chunking import make_chunks, planned_num_chunks
 from client.data import SiteDataset, load_dataset
-from client.models import LoadedModel, default_fingerprint_cache_dir, load_model
+from client.models import LoadedModel, default_fingerprint_cache_dir
 from client.release import LocalSums
 from client.release_record import ReleaseRecord, ReleaseRecordStore, SiteReleaseState
 from client.scoring import check_answer_vocabulary
 from client.secagg import SecAggRanges
 from client.settings import SiteSettings
+from client.shared_model import shared_model
 from client.site_policy import (
     ModelShape,
     check_artifact,
@@ -78,12 +78,15 @@ __all__ = ["Site", "cached_model"]
 _log = logging.getLogger(__name__)
 
 
-@lru_cache(maxsize=2)
 def cached_model(settings: SiteSettings) -> LoadedModel:
-    """Load once per process: the service keeps its model loaded between messages."""
+    """The site's model: one read-only copy per process for every site that names it.
+
+    The service keeps it loaded between messages; sites simulated in one process share it
+    (:mod:`client.shared_model`: keyed on folder, device and dtype, never written).
+    """
     if settings.model_path is None:
         raise ConfigError("the site needs --model (or DPMTV_CLIENT_MODEL_PATH).")
-    return load_model(
+    return shared_model(
         settings.model_path,
         device=settings.device,
         dtype=settings.dtype,
@@ -123,7 +126,7 @@ class Site:
         return ReleaseRecordStore(self.settings.releases_folder)
 
     def model(self) -> LoadedModel:
-        """The site's model (loaded once per process)."""
+        """The site's model (loaded once per process, shared read-only with its other sites)."""
         return cached_model(self.settings)
 
     def shape(self) -> ModelShape:
