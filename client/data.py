@@ -7,21 +7,29 @@
   list of human answers whose first is the primary answer shown in demonstrations), optional
   ``id`` (default ``"line-<n>"``) and optional ``group`` (who owns the record, e.g. a patient
   id: the privacy unit in group mode). Blank lines are ignored.
-* **Image folder** (``"image-folder"``, only when asked for) ``root/<class name>/*.png|jpg|jpeg``:
+* **Image folder** (``"image-folder"``, only when asked for) ``root/<class name>/<image>``:
   every record asks the same question (``question`` of ``dataset.json``, else
   :data:`DEFAULT_QUESTION`) and is answered by its class name, underscores read as spaces.
+  Every file PIL reads is an image (:data:`~client.image_decoding.IMAGE_SUFFIXES`: ``.png``,
+  ``.jpg``, ``.tif``, ``.bmp``, ``.webp``, ...). Nothing is dropped without a word: any other
+  file or a sub-folder in a class folder, or an image beside the class folders, is an error
+  (hidden files, whose names start with ``.``, are not records).
 
 Either layout may add ``root/dataset.json`` =
 ``{"task", "privacy_unit", "instruction", "layout", "question"}``. The image-folder layout must
 be chosen explicitly (``"layout": "image-folder"`` there, or ``layout=`` here): a missing
 manifest is an error, never a quiet switch to folder names as answers.
 
-**Every record is checked in full at load.** Each image is decoded completely, the way
-extraction will read it (:func:`read_rgb`), and must lie inside ``root`` once symlinks are
-resolved. Any missing, unreadable, oversized (a decompression bomb) or outside image stops
-the load with a :class:`~dpmtv_common.errors.DataError` that counts the bad records and names
-the first ones. No record is ever skipped: n, and with it the published chunk count m, must
-never depend on a record's content (design §6, "Data independence").
+**Every record is checked in full at load** (unless ``check_images=False``). Each image is
+decoded completely, the way extraction will read it (:func:`~client.image_decoding.read_rgb`:
+bit depth, float ranges and the rest are read from what the file holds), and must lie inside
+``root`` once symlinks are resolved. Any missing, unreadable, oversized (a decompression
+bomb), unfaithfully readable or outside image stops the load with a
+:class:`~dpmtv_common.errors.DataError` that counts the bad records and names the first ones.
+No record is ever skipped: n, and with it the published chunk count m, must never depend on
+a record's content (docs/data.md). A site service checks in full when it starts; once it has
+started, a record that fails to decode costs its own chunk (it contributes zeros) and never
+the site's place in a release.
 """
 
 from __future__ import annotations
@@ -29,15 +37,13 @@ from __future__ import annotations
 import json
 import os
 import tempfile
-import warnings
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, get_args
 
-import numpy as np
-from PIL import Image, ImageOps
+from PIL import Image
 
 from client._manifest import (
     MANIFEST_NAME,
@@ -48,6 +54,7 @@ from client._manifest import (
     read_manifest,
     read_metadata,
 )
+from client.image_decoding import IMAGE_SUFFIXES, read_rgb, to_rgb
 from dpmtv_common.errors import ConfigError, DataError
 
 __all__ = [
@@ -66,51 +73,7 @@ __all__ = [
 ]
 
 DEFAULT_QUESTION = "What is shown in the image?"
-IMAGE_SUFFIXES = frozenset({".png", ".jpg", ".jpeg"})
 _SHOWN_PROBLEMS = 5  # an error message quotes this many bad records
-# Integer modes whose values are read as 16-bit (PNG/TIFF 16-bit greyscale opens as these).
-_WIDE_INTEGER_MODES = frozenset({"I", "I;16", "I;16L", "I;16B", "I;16N"})
-_ALPHA_MODES = frozenset({"RGBA", "RGBa", "LA", "La", "PA"})
-_BACKGROUND = (255, 255, 255, 255)  # what transparent pixels show: a white page
-
-
-def to_rgb(image: Image.Image) -> Image.Image:
-    """Convert ``image`` to 8-bit RGB faithfully, whatever its mode.
-
-    * 16-bit greyscale (``I;16*``) and 32-bit integer (``I``) images are scaled from
-      [0, 65535] to [0, 255] (values outside are clipped). PIL's own ``convert`` clips at 255
-      instead, which turns most of a 16-bit scan white.
-    * Images with transparency (``RGBA``, ``LA``, ``PA``, or a palette/greyscale/RGB image
-      with a ``transparency`` entry) are composited over white, as a viewer shows them;
-      dropping alpha would expose whatever colour the transparent pixels happen to hold.
-    * Palette (``P``), ``CMYK``, ``1``, ``L``, ``F`` and the rest use PIL's conversion
-      (palette lookup, CMYK inversion; ``F`` values read on the 0..255 scale).
-    """
-    if image.mode in _WIDE_INTEGER_MODES:
-        wide = np.asarray(image, dtype=np.int64).clip(0, 65535)
-        # Round to nearest: 65535 -> 255, 257 * v -> v exactly.
-        narrow = ((wide * 255 + 32767) // 65535).astype(np.uint8)
-        return Image.fromarray(narrow).convert("RGB")
-    if image.mode in _ALPHA_MODES or "transparency" in image.info:
-        background = Image.new("RGBA", image.size, _BACKGROUND)
-        return Image.alpha_composite(background, image.convert("RGBA")).convert("RGB")
-    return image.convert("RGB")
-
-
-def read_rgb(path: Path) -> Image.Image:
-    """Decode the whole image at ``path`` and return it as RGB (:func:`to_rgb`), file closed.
-
-    The EXIF orientation, when there is one, is applied. A decompression-bomb warning (a
-    header claiming more than PIL's ``MAX_IMAGE_PIXELS``) is raised as
-    :class:`PIL.Image.DecompressionBombWarning` instead of being only printed.
-    """
-    with warnings.catch_warnings():
-        warnings.simplefilter("error", Image.DecompressionBombWarning)
-        with Image.open(path) as image:
-            # load() decodes every pixel: verify() alone passes a truncated JPEG.
-            image.load()
-            # A camera's EXIF orientation is how the image is meant to be seen.
-            return to_rgb(ImageOps.exif_transpose(image))
 
 
 @dataclass(frozen=True)
@@ -123,6 +86,8 @@ class Record:
         question: The question asked about the image.
         answers: Accepted answers, at least one; the first is the primary answer.
         group: Who owns the record (the privacy unit in group mode), or None.
+        root: The dataset folder the image must lie in once symlinks are resolved (None:
+            not checked, for records built in code).
     """
 
     id: str
@@ -130,6 +95,7 @@ class Record:
     question: str
     answers: tuple[str, ...]
     group: str | None = None
+    root: Path | None = None
 
     def __post_init__(self) -> None:
         if not self.answers:
@@ -141,7 +107,16 @@ class Record:
         return self.answers[0]
 
     def load_image(self) -> Image.Image:
-        """Read the image as faithful RGB (:func:`read_rgb`); the file is closed on return."""
+        """Read the image as faithful RGB (:func:`read_rgb`); the file is closed on return.
+
+        Raises:
+            DataError: The image resolves outside ``root`` (a symlink placed after the load).
+        """
+        if self.root is not None and not self.image_path.resolve().is_relative_to(self.root):
+            raise DataError(
+                f"image of record {self.id!r} must lie inside {self.root}, got "
+                f"{self.image_path.resolve()}."
+            )
         return read_rgb(self.image_path)
 
 
@@ -277,26 +252,46 @@ def _write_atomic(target: Path, text: str) -> None:
 def _manifest_records(root: Path, *, group_required: bool) -> list[tuple[str, Record]]:
     rows = read_manifest(root / MANIFEST_NAME, group_required=group_required)
     return [
-        (f"line {r.line_no}", Record(r.id, root / r.image, r.question, r.answers, r.group))
+        (f"line {r.line_no}", Record(r.id, root / r.image, r.question, r.answers, r.group, root))
         for r in rows
     ]
 
 
 def _scan_image_folder(root: Path, question: str) -> list[tuple[str, Record]]:
     found: list[tuple[str, Record]] = []
-    class_dirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    for class_dir in class_dirs:
-        answer = class_dir.name.replace("_", " ")
-        for file in sorted(class_dir.iterdir()):
-            if file.suffix.lower() in IMAGE_SUFFIXES and not file.name.startswith("."):
-                rel = file.relative_to(root).as_posix()
-                found.append((rel, Record(rel, file, question, (answer,))))
+    stray: list[str] = []  # what a scan would otherwise drop without a word
+    for entry in sorted(_visible(root)):
+        if entry.is_file() and entry.suffix.lower() in IMAGE_SUFFIXES:
+            stray.append(f"{entry.name} (an image outside any class folder)")
+        if not entry.is_dir():
+            continue
+        answer = entry.name.replace("_", " ")
+        for file in sorted(_visible(entry)):
+            rel = file.relative_to(root).as_posix()
+            if file.is_dir():
+                stray.append(f"{rel}/ (a folder inside a class folder)")
+            elif file.suffix.lower() not in IMAGE_SUFFIXES:
+                stray.append(f"{rel} (not a format PIL reads)")
+            else:
+                found.append((rel, Record(rel, file, question, (answer,), root=root)))
+    if stray:
+        shown = "; ".join(stray[:_SHOWN_PROBLEMS])
+        more = f"; and {len(stray) - _SHOWN_PROBLEMS} more" if len(stray) > _SHOWN_PROBLEMS else ""
+        raise DataError(
+            f"layout 'image-folder' must hold only class folders of images, got {len(stray)} "
+            f"other entries in {root}: {shown}{more}. Move them out: no file is dropped "
+            "without a word."
+        )
     if not found:
         raise DataError(
-            f"{root} must hold class folders of {'/'.join(sorted(IMAGE_SUFFIXES))} images "
+            f"{root} must hold class folders of images (e.g. .png, .jpg, .tif) "
             "for layout 'image-folder', got none."
         )
     return found
+
+
+def _visible(folder: Path) -> list[Path]:
+    return [p for p in folder.iterdir() if not p.name.startswith(".")]
 
 
 def _check_images(root: Path, candidates: list[tuple[str, Record]]) -> None:
@@ -310,7 +305,10 @@ def _check_images(root: Path, candidates: list[tuple[str, Record]]) -> None:
         return
     kinds = Counter(kind for kind, _, _ in problems)
     summary = ", ".join(f"{count} {kind}" for kind, count in sorted(kinds.items()))
-    shown = "; ".join(f"{source}: {detail}" for _, source, detail in problems[:_SHOWN_PROBLEMS])
+    shown = "; ".join(
+        detail if detail.startswith(f"{source}: ") else f"{source}: {detail}"
+        for _, source, detail in problems[:_SHOWN_PROBLEMS]
+    )
     more = (
         f"; and {len(problems) - _SHOWN_PROBLEMS} more" if len(problems) > _SHOWN_PROBLEMS else ""
     )
@@ -334,6 +332,8 @@ def _image_problem(root: Path, path: Path) -> tuple[str, str] | None:
         read_rgb(real)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         return "too large", f"{name}: {exc}"
+    except DataError as exc:  # decodes, but its values cannot be read faithfully
+        return "refused", f"{name}: {exc}"
     # Any failure while decoding is the file's fault (PIL plugins raise many types on
     # malformed input): report it rather than end in a traceback.
     except Exception as exc:

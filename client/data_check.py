@@ -2,7 +2,8 @@
 
 :func:`check_dataset` reads a dataset the way a release will (``client.data.load_dataset``:
 every image decoded in full) and describes it without a model: n, the privacy unit and its
-groups, the chunks a K-shot plan would cut, image sizes and modes, the answers.
+groups, the chunks a K-shot plan would cut, image sizes, modes and stored pixel values (and
+how each was read: ``client.image_decoding``), the answers.
 :func:`check_with_model` adds what depends on the model: each answer's first token (what
 head selection scores) and the share that falls outside the vocabulary (``<unk>``), and the
 prompt length of each chunk against the model's context, measured with the model's own
@@ -21,11 +22,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from PIL import Image
-
 from client.chunking import Chunk, make_chunks, planned_num_chunks
 from client.data import SiteDataset, load_dataset
 from client.extraction import chunk_prompt, zero_shot_prompt
+from client.image_decoding import PixelScale, PixelSummary, decode_image, summarize_pixels
 from client.models import LoadedModel, context_length
 from dpmtv_common.rng import secret_seed
 
@@ -43,8 +43,9 @@ __all__ = [
 SMALL_IMAGE_SIDE = 64
 """Images with a side below this many pixels are reported as small (processors upscale them)."""
 _CONVERTED = {
-    "I;16": "16-bit greyscale, scaled to 8 bits",
-    "I": "32-bit integer greyscale, scaled to 8 bits",
+    "I;16": "16-bit greyscale, divided by its bit depth",
+    "I": "32-bit integer greyscale, divided by its bit depth",
+    "F": "32-bit float greyscale, read by its range",
     "L": "8-bit greyscale, copied to 3 channels",
     "P": "palette, looked up",
     "RGBA": "alpha, composited over white",
@@ -65,10 +66,12 @@ class DataReport:
         shots: K used for the chunk counts.
         num_chunks: m, the chunks a K-shot plan cuts (before any ``max_chunks``).
         modes: Records per PIL mode of the file as stored (before conversion to RGB).
-        widths: Image widths in pixels, in record order; ``heights`` likewise.
+        widths: Image widths in pixels as the model sees them (EXIF orientation applied), in
+            record order; ``heights`` likewise.
         answers: Records per primary answer.
         questions: Distinct questions.
         warnings: What the admin should look at before a release.
+        pixels: Stored pixel values per mode and reading (ranges, and how each became 0..255).
     """
 
     path: Path
@@ -84,6 +87,7 @@ class DataReport:
     answers: dict[str, int]
     questions: int
     warnings: tuple[str, ...] = ()
+    pixels: tuple[PixelSummary, ...] = ()
 
 
 @dataclass(frozen=True)
@@ -136,11 +140,12 @@ def check_dataset(
         DataError: As :func:`client.data.load_dataset` (an unusable record stops the check).
     """
     dataset = load_dataset(path, question=question)
-    sizes, modes = [], Counter[str]()
+    sizes, modes, decoded = [], Counter[str](), []
     for record in dataset.records:
-        with Image.open(record.image_path) as image:  # header only: mode and size
-            sizes.append(image.size)
-            modes[_mode_family(image.mode)] += 1
+        image = decode_image(record.image_path)
+        sizes.append(image.rgb.size)
+        modes[image.mode] += 1
+        decoded.append(image.summary())  # no pixels kept
     groups = Counter(r.group for r in dataset.records if r.group is not None)
     report = DataReport(
         path=Path(path),
@@ -155,12 +160,9 @@ def check_dataset(
         heights=tuple(h for _, h in sizes),
         answers=dict(Counter(r.answer for r in dataset.records).most_common()),
         questions=len({r.question for r in dataset.records}),
+        pixels=summarize_pixels(decoded),
     )
     return dataset, _with_data_warnings(report)
-
-
-def _mode_family(mode: str) -> str:
-    return "I;16" if mode.startswith("I;16") else mode
 
 
 def _with_data_warnings(report: DataReport) -> DataReport:
@@ -182,9 +184,29 @@ def _with_data_warnings(report: DataReport) -> DataReport:
             f"{small} images have a side under {SMALL_IMAGE_SIDE} px: processors upscale them "
             "(and image splitting may still cut them into several crops)."
         )
+    warnings += _pixel_warnings(report.pixels)
     if len(report.answers) == report.n and report.n > 1:
         warnings.append("every answer is distinct: a task vector carries a task, not a lookup.")
     return replace(report, warnings=tuple(warnings))
+
+
+def _pixel_warnings(pixels: Sequence[PixelSummary]) -> list[str]:
+    found = []
+    depths = sorted({p.reading for p in pixels if p.scale is PixelScale.BIT_DEPTH})
+    if len(depths) > 1:
+        found.append(
+            f"integer images were read at different bit depths ({'; '.join(depths)}): each "
+            "image's depth is the fewest of 8/10/12/14/16 bits that hold its brightest value, "
+            "so a dark scan reads brighter than on its scanner's scale."
+        )
+    for p in pixels:
+        if p.scale is PixelScale.OWN_RANGE:
+            found.append(
+                f"{p.images} mode {p.mode} images hold {p.low:g}..{p.high:g}, outside any "
+                "fixed scale: each is stretched from its own range to 0..255, so brightness "
+                "is relative within an image."
+            )
+    return found
 
 
 def chunk_prompt_lengths(
@@ -307,6 +329,7 @@ def report_lines(data: DataReport, model: ModelReport | None = None) -> list[str
         f"  chunks at {data.shots} shots: m = {data.num_chunks}",
         f"  images: width {_spread(data.widths)}; height {_spread(data.heights)}",
         "  modes: " + ", ".join(f"{mode} {count}" for mode, count in data.modes.items()),
+        *(f"  pixel values: {p.line()}" for p in data.pixels),
         f"  questions: {data.questions} distinct; answers: {len(data.answers)} distinct, top: "
         + ", ".join(f"{a!r} {c}" for a, c in list(data.answers.items())[:5]),
     ]

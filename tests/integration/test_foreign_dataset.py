@@ -127,10 +127,13 @@ DATA_LINES = [
     "  chunks at 2 shots: m = 6",
     "  images: width min 20, median 22, max 24; height min 20, median 26, max 32",
     "  modes: I;16 10, P 10",
+    "  pixel values: I;16 x10: 12..65535 (16-bit content, divided by 65535)",
+    "  pixel values: P x10: 0..255 (8-bit, as stored)",
     "  questions: 1 distinct; answers: 2 distinct, top: 'benign' 10, 'malignant' 10",
 ]
 DATA_WARNINGS = [
-    "warning: 10 images are mode I;16 (16-bit greyscale, scaled to 8 bits): the model sees RGB.",
+    "warning: 10 images are mode I;16 (16-bit greyscale, divided by its bit depth): the model "
+    "sees RGB.",
     "warning: 10 images are mode P (palette, looked up): the model sees RGB.",
     "warning: 20 images have a side under 64 px: processors upscale them (and image splitting "
     "may still cut them into several crops).",
@@ -143,8 +146,8 @@ def test_data_check_reports_the_16_bit_palette_and_small_images(workspace, capsy
 
     # Assert: the data part, and no model part without --model
     assert lines[0] == f"dataset {workspace.private} (task 'lesions')"
-    assert lines[1:6] == DATA_LINES
-    assert lines[6:] == DATA_WARNINGS
+    assert lines[1:8] == DATA_LINES
+    assert lines[8:] == DATA_WARNINGS
 
 
 def test_data_check_with_the_embedded_model_reports_every_answer_out_of_vocabulary(
@@ -156,7 +159,7 @@ def test_data_check_with_the_embedded_model_reports_every_answer_out_of_vocabula
     )
 
     # Assert: the data part is the same, and every answer is <unk> to this model
-    assert lines[1:6] == DATA_LINES
+    assert lines[1:8] == DATA_LINES
     tokens = lines.index("  answers' first tokens (out of vocabulary: 100% first, 100% anywhere):")
     assert lines[tokens + 1 : tokens + 3] == [
         "    'benign' x10 -> '<unk>' (3) <unk>",

@@ -78,7 +78,7 @@ def test_check_without_model_counts_records_groups_chunks_modes_and_sizes(foreig
     assert (min(report.widths), max(report.heights)) == (28, 120)
     assert report.answers == {"pneumonia": 8, "normal": 8, "effusion": 8}
     warnings = " ".join(report.warnings)
-    assert "6 images are mode I;16 (16-bit greyscale, scaled to 8 bits)" in warnings
+    assert "6 images are mode I;16 (16-bit greyscale, divided by its bit depth)" in warnings
     assert "18 images have a side under 64 px" in warnings
 
 
