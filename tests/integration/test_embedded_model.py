@@ -42,6 +42,7 @@ def _training(size: str) -> dict[str, Any]:
 
 
 @pytest.mark.slow
+@pytest.mark.reproduction
 @pytest.mark.parametrize("size", SIZES)
 def test_shipped_weights_reproduce_documented_accuracies(tmp_path, size):
     # Arrange
@@ -99,6 +100,7 @@ def test_shipped_weights_come_from_the_documented_command(size):
 
 
 @pytest.mark.slow
+@pytest.mark.reproduction
 def test_short_retraining_reproduces_the_documented_checkpoint(tmp_path):
     # Arrange: the small model's schedule, stopped after SHORT_STEPS steps.
     documented = next(c for c in _training("small")["checkpoints"] if c["step"] == SHORT_STEPS)
