@@ -5,8 +5,12 @@ whole life and calls one method per message; the Flower relay that delivers the 
 untrusted. Each method checks the message against the plan the site accepted and its own
 record (:mod:`client.site_policy`, :mod:`client.release_record`) before anything moves:
 
-* ``accept_plan``: the plan must fit the site's policy, model and data (every record decoded);
-  only then is the cost reserved in the site ledger and m_i announced (a public count).
+* ``check_data``: at service start, every record is decoded and the answers are checked
+  against the model; a dataset that fails stops the start, before any plan.
+* ``accept_plan``: the plan must fit the site's policy, model and data layout (the records
+  are listed, never decoded: whether a site takes part must never depend on one record's
+  content); only then is the cost reserved in the site ledger and m_i announced (a public
+  count, from n alone). A record that no longer decodes costs its own chunk (zeros) later.
 * ``contribution``: one secure sum of the plan, once, as the plan says; the ledger is marked
   exposed and the record updated *before* the arrays go to SecAgg+ masking.
 * ``store_reference``: the noisy all-head vector of a release-first plan, kept to score
@@ -135,13 +139,21 @@ class Site:
         head_shape = loaded.adapter.head_shape(loaded.model)
         return ModelShape(head_shape.layout(), head_shape.head_dim)
 
-    def dataset(self) -> SiteDataset:
-        """The site's private dataset, every record decoded and checked."""
+    def check_data(self) -> SiteDataset:
+        """Decode every record and check the answers against the model: at service start.
+
+        Raises:
+            DataError: A record is unusable (all of them counted), or every answer is outside
+                the model's vocabulary.
+        """
         if self.settings.data_path is None:
             raise ConfigError("the site needs --data (or DPMTV_CLIENT_DATA_PATH).")
-        return load_dataset(self.settings.data_path)
+        dataset = load_dataset(self.settings.data_path)
+        check_answer_vocabulary(self.model(), [record.answer for record in dataset.records])
+        return dataset
 
     def _listed_dataset(self) -> SiteDataset:
+        """The records, listed without opening any image (content never decides a plan)."""
         if self.settings.data_path is None:
             raise ConfigError("the site needs --data (or DPMTV_CLIENT_DATA_PATH).")
         return load_dataset(self.settings.data_path, check_images=False)
@@ -156,7 +168,9 @@ class Site:
             raise StageOrderError(f"release_id must be new to this site, got {plan.release_id!r}.")
         loaded, shape = self.model(), self.shape()
         loaded = loaded.with_image_crops(plan.max_image_crops)  # refused here, before any cost
-        dataset = self.dataset()  # before the reservation: a broken record costs nothing
+        # Listed, not decoded: a record's content (an image that no longer decodes, its answer)
+        # must never decide whether this site takes part; check_data ran at service start.
+        dataset = self._listed_dataset()
         check_plan(
             plan,
             settings=self.settings,
@@ -164,7 +178,6 @@ class Site:
             shape=shape,
             data_unit=dataset.privacy_unit,
         )
-        check_answer_vocabulary(loaded, [record.answer for record in dataset.records])
         chunks = planned_num_chunks(dataset, plan.shots, plan.max_chunks_per_site)
         if chunks < 1:
             raise DataError(f"the site must hold at least one chunk of K+1={plan.shots + 1}.")
@@ -231,8 +244,8 @@ class Site:
         self, record: ReleaseRecord, request: SecureSumRequest, seed: int
     ) -> list[np.ndarray]:
         plan = record.plan
-        # Every record was decoded at the plan stage; one that broke since then must cost its
-        # chunk (zeros), never this site's place in the sum: list, do not re-check, images.
+        # A record that does not decode (now) must cost its chunk (zeros), never this site's
+        # place in the sum: list, do not re-check, images.
         dataset = self._listed_dataset()
         chunk_plan = make_chunks(
             dataset, shots=plan.shots, seed=seed, max_chunks=plan.max_chunks_per_site

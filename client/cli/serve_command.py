@@ -114,6 +114,9 @@ def run_serve(args: argparse.Namespace) -> int:
     _set_threads(args.threads)
     service = SiteService(settings)
     service.site.model()  # load once, before the first relay waits on it
+    # Every record decoded and the answers checked now, before any plan: from here on a
+    # record that breaks costs its own chunk, never the site's place in a release.
+    service.site.check_data()
     service.acquire()
 
     def stop(signum: int, frame: FrameType | None) -> None:

@@ -32,6 +32,7 @@ from client.settings import SiteSettings
 from client.synthetic import write_task_datasets
 from dpmtv_common.artifact import MANIFEST_FILE, SIGNATURE_FILE, TENSORS_FILE, write_artifact
 from dpmtv_common.crypto import SigningKey
+from dpmtv_common.errors import DataError
 from dpmtv_common.fingerprint import fingerprint_model_dir
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.ledger import PrivacyLedger, ReleaseState
@@ -695,6 +696,45 @@ def test_a_record_that_breaks_after_the_plan_costs_its_chunk_not_the_site(
     assert result is not None
     assert result.num_sites == SITES
     assert round(float(result.arrays[1][0])) == SITES * M_I
+
+
+def test_a_record_broken_before_the_plan_costs_its_chunk_not_the_site(
+    consortium: Consortium,
+) -> None:
+    # Arrange: one of site 0's images is truncated before the plan arrives.
+    data = consortium.settings(0).data_path
+    assert data is not None
+    image = sorted((data / "images").glob("*.png"))[0]
+    original = image.read_bytes()
+    image.write_bytes(original[: len(original) // 3])
+    try:
+        # Act
+        planned(consortium)  # every site accepts: the plan stage lists records, never decodes
+        result = consortium.secure_sum(extract_request())
+    finally:
+        image.write_bytes(original)
+    # Assert: whether a site takes part, and m, never depend on one record's content.
+    assert result is not None
+    assert result.num_sites == SITES
+    assert round(float(result.arrays[1][0])) == SITES * M_I
+
+
+def test_the_service_start_check_refuses_a_broken_record_in_one_line(
+    consortium: Consortium,
+) -> None:
+    # Arrange
+    data = consortium.settings(1).data_path
+    assert data is not None
+    image = sorted((data / "images").glob("*.png"))[0]
+    original = image.read_bytes()
+    image.write_bytes(original[: len(original) // 3])
+    try:
+        # Act / Assert: the admin learns at start, before any plan could depend on it
+        with pytest.raises(DataError, match=r"got 1 of \d+ records unusable .*1 unreadable"):
+            consortium.services[1].site.check_data()
+    finally:
+        image.write_bytes(original)
+    assert len(consortium.services[1].site.check_data()) > 0
 
 
 def test_a_release_is_idle_only_when_its_run_sends_nothing(consortium: Consortium) -> None:
