@@ -22,6 +22,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from dpmtv_common.thread_policy import apply_thread_policy
+
+apply_thread_policy()  # before torch loads: its thread pool must not spin on shared cores
+
 from client.models.embedded import embedded_model_path
 from client.synthetic import write_task_datasets
 

@@ -32,6 +32,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from dpmtv_common.thread_policy import apply_thread_policy
+
+apply_thread_policy()  # before torch loads: its thread pool must not spin on shared cores
+
 import numpy as np
 
 from client.chunking import make_chunks

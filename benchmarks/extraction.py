@@ -17,10 +17,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from dpmtv_common.thread_policy import apply_thread_policy
+
+apply_thread_policy()  # before torch loads: its thread pool must not spin on shared cores
+
+import torch
 
 from client.chunking import make_chunks
 from client.data import load_dataset
@@ -66,7 +70,7 @@ def measure(model_dir: Path, data: Path) -> dict[str, float]:
 
 
 def main() -> int:
-    torch.set_num_threads(2)
+    apply_thread_policy(2)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         write_task_datasets(

@@ -19,6 +19,10 @@ from typing import Any
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from dpmtv_common.thread_policy import apply_thread_policy
+
+apply_thread_policy()  # before torch loads: its thread pool must not spin on shared cores
+
 from client.models.embedded import ARCHITECTURES, EMBEDDED_MODEL_DIRS
 
 DOCS = REPO / "docs"

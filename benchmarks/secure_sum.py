@@ -26,6 +26,10 @@ import os
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # read when flwr is first imported
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from dpmtv_common.thread_policy import apply_thread_policy
+
+apply_thread_policy()  # before torch loads: its thread pool must not spin on shared cores
+
 import argparse
 import logging
 import platform

@@ -27,10 +27,12 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from dpmtv_common.thread_policy import apply_thread_policy
+
+apply_thread_policy()  # before torch loads: its thread pool must not spin on shared cores
 
 from client.chunking import make_chunks
 from client.data import Record, load_dataset, write_jsonl_dataset
@@ -139,7 +141,7 @@ def main() -> int:
         "--out", type=Path, default=REPO / "docs/benchmarks/untrained-candidates.json"
     )
     args = parser.parse_args()
-    torch.set_num_threads(args.threads)
+    apply_thread_policy(args.threads)
     started = time.monotonic()
     rows = []
     with tempfile.TemporaryDirectory(prefix="dpmtv-candidates-") as tmp:

@@ -40,11 +40,13 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-import torch
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "benchmarks"))
+
+from dpmtv_common.thread_policy import apply_thread_policy
+
+apply_thread_policy()  # before torch loads: its thread pool must not spin on shared cores
 
 from _utility_bench import Bench, dp_row, local_sums, mtv_row, setup
 
@@ -222,7 +224,7 @@ def parse_args() -> argparse.Namespace:
 def main() -> int:
     logging.getLogger("flwr").setLevel(logging.WARNING)
     args = parse_args()
-    torch.set_num_threads(args.threads)
+    apply_thread_policy(args.threads)
     model = embedded_model_path(args.size)
     started = time.monotonic()
     results: dict[str, object] = {

@@ -28,6 +28,10 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+from dpmtv_common.thread_policy import apply_thread_policy
+
+apply_thread_policy()  # before torch loads: its thread pool must not spin on shared cores
+
 from client.chunking import make_chunks, planned_num_chunks
 from client.cli._artifact import artifact_patch
 from client.data import load_dataset

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 
 from client.cli import commands
 from client.cli._errors import describe
+from dpmtv_common.thread_policy import apply_thread_policy
 
 __all__ = ["build_parser", "main"]
 
@@ -66,6 +67,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO, format="%(levelname)s %(message)s"
     )
     try:
+        apply_thread_policy(getattr(args, "threads", None))  # before any command loads torch
         return int(args.handler(args))
     except Exception as exc:  # every failure becomes one line; see client.cli._errors
         code, line = describe(exc)

@@ -11,7 +11,6 @@ from __future__ import annotations
 import argparse
 import base64
 import json
-import os
 import signal
 import socket
 from pathlib import Path
@@ -106,12 +105,9 @@ def register(sub: Any) -> None:
 
 def run_serve(args: argparse.Namespace) -> int:
     """Start the service and block until SIGTERM/SIGINT."""
-    # Set before torch is imported: its thread pool otherwise spins on shared cores.
-    os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
-    settings = settings_from(args)
+    settings = settings_from(args)  # the thread policy (--threads) is set by main()
     from client.service.server import SiteService  # loads torch: only here
 
-    _set_threads(args.threads)
     service = SiteService(settings)
     service.site.model()  # load once, before the first relay waits on it
     # Every record decoded and the answers checked now, before any plan: from here on a
@@ -126,12 +122,6 @@ def run_serve(args: argparse.Namespace) -> int:
     signal.signal(signal.SIGINT, stop)
     service.serve(settings.socket_file)
     return 0
-
-
-def _set_threads(threads: int | None) -> None:
-    import torch
-
-    torch.set_num_threads(threads or max(1, os.cpu_count() or 1))
 
 
 def _exchange(

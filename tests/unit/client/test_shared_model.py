@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 import client.shared_model
-from client.models import LoadedModel, save_tiny_model
+from client.models import LoadedModel, load_model, save_tiny_model
 from client.settings import SiteSettings
 from client.shared_model import (
     WeightGuard,
@@ -42,11 +42,9 @@ def fresh_cache() -> Iterator[None]:
 @pytest.fixture
 def load_counter(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     loads: list[Path] = []
-    real = client.shared_model.load_model
-
     def counting(path: Path, **options: object) -> LoadedModel:
         loads.append(Path(path))
-        return real(path, **options)  # type: ignore[arg-type]
+        return load_model(path, **options)  # type: ignore[arg-type]
 
     monkeypatch.setattr(client.shared_model, "load_model", counting)
     return loads
@@ -210,7 +208,7 @@ def test_a_forward_pass_and_its_hooks_leave_the_guard_quiet(model_dir: Path) -> 
 
     # Act
     with torch.no_grad():
-        loaded.model.get_decoder()(input_ids=ids)  # type: ignore[operator]
+        loaded.model.get_decoder()(input_ids=ids)
 
     # Assert
     guard.check_contents()
