@@ -1,8 +1,11 @@
 """A site's settings: its model, data, ledger, budget, keys and policy (never from the coordinator).
 
 Values come, in this order of precedence, from explicit arguments (command-line flags), then
-``DPMTV_CLIENT_*`` environment variables, then a ``.env`` file, then the defaults below
-(pydantic-settings' default source order).
+``DPMTV_CLIENT_*`` environment variables, then the TOML file named by ``config_file``
+(``--config`` or ``DPMTV_CLIENT_CONFIG_FILE``), then the defaults below: pydantic-settings'
+default order, with the explicit file in the place of its ``.env``. No file is read that the
+site admin did not name: a ``.env`` in whatever folder a command runs in could otherwise set
+the site's budget, minimum of sites or trusted keys without a word.
 
 Every state file has one default that every command agrees on, whatever the working directory:
 the per-user data folder ``$XDG_DATA_HOME/dpmtv/site`` (``~/.local/share/dpmtv/site``), or
@@ -13,11 +16,20 @@ and ledgers always name one file.
 from __future__ import annotations
 
 import os
+import tomllib
 from pathlib import Path
 from typing import Annotated, Any, Literal, Self
 
 from pydantic import Field, ValidationError, field_validator, model_validator
-from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict, SettingsError
+from pydantic.fields import FieldInfo
+from pydantic_settings import (
+    BaseSettings,
+    InitSettingsSource,
+    NoDecode,
+    PydanticBaseSettingsSource,
+    SettingsConfigDict,
+    SettingsError,
+)
 
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.privacy.budget import PrivacyBudget
@@ -28,6 +40,21 @@ _LEDGER_FILE = "ledger.sqlite"
 _ARTIFACTS_DIR = "artifacts"
 _SOCKET_FILE = "site.sock"
 _RELEASES_SUFFIX = ".releases"
+_CONFIG_FILE_ENV = "DPMTV_CLIENT_CONFIG_FILE"
+# Fields whose relative values in a config file are relative to the file's folder.
+_PATH_FIELDS = frozenset(
+    {
+        "model_path",
+        "data_path",
+        "state_dir",
+        "ledger_path",
+        "signing_key",
+        "trusted_keys",
+        "artifacts_dir",
+        "socket_path",
+        "cache_dir",
+    }
+)
 
 
 def default_state_dir() -> Path:
@@ -76,10 +103,14 @@ class SiteSettings(BaseSettings):
         device_map: ``from_pretrained``'s device map (e.g. ``auto`` over several GPUs; needs
             accelerate); overrides ``device`` for placement.
         attn_implementation: ``eager``, ``sdpa`` or ``flash_attention_2``; default transformers'.
+        config_file: A TOML file of these settings (snake_case or kebab-case keys; relative
+            paths are relative to the file), below flags and environment in precedence. Only
+            a file named here (``--config``, ``DPMTV_CLIENT_CONFIG_FILE``) is ever read.
     """
 
+    # env_file=None: pydantic-settings would otherwise read a .env from the working directory.
     model_config = SettingsConfigDict(
-        env_prefix="DPMTV_CLIENT_", env_file=".env", extra="ignore", frozen=True
+        env_prefix="DPMTV_CLIENT_", env_file=None, extra="ignore", frozen=True
     )
 
     name: str = "site"
@@ -107,6 +138,21 @@ class SiteSettings(BaseSettings):
     cache_dir: Path | None = None
     device_map: str | None = None
     attn_implementation: str | None = None
+    config_file: Path | None = None
+
+    @classmethod
+    def settings_customise_sources(
+        cls,
+        settings_cls: type[BaseSettings],
+        init_settings: PydanticBaseSettingsSource,
+        env_settings: PydanticBaseSettingsSource,
+        dotenv_settings: PydanticBaseSettingsSource,
+        file_secret_settings: PydanticBaseSettingsSource,
+    ) -> tuple[PydanticBaseSettingsSource, ...]:
+        """Flags > environment > the explicit config file > secrets; never an implicit file."""
+        named = init_settings.init_kwargs if isinstance(init_settings, InitSettingsSource) else {}
+        config = _ConfigFileSource(settings_cls, named.get("config_file"))
+        return init_settings, env_settings, config, file_secret_settings
 
     @model_validator(mode="after")
     def _resolve_state_paths(self) -> Self:
@@ -194,6 +240,54 @@ class SiteSettings(BaseSettings):
     def budget(self) -> PrivacyBudget:
         """The ledger's budget."""
         return PrivacyBudget(self.budget_epsilon, self.budget_delta)
+
+
+class _ConfigFileSource(PydanticBaseSettingsSource):
+    """The settings in the TOML file the site admin named (flag, else environment), if any."""
+
+    def __init__(self, settings_cls: type[BaseSettings], given: object) -> None:
+        super().__init__(settings_cls)
+        named = given if given is not None else os.environ.get(_CONFIG_FILE_ENV)
+        self._path = None if named in (None, "") else Path(str(named)).absolute()
+
+    def get_field_value(self, field: FieldInfo, field_name: str) -> tuple[Any, str, bool]:
+        """Unused: :meth:`__call__` reads the whole file at once."""
+        return None, field_name, False
+
+    def __call__(self) -> dict[str, Any]:
+        """The file's settings, keys in snake_case, relative paths made absolute."""
+        if self._path is None:
+            return {}
+        try:
+            with self._path.open("rb") as handle:
+                table = tomllib.load(handle)
+        except (OSError, tomllib.TOMLDecodeError) as exc:
+            raise ConfigError(
+                f"config_file must be a readable TOML file, got {str(self._path)!r}: {exc}"
+            ) from exc
+        values = {str(key).replace("-", "_"): value for key, value in table.items()}
+        unknown = sorted(set(values) - (set(self.settings_cls.model_fields) - {"config_file"}))
+        if unknown:
+            raise ConfigError(
+                f"config_file keys must name site settings, got unknown {unknown} in "
+                f"{str(self._path)!r}."
+            )
+        folder = self._path.parent
+        if isinstance(values.get("trusted_keys"), str):  # one string: comma-separated
+            values["trusted_keys"] = [
+                part.strip() for part in values["trusted_keys"].split(",") if part.strip()
+            ]
+        for name in _PATH_FIELDS & set(values):
+            values[name] = _relative_to(folder, values[name])
+        return values
+
+
+def _relative_to(folder: Path, value: Any) -> Any:
+    if isinstance(value, str):
+        return folder / value if value else value  # an absolute value stays as it is
+    if isinstance(value, list):
+        return [_relative_to(folder, item) for item in value]
+    return value
 
 
 def _absolute(given: Path | None, default: Path) -> Path:

@@ -31,6 +31,7 @@ __all__ = [
     "add_model_options",
     "add_patch_options",
     "check_artifact",
+    "check_site_model",
     "load_heads_file",
     "load_site_model",
     "settings_from",
@@ -136,27 +137,43 @@ def _damaged_weights(directory: Path) -> str:
     return f"a weights file in {str(directory)!r}"
 
 
-def load_site_model(settings: SiteSettings) -> LoadedModel:
-    """Load the settings' model, or say how to name one."""
-    path = settings.model_path
-    if path is None:
+def check_site_model(settings: SiteSettings) -> str:
+    """Refuse the settings' model from its config alone (no weights, no data); its type.
+
+    Commands that read data call this (or :func:`load_site_model`) before the data, so an
+    unsupported model is refused in a second, not after a full decode of the dataset.
+    """
+    from client.model_preflight import preflight_model
+
+    return preflight_model(_model_path(settings))
+
+
+def _model_path(settings: SiteSettings) -> Path:
+    if settings.model_path is None:
         raise ConfigError("a model is needed: pass --model DIR or set DPMTV_CLIENT_MODEL_PATH.")
-    if not path.is_dir():
-        raise ConfigError(f"--model must be an existing model directory, got {str(path)!r}.")
+    return settings.model_path
+
+
+def load_site_model(settings: SiteSettings) -> LoadedModel:
+    """Load the settings' model (checked first by :func:`check_site_model`), or say why not."""
+    model_type = check_site_model(settings)
+    path = _model_path(settings)
     # Imported here, not at the top: torch and transformers take seconds to import.
     import safetensors
 
+    from client.model_preflight import per_layer_heads_refused
     from client.models import default_fingerprint_cache_dir, load_model
 
     try:
-        return load_model(
-            path,
-            device=settings.device,
-            dtype=settings.dtype,
-            device_map=settings.device_map,
-            attn_implementation=settings.attn_implementation,
-            fingerprint_cache=settings.cache_dir or default_fingerprint_cache_dir(),
-        )
+        with per_layer_heads_refused(model_type):
+            return load_model(
+                path,
+                device=settings.device,
+                dtype=settings.dtype,
+                device_map=settings.device_map,
+                attn_implementation=settings.attn_implementation,
+                fingerprint_cache=settings.cache_dir or default_fingerprint_cache_dir(),
+            )
     except safetensors.SafetensorError as exc:
         raise ModelError(
             f"--model weights must be complete safetensors files, got a damaged or truncated "

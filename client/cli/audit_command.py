@@ -14,6 +14,7 @@ from client.cli._choices import RELEASE_ORDERS, SELECTION_MODES
 from client.cli._common import (
     add_image_crops_option,
     add_model_options,
+    check_site_model,
     load_site_model,
     settings_from,
 )
@@ -127,9 +128,10 @@ def run(args: argparse.Namespace) -> int:
     from dpmtv_common.privacy.noise import NoiseSource, secure_noise
     from dpmtv_common.rng import secret_seed
 
+    check_site_model(settings)  # an unusable model is refused before any data is read
     dataset = load_dataset(settings.data_path)
     loaded = load_site_model(settings)
-    plan = _plan(args, dataset.task, loaded.fingerprint)
+    plan = _plan(args, dataset.task, loaded.fingerprint, privacy_unit=dataset.privacy_unit)
     shape = loaded.adapter.head_shape(loaded.model)
     _check_heads(plan, args, shape.layout())
     if len(dataset.records) < plan.shots + 1:

@@ -9,6 +9,7 @@ from typing import Any
 from client.cli._common import (
     add_image_crops_option,
     add_model_options,
+    check_site_model,
     load_site_model,
     settings_from,
 )
@@ -51,6 +52,8 @@ def run_check(args: argparse.Namespace) -> int:
     # Imported here: the data and model side need PIL, torch and transformers.
     from client.data_check import check_dataset, check_with_model, report_lines
 
+    if args.model is not None:  # an unusable model is refused before any data is read
+        check_site_model(settings_from(args))
     dataset, data = check_dataset(args.directory, shots=args.shots, question=args.question)
     model = None
     if args.model is not None:

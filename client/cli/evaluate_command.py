@@ -12,6 +12,7 @@ from client.cli._common import (
     add_model_options,
     add_patch_options,
     check_artifact,
+    check_site_model,
     load_site_model,
     settings_from,
     trusted_keys,
@@ -69,6 +70,7 @@ def run(args: argparse.Namespace) -> int:
     from client.hooks import PatchPolicy
 
     mode = EvaluationMode(args.mode)
+    check_site_model(settings)  # an unusable model is refused before any data is read
     dataset = load_dataset(settings.data_path)
     queries = dataset.records if args.limit is None else dataset.records[: args.limit]
     support = load_dataset(args.support).records if mode is EvaluationMode.ICL else ()

@@ -19,6 +19,7 @@ from client.cli._choices import RELEASE_ORDERS, SCORE_METHODS, SELECTION_MODES
 from client.cli._common import (
     add_image_crops_option,
     add_model_options,
+    check_site_model,
     load_heads_file,
     load_site_model,
     settings_from,
@@ -142,9 +143,12 @@ def _clip_norm(args: argparse.Namespace, extras: dict[str, Any]) -> float:
     return float(clip_norm)
 
 
-def _plan(args: argparse.Namespace, task: str, fingerprint: str) -> ReleasePlan:
+def _plan(
+    args: argparse.Namespace, task: str, fingerprint: str, *, privacy_unit: str
+) -> ReleasePlan:
+    """The plan of these options, for the data's own privacy unit (what the chunks protect)."""
     # Imported here: protocol imports Flower (half a second), which keygen and --help skip.
-    from protocol import PROTOCOL_VERSION, ReleaseOrder, ReleasePlan, SelectionMode
+    from protocol import PROTOCOL_VERSION, PrivacyUnit, ReleaseOrder, ReleasePlan, SelectionMode
 
     public_heads = None
     extras: dict[str, Any] = {}
@@ -175,6 +179,7 @@ def _plan(args: argparse.Namespace, task: str, fingerprint: str) -> ReleasePlan:
             min_sites=1,
             max_chunks_per_site=args.max_chunks,
             max_image_crops=args.max_image_crops,
+            privacy_unit=PrivacyUnit(privacy_unit),
             created=datetime.now(UTC).isoformat(timespec="seconds"),
         )
     except ValidationError as exc:
@@ -234,9 +239,12 @@ def run(args: argparse.Namespace) -> int:
     signing_key = SigningKey.load(settings.signing_key)
     noise = secure_noise()
     require_cryptographic(noise)  # production path: no seeded source can reach here
+    check_site_model(settings)  # an unusable model is refused before any data is read
     dataset = load_dataset(settings.data_path)
     loaded = load_site_model(settings)
-    plan = _plan(args, args.task or dataset.task, loaded.fingerprint)
+    plan = _plan(
+        args, args.task or dataset.task, loaded.fingerprint, privacy_unit=dataset.privacy_unit
+    )
     shape = loaded.adapter.head_shape(loaded.model)
     _check_heads(plan, args, shape.layout())
     chunks = make_chunks(
@@ -273,8 +281,9 @@ def run(args: argparse.Namespace) -> int:
         f"released {len(outcome.heads)} heads over {outcome.heads.num_layers_in_scope} layers "
         f"from m={outcome.num_chunks} chunks (K={plan.shots}, C={plan.clip_norm:g}, "
         f"{chunks.num_unused} records unused)\n"
-        f"privacy: epsilon={manifest.epsilon:.4g}, delta={manifest.delta:g} "
-        f"({manifest.accountant}); noise std={outcome.noise_std:.4g} on the sum, "
+        f"privacy: epsilon={manifest.epsilon:.4g}, delta={manifest.delta:g} per "
+        f"{plan.privacy_unit.value} ({manifest.accountant}); "
+        f"noise std={outcome.noise_std:.4g} on the sum, "
         f"signal/noise~{outcome.signal_to_noise:.3g}\n"
         f"artifact: {result.artifact}"
     )

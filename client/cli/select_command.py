@@ -10,6 +10,7 @@ from client.cli._choices import SELECTION_METHODS
 from client.cli._common import (
     add_image_crops_option,
     add_model_options,
+    check_site_model,
     load_site_model,
     settings_from,
     write_heads_file,
@@ -75,6 +76,7 @@ def run(args: argparse.Namespace) -> int:
     )
     from client.scoring import check_answer_vocabulary
 
+    check_site_model(settings)  # an unusable model is refused before any data is read
     dataset = load_dataset(settings.data_path)
     loaded = load_site_model(settings).with_image_crops(args.max_image_crops)
     layout = loaded.adapter.head_shape(loaded.model).layout()
@@ -88,8 +90,9 @@ def run(args: argparse.Namespace) -> int:
     chunks = make_chunks(dataset, shots=args.shots, seed=args.seed, max_chunks=args.max_chunks)
     queries = [chunk.query for chunk in chunks.chunks][: args.queries]
     # Selection scores each query's first answer token: all of them <unk> would select heads
-    # for p(<unk>), so that is refused before any forward pass, as a release refuses it.
-    check_answer_vocabulary(loaded, [query.answer for query in queries])
+    # for p(<unk>), so that is refused before any forward pass, as a release refuses it. The
+    # share is over every record, as `data check` counts it.
+    check_answer_vocabulary(loaded, [record.answer for record in dataset.records])
     acts = public_activations(
         loaded, chunks.chunks, batch_size=settings.batch_size, instruction=dataset.instruction
     )

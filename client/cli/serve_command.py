@@ -17,7 +17,7 @@ from pathlib import Path
 from types import FrameType
 from typing import Any
 
-from client.cli._common import add_model_options, settings_from
+from client.cli._common import add_model_options, check_site_model, settings_from
 from client.cli._types import file_mode, open_unit_float, positive_float, positive_int
 from client.service.wire import FrameKind, read_frame, write_frame
 from dpmtv_common.errors import ConfigError, DataError, ServiceError
@@ -44,6 +44,7 @@ def register(sub: Any) -> None:
         epilog=_EPILOG,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
+    _add_config_option(parser)
     add_model_options(parser)
     parser.add_argument("--data", type=Path, help="the site's private dataset folder")
     parser.add_argument("--name", help="how the site names itself to the coordinator")
@@ -84,6 +85,7 @@ def register(sub: Any) -> None:
     parser.add_argument("--threads", type=positive_int, help="torch threads (default: cores)")
     parser.set_defaults(handler=run_serve)
     status = sub.add_parser("service-status", help="ask a running site service whether it is up")
+    _add_config_option(status)
     status.add_argument("--socket", dest="socket_path", type=Path, help="the service's socket")
     status.add_argument("--state-dir", type=Path, help="default folder of the socket")
     status.set_defaults(handler=run_status)
@@ -94,6 +96,7 @@ def register(sub: Any) -> None:
         "with its loaded model patched by the verified artifact of --release-id (no privacy "
         "cost: the vector is released). Images travel as bytes; the service opens no path.",
     )
+    _add_config_option(ask)
     ask.add_argument("--release-id", required=True, help="a release whose artifact it stores")
     ask.add_argument("--image", type=Path, action="append", required=True, help="repeatable")
     ask.add_argument("--question", action="append", required=True, help="one per --image")
@@ -103,11 +106,22 @@ def register(sub: Any) -> None:
     ask.set_defaults(handler=run_ask)
 
 
+def _add_config_option(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config",
+        dest="config_file",
+        type=Path,
+        help="a TOML file of site settings (keys as the flags, e.g. budget-epsilon = 4.0); "
+        "flags and DPMTV_CLIENT_* variables win over it. No other file (no .env) is read",
+    )
+
+
 def run_serve(args: argparse.Namespace) -> int:
     """Start the service and block until SIGTERM/SIGINT."""
     settings = settings_from(args)  # the thread policy (--threads) is set by main()
     from client.service.server import SiteService  # loads torch: only here
 
+    check_site_model(settings)  # refused in one line, before weights, data or socket
     service = SiteService(settings)
     service.site.model()  # load once, before the first relay waits on it
     # Every record decoded and the answers checked now, before any plan: from here on a

@@ -16,6 +16,12 @@ Message types (the coordinator's ``server.app`` sends them in this order):
 
 Every failure becomes data: an ``ErrorReply`` with a code and a fixed reason (queries) or a
 Flower ``Error`` with a fixed reason (SecAgg+ rounds). Exception text stays in the site log.
+
+Every refusal of a collect message happens before the site marks its release exposed: what
+Flower's ``secaggplus_mod`` would only check after the handler ran (the neighbours' shares
+decrypt and are addressed to this site, enough of them to unmask) and what
+:func:`client.secagg.secure_sum_reply` would only check after the sum was computed (the mask
+PRG, a clipping range wide enough for the plan) are checked first, from public values only.
 """
 
 from __future__ import annotations
@@ -25,30 +31,44 @@ from collections.abc import Callable
 
 from flwr.app import ConfigRecord, Context, Error, Message, RecordDict
 from flwr.client.mod import secaggplus_mod
+from flwr.client.mod.secure_aggregation.secaggplus_mod import SecAggPlusState
 from flwr.clientapp import ClientApp
 from flwr.clientapp.typing import ClientAppCallable
 from flwr.common.constant import ErrorCode as FlowerErrorCode
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key, Stage
+from flwr.common.secure_aggregation.crypto.symmetric_encryption import decrypt
+from flwr.common.secure_aggregation.secaggplus_constants import (
+    RECORD_KEY_CONFIGS,
+    RECORD_KEY_STATE,
+    Key,
+    Stage,
+)
+from flwr.common.secure_aggregation.secaggplus_utils import share_keys_plaintext_separate
 
 from client.secagg import (
     FITINS_CONFIG,
+    SecAggRanges,
     carried_arrays,
     install_secure_mask_prg,
+    mask_prg_in_use,
     secaggplus_ranges,
     secure_sum_reply,
     sent_reference,
 )
 from client.settings import SiteSettings
 from client.site import Site
-from dpmtv_common.errors import DpmtvError, PolicyError
+from dpmtv_common.crypto import mask_prg
+from dpmtv_common.errors import ConfigError, DpmtvError, PolicyError
 from dpmtv_common.heads import HeadSet
 from protocol import (
     MESSAGE_RECORD_KEY,
     AbortNotice,
     ErrorReply,
+    NoiseMode,
     PlanMismatchError,
     PlanRequest,
     ReleaseRequest,
+    SecureSumRequest,
+    StageOrderError,
     WireMessage,
     expect,
     message_to_record,
@@ -90,6 +110,7 @@ def build_site_app(site: Site) -> ClientApp:
         elif carried_arrays(msg):
             raise PlanMismatchError("a secure sum request must not carry arrays it does not name.")
         ranges = secaggplus_ranges(context)
+        _check_before_exposure(msg, site, request, ranges)
         arrays = site.contribution(request, run_id=run_id, ranges=ranges)
         return secure_sum_reply(msg, arrays, clipping_range=ranges.clipping_range)
 
@@ -133,6 +154,37 @@ def error_message(msg: Message, exc: BaseException) -> Message:
     return Message(Error(FlowerErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=msg)
 
 
+def _check_before_exposure(
+    msg: Message, site: Site, request: SecureSumRequest, ranges: SecAggRanges
+) -> None:
+    """Refuse, before the ledger is marked exposed, what the reply would be refused for.
+
+    The clipping range must hold every coordinate the plan allows this site: m_i chunks of
+    per-layer norm at most C (activations) or 1 (votes), and the count m_i itself. Checked
+    from the plan and m_i (public), never from the computed sum: a refusal that depended on
+    the data would tell the coordinator something about it.
+
+    Raises:
+        ConfigError: The coordinator announced another mask PRG than this site runs.
+        PlanMismatchError: The clipping range is too small for the plan.
+    """
+    config = msg.content.config_records.get(FITINS_CONFIG, ConfigRecord())
+    announced, ours = config.get(mask_prg.MASK_PRG_CONFIG_KEY), mask_prg_in_use()
+    if announced != ours:
+        raise ConfigError(
+            f"the coordinator's mask PRG must match this site's {ours!r}, got {announced!r}."
+        )
+    record = site.records.require(request.release_id)
+    plan = record.plan
+    per_chunk = 1.0 if plan.noise_mode is NoiseMode.DISTRIBUTED else max(plan.clip_norm, 1.0)
+    needed = record.num_chunks * per_chunk  # distributed: its grid is checked exactly later
+    if not ranges.clipping_range >= needed:
+        raise PlanMismatchError(
+            f"SecAgg+ clipping_range must be at least m_i * max(C, 1) = {needed} for this "
+            f"site's sum, got {ranges.clipping_range}."
+        )
+
+
 def plan_at_setup_mod(site: Site) -> Callable[[Message, Context, ClientAppCallable], Message]:
     """A mod that accepts a release plan riding on a SecAgg+ setup message, then sets up.
 
@@ -168,7 +220,10 @@ def secagg_policy_mod(
     At ``setup``: at least ``settings.min_sites`` sites in the sum, and a reconstruction
     threshold above ``secagg_min_threshold_fraction`` of the neighbourhood (so fewer
     colluding neighbours cannot rebuild this site's mask secrets). At ``unmask``: no node may
-    be both active and dropped (asking for both shares of one node would unmask it).
+    be both active and dropped (asking for both shares of one node would unmask it). At
+    ``collect_masked_vectors``: the neighbours' shares must be enough to unmask, decrypt and
+    be addressed to this site, as ``secaggplus_mod`` checks only after the handler ran (after
+    the site's contribution was counted).
     """
 
     def mod(msg: Message, context: Context, call_next: ClientAppCallable) -> Message:
@@ -176,6 +231,8 @@ def secagg_policy_mod(
         stage = configs.get(Key.STAGE)
         if stage == Stage.SETUP:
             _check_setup(configs, settings)
+        elif stage == Stage.COLLECT_MASKED_VECTORS:
+            _check_collect(configs, context)
         elif stage == Stage.UNMASK:
             _check_unmask(configs)
         return call_next(msg, context)
@@ -198,6 +255,37 @@ def _check_setup(configs: ConfigRecord, settings: SiteSettings) -> None:
             f"SecAgg+ reconstruction threshold must lie in [{max(needed, 2)}, {shares}] for a "
             f"neighbourhood of {shares}, got {threshold}."
         )
+
+
+def _check_collect(configs: ConfigRecord, context: Context) -> None:
+    stored = context.state.config_records.get(RECORD_KEY_STATE)
+    if stored is None or stored.get("current_stage") != Stage.SHARE_KEYS:
+        raise StageOrderError("SecAgg+ collect must follow this site's share_keys stage.")
+    state = SecAggPlusState(**stored)
+    ciphertexts = configs.get(Key.CIPHERTEXT_LIST)
+    sources = _ints(configs.get(Key.SOURCE_LIST))
+    if not isinstance(ciphertexts, list) or len(ciphertexts) != len(sources):
+        raise PolicyError(
+            f"SecAgg+ collect must pair each share with its source, got {len(sources)} sources."
+        )
+    if len(ciphertexts) + 1 < state.threshold:
+        raise PolicyError(
+            f"SecAgg+ collect must bring at least threshold - 1 = {state.threshold - 1} "
+            f"neighbours' shares, got {len(ciphertexts)}."
+        )
+    for source, ciphertext in zip(sources, ciphertexts, strict=True):
+        key = state.ss2_dict.get(source)
+        if key is None or not isinstance(ciphertext, bytes):
+            raise PolicyError(f"SecAgg+ share source must be a neighbour, got node {source}.")
+        try:
+            sender, receiver, _, _ = share_keys_plaintext_separate(decrypt(key, ciphertext))
+        except Exception as exc:  # any failure to decrypt or parse is a forged share
+            raise PolicyError(f"SecAgg+ share from node {source} must decrypt, got junk.") from exc
+        if sender != source or receiver != state.nid:
+            raise PolicyError(
+                f"SecAgg+ share must go from node {source} to this node, got {sender} -> "
+                f"{receiver}."
+            )
 
 
 def _check_unmask(configs: ConfigRecord) -> None:

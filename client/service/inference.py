@@ -5,6 +5,13 @@ The request names a release whose verified artifact the service stored, and carr
 images as bytes: the service never opens a path it is sent, so whoever can reach the socket
 (the relay included) can query the model with its own inputs and learns nothing of the site's
 data. Released vectors are public post-processing: answering costs no privacy.
+
+Whoever can reach the socket can send a request, so every bound is checked before the work
+it bounds: the frame's length before it is read (:data:`MAX_REQUEST_BYTES`), the number of
+images and each image's bytes when the request is parsed, and each image's pixel count from
+its header (PIL reads the size without decoding a pixel) before any image is decoded, before
+the model or the artifact is touched. A small file that would decode to gigabytes (a
+"decompression bomb") is refused from its header alone.
 """
 
 from __future__ import annotations
@@ -26,10 +33,26 @@ from dpmtv_common.crypto import TrustedKeys
 from dpmtv_common.errors import ConfigError, DataError
 from protocol.plan import ReleaseId
 
-__all__ = ["InferAnswers", "InferRequest", "answer_queries"]
+__all__ = [
+    "MAX_IMAGES",
+    "MAX_IMAGE_BYTES",
+    "MAX_IMAGE_PIXELS",
+    "MAX_REQUEST_BYTES",
+    "InferAnswers",
+    "InferRequest",
+    "answer_queries",
+    "check_request",
+]
 
-_MAX_QUERIES = 64
-_MAX_IMAGE_BYTES = 16 << 20
+MAX_IMAGES = 8
+"""Images (and questions) one request may carry."""
+MAX_IMAGE_BYTES = 4 << 20
+"""Encoded bytes of one image."""
+MAX_IMAGE_PIXELS = 2048 * 2048
+"""Pixels of one image, read from its header (at most ~16 MiB once decoded to RGBA)."""
+_MAX_QUESTION_CHARS = 2000
+MAX_REQUEST_BYTES = (4 * MAX_IMAGES * MAX_IMAGE_BYTES) // 3 + (1 << 20)
+"""The largest request frame: the images in base64 and room for the questions (JSON)."""
 
 
 class InferRequest(BaseModel):
@@ -41,12 +64,12 @@ class InferRequest(BaseModel):
 
     release_id: ReleaseId
     questions: Annotated[
-        tuple[Annotated[str, Field(min_length=1, max_length=2000)], ...],
-        Field(min_length=1, max_length=_MAX_QUERIES),
+        tuple[Annotated[str, Field(min_length=1, max_length=_MAX_QUESTION_CHARS)], ...],
+        Field(min_length=1, max_length=MAX_IMAGES),
     ]
     images: Annotated[
-        tuple[Annotated[bytes, Field(max_length=_MAX_IMAGE_BYTES)], ...],
-        Field(min_length=1, max_length=_MAX_QUERIES),
+        tuple[Annotated[bytes, Field(max_length=MAX_IMAGE_BYTES)], ...],
+        Field(min_length=1, max_length=MAX_IMAGES),
     ]
     max_new_tokens: Annotated[int, Field(ge=1, le=64)] = 10
     policy: Literal["prompt-last-token", "every-call"] = "prompt-last-token"
@@ -60,8 +83,32 @@ class InferAnswers(BaseModel):
     answers: tuple[str, ...]
 
 
+def check_request(request: InferRequest) -> None:
+    """Refuse a request whose images do not pair with its questions or are too large.
+
+    Reads each image's header only: no pixel is decoded here. The messages name the image's
+    index and the bound, never a path, so they may be returned to whoever asked.
+
+    Raises:
+        ConfigError: Questions and images differ in number.
+        DataError: An image's header cannot be read, or it has more than
+            :data:`MAX_IMAGE_PIXELS` pixels.
+    """
+    if len(request.questions) != len(request.images):
+        raise ConfigError(
+            f"questions and images must pair up, got {len(request.questions)} and "
+            f"{len(request.images)}."
+        )
+    for index, data in enumerate(request.images):
+        width, height = _header_size(data, index)
+        if width * height > MAX_IMAGE_PIXELS:
+            raise DataError(
+                f"image {index} must have at most {MAX_IMAGE_PIXELS} pixels, got {width}x{height}."
+            )
+
+
 def answer_queries(site: Site, request: InferRequest) -> InferAnswers:
-    """Verify the stored artifact (key, model, dtype), decode the images, answer greedily.
+    """Check the request, verify the stored artifact, decode the images, answer greedily.
 
     The images are prompted under the artifact's ``max_image_crops``, as its chunks were.
 
@@ -69,11 +116,7 @@ def answer_queries(site: Site, request: InferRequest) -> InferAnswers:
         ConfigError: Questions and images differ in number, or no such artifact is stored.
         DataError: An image cannot be decoded or is too large.
     """
-    if len(request.questions) != len(request.images):
-        raise ConfigError(
-            f"questions and images must pair up, got {len(request.questions)} and "
-            f"{len(request.images)}."
-        )
+    check_request(request)  # every bound before the model, the artifact or a pixel
     patch, max_image_crops = _patch(site, request)
     # Queries are prompted under the crop cap the artifact's chunks were prompted under.
     loaded = site.model().with_image_crops(max_image_crops)
@@ -119,8 +162,20 @@ def _patch(site: Site, request: InferRequest) -> tuple[TaskVectorPatch, int | No
     return patch, artifact.manifest.max_image_crops
 
 
-def _decode(data: bytes, index: int) -> Image.Image:
+def _header_size(data: bytes, index: int) -> tuple[int, int]:
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as image:  # lazy: reads the header only
+                width, height = image.size
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise DataError(f"image {index} must have at most {MAX_IMAGE_PIXELS} pixels.") from exc
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise DataError(f"image {index} must be a readable picture: {exc}") from exc
+    return width, height
 
+
+def _decode(data: bytes, index: int) -> Image.Image:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("error", Image.DecompressionBombWarning)

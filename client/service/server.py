@@ -14,6 +14,18 @@ Lifecycle: one service per ledger (an exclusive lock beside the ledger; a second
 refused), one request at a time under a lock, a log line per release state change, a sweep
 that resolves releases left idle, and on SIGTERM/SIGINT a clean stop: the request in flight
 finishes, open releases are resolved from the site's record, the socket file is removed.
+
+Resources: whoever can write to the socket (the relay, perhaps the coordinator's code) must
+not be able to wear the service down. At most ``max_connections`` connections are served at
+once (more are answered "busy" and closed); a request frame must arrive whole within
+``_READ_TIMEOUT_S``; and its length is checked against a bound before any payload byte is
+read. A ``MESSAGE`` frame may carry at most :data:`SMALL_FRAME_BYTES` while no plan is open,
+and at most what the largest open plan needs (its noisy vector or artifact, twice over for
+encodings) while one is; ``INFER`` is bounded by the inference limits
+(:data:`client.service.inference.MAX_REQUEST_BYTES`). Memory taken by requests is thus at
+most ``max_connections`` times the largest bound. A release's idle timer is renewed only by
+an accepted message of its own run, so junk cannot keep a reservation alive. No reply
+carries a path of the site.
 """
 
 from __future__ import annotations
@@ -27,6 +39,7 @@ import socket
 import socketserver
 import stat
 import threading
+import time
 from collections import OrderedDict
 from pathlib import Path
 from typing import IO, Any
@@ -36,17 +49,32 @@ from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.proto.message_pb2 import Message as ProtoMessage
 from pydantic import ValidationError
 
+from client.release_record import ReleaseRecord
 from client.service.handlers import build_site_app, error_message
+from client.service.inference import (
+    MAX_REQUEST_BYTES,
+    InferRequest,
+    answer_queries,
+    check_request,
+)
 from client.service.wire import FrameKind, read_frame, write_frame
 from client.settings import SiteSettings
 from client.site import Site
 from dpmtv_common.errors import DpmtvError, ServiceError
+from protocol import MESSAGE_RECORD_KEY, ErrorReply, message_from_record
 
-__all__ = ["SiteService"]
+__all__ = ["DEFAULT_MAX_CONNECTIONS", "SMALL_FRAME_BYTES", "SiteService"]
 
 _log = logging.getLogger(__name__)
 _MAX_RUNS = 16  # per-run SecAgg+ state kept; older runs' contexts are dropped
-_READ_TIMEOUT_S = 120.0
+_READ_TIMEOUT_S = 120.0  # a whole request frame, from the first byte to the last
+_BUSY_REPLY_TIMEOUT_S = 1.0
+
+SMALL_FRAME_BYTES = 1 << 20
+"""Largest ``MESSAGE`` payload while no plan is open: plans, SecAgg+ keys, shares, notices."""
+DEFAULT_MAX_CONNECTIONS = 4
+"""Connections served at once; one relay runs one message at a time per run."""
+_BYTES_PER_COORDINATE = 16  # float64, twice over: base64 in JSON records, numpy headers
 
 
 class SiteService:
@@ -54,12 +82,17 @@ class SiteService:
 
     Attributes:
         site: The site whose handlers decide.
-        max_frame_bytes: The largest request accepted from a relay.
+        max_connections: Connections served at once; more are refused at once.
     """
 
-    def __init__(self, settings: SiteSettings, *, max_frame_bytes: int = 1 << 30) -> None:
+    def __init__(
+        self, settings: SiteSettings, *, max_connections: int = DEFAULT_MAX_CONNECTIONS
+    ) -> None:
+        if max_connections < 1:
+            raise ServiceError(f"max_connections must be >= 1, got {max_connections}.")
         self.site = Site(settings)
-        self.max_frame_bytes = max_frame_bytes
+        self.max_connections = max_connections
+        self._message_bound = SMALL_FRAME_BYTES
         self._app = build_site_app(self.site)
         self._contexts: OrderedDict[tuple[int, int], Context] = OrderedDict()
         self._lock = threading.Lock()
@@ -71,18 +104,31 @@ class SiteService:
         """The site admin's settings."""
         return self.site.settings
 
+    def frame_limit(self, kind: FrameKind) -> int:
+        """The largest request payload of ``kind`` the service reads now (before reading it)."""
+        if kind is FrameKind.MESSAGE:
+            return self._message_bound  # set under the lock after every message
+        if kind is FrameKind.INFER:
+            return MAX_REQUEST_BYTES
+        return 0  # PING carries nothing; any other kind is refused after its header
+
     def handle_message(self, message: Message) -> Message:
-        """Run the site's handlers on one message with the service's own context."""
+        """Run the site's handlers on one message with the service's own context.
+
+        Only an accepted message renews the idle timer of its run's releases: a refused one,
+        or junk, leaves a reservation to expire.
+        """
         with self._lock:
             context = self._context_for(message)
-            self.site.touch(message.metadata.run_id)
             try:
-                return self._app(message, context)
+                reply = self._app(message, context)
             except Exception as exc:  # failures become data; the text stays in the log
                 _log.warning("%s failed: %s", message.metadata.message_type, exc)
-                return error_message(message, exc)
-            finally:
+                reply = error_message(message, exc)
+            if _accepted(reply):
                 self.site.touch(message.metadata.run_id)
+            self._update_message_bound()
+            return reply
 
     def handle_bytes(self, payload: bytes) -> bytes:
         """One serialised request ``Message`` in, one serialised reply out."""
@@ -95,27 +141,37 @@ class SiteService:
 
     def handle_inference(self, payload: bytes) -> tuple[FrameKind, bytes]:
         """Answer a local inference request (JSON) with the loaded model; errors as text."""
-        from client.service.inference import InferRequest, answer_queries
-
         try:
             request = InferRequest.model_validate_json(payload)
-            with self._lock:
-                answers = answer_queries(self.site, request)
+            check_request(request)  # sizes from the headers, before the lock or any decoding
         except ValidationError as exc:
             return FrameKind.ERROR, f"inference request must be valid: {exc}".encode()
-        except DpmtvError as exc:  # no private data in inference: the text helps the admin
+        except DpmtvError as exc:  # the request's own checks: they quote no path of the site
             return FrameKind.ERROR, str(exc).encode()
+        try:
+            with self._lock:
+                answers = answer_queries(self.site, request)
+        except Exception as exc:  # artifact, keys, model: the text may name a path; logged
+            _log.warning("inference failed: %s", exc)
+            reply = ErrorReply.from_exception(exc)
+            text = f"{reply.code.value}: {reply.error_type}: {reply.reason} (see the site log)"
+            return FrameKind.ERROR, text.encode()
         return FrameKind.ANSWERS, answers.model_dump_json().encode()
 
     def status(self) -> dict[str, Any]:
-        """What a health check reports."""
+        """What a health check reports: whoever asks may be the relay, so no path."""
         return {
             "status": "ok",
             "site": self.settings.name,
             "pid": os.getpid(),
-            "ledger": str(self.settings.ledger_file),
             "open_releases": len(self.site.records.open_records()),
         }
+
+    def _update_message_bound(self) -> None:
+        records = self.site.records.open_records()
+        self._message_bound = SMALL_FRAME_BYTES + max(
+            (_plan_payload_bytes(record) for record in records), default=0
+        )
 
     def _context_for(self, message: Message) -> Context:
         key = (message.metadata.run_id, message.metadata.dst_node_id)
@@ -146,20 +202,23 @@ class SiteService:
         with self._lock:
             for release_id in self.site.sweep(everything=True):
                 _log.info("release %s: resolved at start (left open by an earlier run)", release_id)
+            self._update_message_bound()
 
     def sweep(self) -> None:
         """Resolve releases idle past the site's limit (called periodically)."""
         with self._lock:
             self.site.sweep()
+            self._update_message_bound()
 
     def serve(self, socket_path: Path, *, ready: threading.Event | None = None) -> None:
         """Listen on ``socket_path`` until :meth:`stop`; blocks."""
         if self._lock_file is None:
             self.acquire()
         _prepare_socket_path(socket_path)
-        server = _Server(str(socket_path), _Handler)
+        server = _Server(str(socket_path), _Handler, bind_and_activate=False)
         server.service = self
-        os.chmod(socket_path, self.settings.socket_mode)
+        server.slots = threading.BoundedSemaphore(self.max_connections)
+        _bind_private(server, socket_path, self.settings.socket_mode)
         self._server = server
         sweeper = _Sweeper(self, interval=min(30.0, self.settings.idle_release_seconds / 4))
         sweeper.start()
@@ -193,9 +252,56 @@ class SiteService:
         _log.info("site %s stopped", self.settings.name)
 
 
+def _accepted(reply: Message) -> bool:
+    """Whether the site accepted the message ``reply`` answers (no error of either kind)."""
+    if reply.has_error():
+        return False
+    records = reply.content.config_records
+    if MESSAGE_RECORD_KEY not in records:
+        return True  # a SecAgg+ stage's reply
+    try:
+        answer = message_from_record(reply.content)
+    except DpmtvError:  # a reply the site built itself always decodes; fail closed
+        return False
+    return not isinstance(answer, ErrorReply)
+
+
+def _plan_payload_bytes(record: ReleaseRecord) -> int:
+    """The largest payload a message of this plan carries: its noisy vector or artifact."""
+    coordinates = record.num_layers * record.num_heads * record.head_dim
+    return _BYTES_PER_COORDINATE * coordinates
+
+
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     service: SiteService
+    slots: threading.BoundedSemaphore
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        # Counted before a thread starts or a byte is read: a flood of connections costs a
+        # short "busy" answer each, never a thread or a buffer.
+        if not self.slots.acquire(blocking=False):
+            _refuse_busy(request, self.service.max_connections)
+            self.shutdown_request(request)
+            return
+        try:
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+
+def _refuse_busy(sock: socket.socket, limit: int) -> None:
+    _log.warning("relay connection refused: %d connections already served", limit)
+    with contextlib.suppress(OSError):  # the peer may be gone: nothing to tell it
+        sock.settimeout(_BUSY_REPLY_TIMEOUT_S)
+        write_frame(sock, FrameKind.ERROR, b"site service busy: too many connections")
 
 
 class _Handler(socketserver.BaseRequestHandler):
@@ -204,7 +310,8 @@ class _Handler(socketserver.BaseRequestHandler):
         sock: socket.socket = self.request
         sock.settimeout(_READ_TIMEOUT_S)
         try:
-            kind, payload = read_frame(sock, max_bytes=service.max_frame_bytes)
+            deadline = time.monotonic() + _READ_TIMEOUT_S
+            kind, payload = read_frame(sock, max_bytes=service.frame_limit, deadline=deadline)
             if kind is FrameKind.PING:
                 write_frame(sock, FrameKind.STATUS, json.dumps(service.status()).encode())
             elif kind is FrameKind.MESSAGE:
@@ -255,6 +362,21 @@ def _lock_ledger(ledger: Path) -> IO[str]:
     handle.write(str(os.getpid()))
     handle.flush()
     return handle
+
+
+def _bind_private(server: _Server, path: Path, mode: int) -> None:
+    """Bind with no access for anyone, then open exactly ``mode``, then listen.
+
+    The umask covers the moment between bind and chmod (a socket file is created with the
+    process's umask); nobody can connect before the mode is the site admin's.
+    """
+    previous = os.umask(0o777)
+    try:
+        server.server_bind()
+    finally:
+        os.umask(previous)
+    os.chmod(path, mode)
+    server.server_activate()
 
 
 def _prepare_socket_path(path: Path) -> None:

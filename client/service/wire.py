@@ -10,7 +10,10 @@ produce a reply at all), ``PING`` / ``STATUS`` (health: JSON), ``INFER`` / ``ANS
 inference with a stored artifact: JSON, ``client.service.inference``). One request, one answer, then
 the connection closes. A frame of another version or kind, or longer than the reader's bound,
 is refused before its payload is read, so a hostile peer cannot make either side allocate
-more than the bound. Nothing here unpickles or evaluates peer data.
+more than the bound; the bound may depend on the kind (the service allows a large payload
+only for what its accepted plans need). A reader may also set a deadline for the whole
+frame, so a peer that trickles bytes cannot hold a connection open. Nothing here unpickles
+or evaluates peer data.
 
 This module is imported by the relay that Flower starts per message: keep it free of torch,
 transformers and everything that touches the site's data.
@@ -20,6 +23,8 @@ from __future__ import annotations
 
 import socket
 import struct
+import time
+from collections.abc import Callable
 from enum import IntEnum
 
 from dpmtv_common.errors import ServiceError
@@ -28,6 +33,7 @@ __all__ = [
     "DEFAULT_MAX_FRAME_BYTES",
     "WIRE_VERSION",
     "FrameKind",
+    "FrameLimit",
     "read_frame",
     "write_frame",
 ]
@@ -61,15 +67,30 @@ def write_frame(sock: socket.socket, kind: FrameKind, payload: bytes) -> None:
     sock.sendall(_HEADER.pack(MAGIC, WIRE_VERSION, int(kind), 0, len(payload)) + payload)
 
 
+FrameLimit = int | Callable[[FrameKind], int]
+"""The largest payload a reader accepts: one bound, or one per frame kind."""
+
+
 def read_frame(
-    sock: socket.socket, *, max_bytes: int = DEFAULT_MAX_FRAME_BYTES
+    sock: socket.socket,
+    *,
+    max_bytes: FrameLimit = DEFAULT_MAX_FRAME_BYTES,
+    deadline: float | None = None,
 ) -> tuple[FrameKind, bytes]:
-    """Receive one frame, refusing a bad header before reading the payload.
+    """Receive one frame, refusing a bad header before reading (or allocating) the payload.
+
+    Args:
+        sock: A connected stream socket.
+        max_bytes: The largest payload accepted, or a function of the frame's kind that
+            gives it; checked against the header's length before any payload byte is read.
+        deadline: A ``time.monotonic()`` instant by which the whole frame must have arrived.
 
     Raises:
-        ServiceError: The peer closed early, or sent a bad magic, version, kind or length.
+        ServiceError: The peer closed early or too late, or sent a bad magic, version, kind
+            or length.
     """
-    magic, version, kind, reserved, length = _HEADER.unpack(_read_exact(sock, _HEADER.size))
+    header = _read_exact(sock, _HEADER.size, deadline)
+    magic, version, kind, reserved, length = _HEADER.unpack(header)
     if magic != MAGIC or reserved != 0:
         raise ServiceError(f"frame must start with {MAGIC!r}, got {magic!r}.")
     if version != WIRE_VERSION:
@@ -79,14 +100,25 @@ def read_frame(
         )
     if kind not in FrameKind.__members__.values():
         raise ServiceError(f"frame kind must be one of {[k.value for k in FrameKind]}, got {kind}.")
-    if length > max_bytes:
-        raise ServiceError(f"frame payload must be at most {max_bytes} bytes, got {length}.")
-    return FrameKind(kind), _read_exact(sock, length)
+    frame_kind = FrameKind(kind)
+    bound = max_bytes(frame_kind) if callable(max_bytes) else max_bytes
+    if length > bound:
+        raise ServiceError(
+            f"{frame_kind.name} frame payload must be at most {bound} bytes, got {length}."
+        )
+    return frame_kind, _read_exact(sock, length, deadline)
 
 
-def _read_exact(sock: socket.socket, size: int) -> bytes:
+def _read_exact(sock: socket.socket, size: int, deadline: float | None) -> bytes:
     chunks = bytearray()
     while len(chunks) < size:
+        if deadline is not None:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise ServiceError(
+                    f"frame must arrive in time, got {len(chunks)} of {size} bytes by the deadline."
+                )
+            sock.settimeout(left)
         chunk = sock.recv(min(size - len(chunks), 1 << 20))
         if not chunk:
             raise ServiceError(f"peer closed the connection after {len(chunks)} of {size} bytes.")

@@ -42,3 +42,86 @@ def test_trusted_keys_from_the_environment_are_comma_separated(monkeypatch):
 def test_invalid_node_config_is_a_config_error_that_names_the_field():
     with pytest.raises(ConfigError, match="budget_epsilon"):
         SiteSettings.from_node_config({"budget-epsilon": -1.0})
+
+
+def test_a_dotenv_in_the_working_directory_is_never_read(monkeypatch, tmp_path):
+    # Arrange: a .env where the command runs, loosening the site's policy.
+    for name in (
+        "DPMTV_CLIENT_BUDGET_EPSILON",
+        "DPMTV_CLIENT_MIN_SITES",
+        "DPMTV_CLIENT_CONFIG_FILE",
+    ):
+        monkeypatch.delenv(name, raising=False)
+    (tmp_path / ".env").write_text(
+        "DPMTV_CLIENT_BUDGET_EPSILON=1000000\nDPMTV_CLIENT_MIN_SITES=2\n"
+        "DPMTV_CLIENT_TRUSTED_KEYS=/tmp/attacker.pub\n"
+    )
+    monkeypatch.chdir(tmp_path)
+    # Act
+    settings = SiteSettings()
+    # Assert: the defaults, not the file.
+    assert settings.budget_epsilon == 10.0
+    assert settings.min_sites == 3
+    assert settings.trusted_keys == ()
+
+
+def test_no_settings_source_names_an_implicit_file():
+    # Both guards: no env_file in the model config, and no dotenv source in the order.
+    assert SiteSettings.model_config.get("env_file") is None
+
+
+def test_an_explicit_config_file_sits_below_flags_and_environment(monkeypatch, tmp_path):
+    # Arrange
+    monkeypatch.delenv("DPMTV_CLIENT_CONFIG_FILE", raising=False)
+    monkeypatch.delenv("DPMTV_CLIENT_NAME", raising=False)
+    config = tmp_path / "conf" / "site.toml"
+    config.parent.mkdir()
+    config.write_text(
+        'name = "from-file"\nbudget-epsilon = 4.0\nbatch_size = 2\n'
+        'state-dir = "state"\ntrusted-keys = ["keys/a.pub", "/k/b.pub"]\n'
+    )
+    monkeypatch.setenv("DPMTV_CLIENT_BATCH_SIZE", "7")
+    # Act
+    settings = SiteSettings(config_file=config, budget_epsilon=5.0)
+    # Assert: flag > environment > file > default; relative paths are the file's.
+    assert settings.budget_epsilon == 5.0
+    assert settings.batch_size == 7
+    assert settings.name == "from-file"
+    assert settings.state_dir == tmp_path / "conf" / "state"
+    assert settings.trusted_keys == (tmp_path / "conf" / "keys" / "a.pub", Path("/k/b.pub"))
+
+
+def test_the_config_file_may_be_named_by_the_environment(monkeypatch, tmp_path):
+    config = tmp_path / "site.toml"
+    config.write_text("min-sites = 5\n")
+    monkeypatch.setenv("DPMTV_CLIENT_CONFIG_FILE", str(config))
+    assert SiteSettings().min_sites == 5
+
+
+@pytest.mark.parametrize(
+    ("text", "match"),
+    [
+        ("budget-epsilo = 4.0\n", "unknown \\['budget_epsilo'\\]"),  # a typo is no silence
+        ("config-file = 'other.toml'\n", "unknown \\['config_file'\\]"),
+        ("budget-epsilon = \n", "readable TOML"),
+    ],
+)
+def test_a_config_file_with_unknown_keys_or_bad_toml_is_refused(tmp_path, text, match):
+    config = tmp_path / "site.toml"
+    config.write_text(text)
+    with pytest.raises(ConfigError, match=match):
+        SiteSettings(config_file=config)
+
+
+def test_a_missing_config_file_is_refused(tmp_path):
+    with pytest.raises(ConfigError, match="config_file must be a readable TOML file"):
+        SiteSettings(config_file=tmp_path / "absent.toml")
+
+
+def test_the_service_commands_read_the_config_file_they_are_given(tmp_path, capsys):
+    from client.cli.main import main
+
+    config = tmp_path / "site.toml"
+    config.write_text('socket-path = "elsewhere.sock"\n')
+    assert main(["service-status", "--config", str(config)]) != 0
+    assert str(tmp_path / "elsewhere.sock") in capsys.readouterr().err

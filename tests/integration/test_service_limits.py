@@ -1,0 +1,297 @@
+"""The site service cannot be worn down by whoever reaches its socket (the relay included).
+
+A real ``SiteService`` serves a real Unix socket in a thread (no model is loaded: every limit
+here must hold before the model, the data or the ledger is touched). The tests speak the wire
+protocol by hand, as a hostile relay would: oversized frames, a flood of connections, a frame
+that never finishes, oversized or "bomb" images, and look at what the replies give away.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # read when flwr is first imported
+
+import base64
+import io
+import json
+import socket
+import stat
+import struct
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+from flwr.app import Context, Message, RecordDict
+from flwr.common.serde import message_to_proto
+from PIL import Image
+
+from client.relay import SOCKET_KEY, unix_socket_transport
+from client.service.inference import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES
+from client.service.server import SMALL_FRAME_BYTES, SiteService
+from client.service.wire import MAGIC, WIRE_VERSION, FrameKind, read_frame, write_frame
+from client.settings import SiteSettings
+from dpmtv_common.errors import ServiceError
+from protocol import AbortNotice, message_to_record
+from server.simulation import set_task_identity
+from tests.flower_harness import flower_process_state
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
+
+_HEADER = struct.Struct(">4sBBHI")
+
+
+@dataclass
+class Running:
+    service: SiteService
+    path: Path
+    state: Path
+    thread: threading.Thread
+
+    def connect(self) -> socket.socket:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(10.0)
+        sock.connect(str(self.path))
+        return sock
+
+    def exchange(self, kind: FrameKind, payload: bytes) -> tuple[FrameKind, bytes]:
+        with self.connect() as sock:
+            write_frame(sock, kind, payload)
+            return read_frame(sock)
+
+
+@pytest.fixture
+def running(tmp_path: Path) -> Iterator[Running]:
+    settings = SiteSettings(
+        name="limits-site",
+        state_dir=tmp_path / "state",
+        socket_path=tmp_path / "s.sock",  # AF_UNIX paths must stay under ~100 bytes
+        device="cpu",
+    )
+    service = SiteService(settings, max_connections=2)
+    ready = threading.Event()
+    thread = threading.Thread(
+        target=service.serve, args=(settings.socket_file,), kwargs={"ready": ready}, daemon=True
+    )
+    thread.start()
+    assert ready.wait(30)
+    try:
+        yield Running(service, settings.socket_file, settings.state_dir, thread)
+    finally:
+        service.stop()
+        thread.join(30)
+
+
+def _header(kind: FrameKind, length: int) -> bytes:
+    return _HEADER.pack(MAGIC, WIRE_VERSION, int(kind), 0, length)
+
+
+def _png(width: int, height: int) -> bytes:
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), (200, 30, 30)).save(buffer, format="PNG")
+    return buffer.getvalue()
+
+
+def _png_header_only(width: int, height: int) -> bytes:
+    """A PNG whose header claims ``width`` x ``height`` and whose pixels never come."""
+
+    def chunk(tag: bytes, data: bytes) -> bytes:
+        body = tag + data
+        return struct.pack(">I", len(data)) + body + struct.pack(">I", zlib.crc32(body))
+
+    ihdr = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\0" * 9))
+
+
+def _infer(running: Running, images: list[bytes]) -> tuple[FrameKind, str]:
+    request = {
+        "release_id": "r1",
+        "questions": ["What colour is it?"] * len(images),
+        "images": [base64.b64encode(image).decode() for image in images],
+    }
+    kind, payload = running.exchange(FrameKind.INFER, json.dumps(request).encode())
+    return kind, payload.decode()
+
+
+# ---------------------------------------------------------------- frames and connections
+
+
+def test_a_message_frame_over_the_small_bound_is_refused_before_its_payload(
+    running: Running,
+) -> None:
+    # Arrange: no plan is open, so a MESSAGE may carry at most the small bound.
+    with running.connect() as sock:
+        # Act: announce one byte more, send none of it.
+        sock.sendall(_header(FrameKind.MESSAGE, SMALL_FRAME_BYTES + 1))
+        kind, payload = read_frame(sock)
+    # Assert: refused from the header alone (the service never waited for the payload).
+    assert kind is FrameKind.ERROR
+    assert payload == b"request refused by the site service"
+
+
+def test_the_message_bound_grows_only_with_an_open_plan(running: Running) -> None:
+    # Arrange / Act: with nothing open the bound is the small one...
+    before = running.service.frame_limit(FrameKind.MESSAGE)
+    # Assert: and a frame at that bound is read (then refused as not a Flower Message).
+    assert before == SMALL_FRAME_BYTES
+    assert running.service.frame_limit(FrameKind.PING) == 0
+    kind, _ = running.exchange(FrameKind.MESSAGE, b"\xff" * 64)
+    assert kind is FrameKind.ERROR
+
+
+def test_connections_beyond_the_cap_are_answered_busy_at_once(running: Running) -> None:
+    # Arrange: two idle connections hold both slots (they never send a header).
+    idle = [running.connect() for _ in range(2)]
+    time.sleep(0.3)  # let the server accept both
+    try:
+        # Act
+        started = time.monotonic()
+        with running.connect() as third:
+            kind, payload = read_frame(third)
+        waited = time.monotonic() - started
+    finally:
+        for sock in idle:
+            sock.close()
+    # Assert: refused without waiting for a slot (the read timeout is two minutes).
+    assert kind is FrameKind.ERROR
+    assert b"busy" in payload
+    assert waited < 5.0
+    # A slot frees when a connection ends: the service answers again.
+    deadline = time.monotonic() + 10
+    while True:
+        kind, _ = running.exchange(FrameKind.PING, b"")
+        if kind is FrameKind.STATUS or time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    assert kind is FrameKind.STATUS
+
+
+def test_a_ping_must_carry_nothing(running: Running) -> None:
+    kind, payload = running.exchange(FrameKind.PING, b"x")
+    assert kind is FrameKind.ERROR
+    assert payload == b"request refused by the site service"
+
+
+# ---------------------------------------------------------------- what replies give away
+
+
+def test_the_status_reply_names_no_path(running: Running) -> None:
+    # Act
+    kind, payload = running.exchange(FrameKind.PING, b"")
+    # Assert
+    assert kind is FrameKind.STATUS
+    status = json.loads(payload)
+    assert status["status"] == "ok"
+    settings = running.service.settings
+    for path in (settings.ledger_file, settings.state_dir, settings.socket_file):
+        assert str(path) not in payload.decode()
+    assert "/" not in payload.decode()
+
+
+def test_an_inference_failure_past_the_request_checks_names_no_path(running: Running) -> None:
+    # Arrange: a valid request for an artifact; the service has no model (a ConfigError deep
+    # inside, whose text would name the site's settings).
+    kind, text = _infer(running, [_png(8, 8)])
+    # Assert
+    assert kind is FrameKind.ERROR
+    assert "/" not in text
+    assert "ConfigError" in text
+
+
+def test_the_socket_is_open_to_the_site_s_group_only(running: Running) -> None:
+    # The SuperNode's user reaches it through a shared group; nobody else.
+    mode = stat.S_IMODE(os.stat(running.path).st_mode)
+    assert mode == running.service.settings.socket_mode == 0o660
+    assert mode & 0o007 == 0
+
+
+# ---------------------------------------------------------------- inference limits
+
+
+def test_an_image_with_too_many_pixels_is_refused_from_its_header(running: Running) -> None:
+    # Arrange: a header that claims 4096 x 4096 and carries (almost) no pixels: decoding it
+    # would fail with a "truncated" error; only a check of the header says "pixels".
+    bomb = _png_header_only(4096, 4096)
+    # Act
+    kind, text = _infer(running, [_png(8, 8), bomb])
+    # Assert
+    assert kind is FrameKind.ERROR
+    assert f"image 1 must have at most {MAX_IMAGE_PIXELS} pixels, got 4096x4096" in text
+
+
+def test_an_image_just_over_the_pixel_bound_is_refused(running: Running) -> None:
+    side = int(MAX_IMAGE_PIXELS**0.5) + 1  # a real, decodable picture, one row too large
+    kind, text = _infer(running, [_png(side, side)])
+    assert kind is FrameKind.ERROR
+    assert "must have at most" in text
+
+
+def test_too_many_images_or_bytes_are_refused_when_parsed(running: Running) -> None:
+    # Too many images.
+    kind, text = _infer(running, [_png(8, 8)] * (MAX_IMAGES + 1))
+    assert kind is FrameKind.ERROR
+    assert "at most 8 items" in text
+    # One image over the byte bound (zero padding after a valid PNG: the header is fine).
+    kind, text = _infer(running, [_png(8, 8) + b"\0" * MAX_IMAGE_BYTES])
+    assert kind is FrameKind.ERROR
+    assert f"at most {MAX_IMAGE_BYTES} bytes" in text
+
+
+def test_an_inference_frame_over_its_bound_is_refused_before_its_payload(
+    running: Running,
+) -> None:
+    with running.connect() as sock:
+        sock.sendall(_header(FrameKind.INFER, running.service.frame_limit(FrameKind.INFER) + 1))
+        kind, payload = read_frame(sock)
+    assert kind is FrameKind.ERROR
+    assert payload == b"request refused by the site service"
+
+
+# ---------------------------------------------------------------- the relay
+
+
+def _reply_bytes() -> bytes:
+    with flower_process_state():
+        set_task_identity()
+        request = Message(
+            message_to_record(AbortNotice(release_id="r1", reason="x", noisy_output=False)),
+            dst_node_id=7,
+            message_type="query.abort",
+        )
+        request.metadata.__dict__["_message_id"] = "m1"
+        reply = Message(RecordDict(), reply_to=request)
+        return bytes(message_to_proto(reply).SerializeToString())
+
+
+@pytest.mark.parametrize("kind", [FrameKind.STATUS, FrameKind.ERROR, FrameKind.ANSWERS])
+def test_the_relay_accepts_only_a_reply_frame(tmp_path: Path, kind: FrameKind) -> None:
+    # Arrange: a peer on the socket that answers with a well-formed Message, in a frame of
+    # another kind (a service that refused, or something else listening there).
+    path = tmp_path / "peer.sock"
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    listener.bind(str(path))
+    listener.listen(1)
+    answer = _reply_bytes()
+
+    def serve_once() -> None:
+        connection, _ = listener.accept()
+        with connection:
+            read_frame(connection)
+            write_frame(connection, kind, answer)
+
+    peer = threading.Thread(target=serve_once, daemon=True)
+    peer.start()
+    context = Context(
+        run_id=1, node_id=7, node_config={SOCKET_KEY: str(path)}, state=RecordDict(), run_config={}
+    )
+    # Act / Assert
+    try:
+        with pytest.raises(ServiceError, match=f"site service answered {kind.name}"):
+            unix_socket_transport(context, b"request")
+    finally:
+        peer.join(10)
+        listener.close()
