@@ -416,3 +416,98 @@ def test_release_draws_its_noise_from_the_cryptographic_source_only(workspace, m
     (source,) = sources
     assert isinstance(source, SecureNoise)
     assert source.is_cryptographic is True
+
+
+def write_grouped_shapes(root: Path, groups: int, per_group: int) -> Path:
+    """Drawn shapes owned by ``groups`` patients: a group-level dataset."""
+    plain = write_shapes(root, groups * per_group, offset=300)
+    rows = [json.loads(line) for line in (plain / "manifest.jsonl").read_text().splitlines()]
+    for i, row in enumerate(rows):
+        row["group"] = f"patient-{i // per_group}"
+    return write_jsonl_dataset(root, rows, task="shapes", privacy_unit="group")
+
+
+def test_a_group_level_release_states_group_as_its_privacy_unit(workspace, capsys):
+    # Arrange: 9 patients of 4 records each; each group is one chunk, so m = 9
+    ws = workspace
+    data = write_grouped_shapes(ws.root / "grouped", groups=9, per_group=4)
+    out = ws.root / "grouped-artifact"
+
+    # Act
+    code = main(
+        [
+            "release", *ws.model_args(), "--data", str(data), "--out", str(out),
+            "--selection", "all", "--clip-norm", "1.0", "--shots", "2", "--quiet",
+            "--ledger", str(ws.root / "grouped-ledger.sqlite"),
+            "--signing-key", str(ws.signing_key),
+        ]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+
+    # Assert: the plan, the manifest and the printed line all say group, not example
+    assert code == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["plan"]["privacy_unit"] == "group"
+    assert manifest["accountant_parameters"]["privacy_unit"] == "group"
+    assert manifest["num_chunks"] == 9
+    assert "per group" in printed
+
+
+def write_unsupported_model(folder: Path) -> Path:
+    """A config only (no weights): a text model no adapter serves."""
+    from transformers import BertConfig
+
+    BertConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2).save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize(
+    "command",
+    [
+        ["select-heads", "--out", "heads.json"],
+        ["release", "--out", "never", "--selection", "all", "--clip-norm", "1", "--quiet"],
+        ["evaluate", "--mode", "zero-shot"],
+        ["audit", "--selection", "all", "--clip-norm", "1", "--runs", "2"],
+    ],
+    ids=lambda command: command[0],
+)
+def test_an_unsupported_model_is_refused_in_one_line_before_any_data_is_read(
+    workspace, tmp_path, capsys, command
+):
+    # Arrange: data whose images do not exist, so reading it first would fail differently
+    ws = workspace
+    model = write_unsupported_model(tmp_path / "bert")
+    data = tmp_path / "data"
+    write_jsonl_dataset(
+        data, [{"image": "missing.png", "question": "q?", "answer": "a"}] * 3, task="t"
+    )
+    extra = []
+    if command[0] == "release":
+        extra = ["--ledger", str(tmp_path / "l.sqlite"), "--signing-key", str(ws.signing_key)]
+
+    # Act
+    code = main([*command, *ws.model_args(model), "--data", str(data), *extra])
+
+    # Assert
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert len(err.splitlines()) == 1
+    assert "model_type must be one of" in err
+    assert "'bert'" in err
+    assert "image" not in err
+
+
+def test_data_check_refuses_an_unsupported_model_before_decoding_the_data(
+    workspace, tmp_path, capsys
+):
+    model = write_unsupported_model(tmp_path / "bert")
+    data = tmp_path / "data"
+    write_jsonl_dataset(
+        data, [{"image": "missing.png", "question": "q?", "answer": "a"}] * 3, task="t"
+    )
+
+    code = main(["data", "check", str(data), "--model", str(model), "--device", "cpu"])
+
+    err = capsys.readouterr().err.strip()
+    assert code == 2
+    assert "model_type must be one of" in err
