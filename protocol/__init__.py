@@ -64,6 +64,7 @@ from protocol.release import (
     run_release,
 )
 from protocol.release_manifest import plan_release_event, release_description, reserve_plan
+from protocol.signal_estimate import SignalEstimate, predict_signal_to_noise
 from protocol.stages import ALLOWED_TRANSITIONS, Stage, StageTracker
 from protocol.version import PROTOCOL_VERSION, check_compatible
 
@@ -100,6 +101,7 @@ __all__ = [
     "RemoteError",
     "SecureSumRequest",
     "SelectionMode",
+    "SignalEstimate",
     "Stage",
     "StageOrderError",
     "StageTracker",
@@ -116,6 +118,7 @@ __all__ = [
     "plan_distributed_event",
     "plan_hash",
     "plan_release_event",
+    "predict_signal_to_noise",
     "release_description",
     "reserve_plan",
     "run_release",

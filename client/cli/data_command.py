@@ -6,6 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
+from client.cli._choices import RELEASE_ORDERS, SELECTION_MODES
 from client.cli._common import (
     add_image_crops_option,
     add_model_options,
@@ -13,7 +14,7 @@ from client.cli._common import (
     load_site_model,
     settings_from,
 )
-from client.cli._types import positive_int
+from client.cli._types import open_unit_float, positive_float, positive_int
 
 __all__ = ["register"]
 
@@ -44,6 +45,15 @@ def register(sub: Any) -> None:
     )
     check.add_argument("--question", help="question of image-folder records (overrides)")
     add_image_crops_option(check, purpose="as a plan's max-image-crops would (with --model)")
+    signal = check.add_argument_group(
+        "signal (with --model)",
+        "the release you plan, for the predicted signal/noise (an upper bound; nothing is spent)",
+    )
+    signal.add_argument("--epsilon", type=positive_float, default=1.0, help="(default 1)")
+    signal.add_argument("--delta", type=open_unit_float, default=1e-5, help="(default 1e-5)")
+    signal.add_argument("--selection", choices=SELECTION_MODES, default="private")
+    signal.add_argument("--order", choices=RELEASE_ORDERS, default="release-first")
+    signal.add_argument("--heads", type=positive_int, default=8, help="k heads (default 8)")
     check.set_defaults(handler=run_check)
 
 
@@ -59,7 +69,42 @@ def run_check(args: argparse.Namespace) -> int:
     if args.model is not None:
         loaded = load_site_model(settings_from(args)).with_image_crops(args.max_image_crops)
         model = check_with_model(dataset, data, loaded, max_chunks=args.max_chunks)
-    for line in report_lines(data, model):
+    lines = report_lines(data, model)
+    if args.model is not None and data.num_chunks >= 1:
+        lines += _signal_lines(args, data.num_chunks, loaded)
+    for line in lines:
         print(line)
     failed = data.num_chunks < 1 or (model is not None and bool(model.errors))
     return 1 if failed else 0
+
+
+def _signal_lines(args: argparse.Namespace, num_chunks: int, loaded: Any) -> list[str]:
+    """The predicted signal/noise of the release these options describe, and its warning."""
+    from client.signal_check import signal_report
+    from protocol import PROTOCOL_VERSION, ReleaseOrder, ReleasePlan, SelectionMode
+
+    shape = loaded.adapter.head_shape(loaded.model)
+    selection = SelectionMode(args.selection)
+    public = shape.all_heads().heads[: args.heads] if selection is SelectionMode.PUBLIC else None
+    plan = ReleasePlan(
+        protocol_version=PROTOCOL_VERSION,
+        release_id="data-check",
+        task="data-check",
+        model_fingerprint=loaded.fingerprint,
+        epsilon=args.epsilon,
+        delta=args.delta,
+        shots=args.shots,
+        clip_norm=1.0,  # cancels out of the prediction
+        selection=selection,
+        order=ReleaseOrder(args.order),
+        num_selected_heads=min(args.heads, len(shape.all_heads())),
+        public_heads=public,
+        selection_share=0.3,
+        score_top_r=min(args.heads, len(shape.all_heads())),
+        min_sites=1,
+        max_chunks_per_site=None,
+        created="1970-01-01T00:00:00+00:00",
+    )
+    report = signal_report(plan, num_chunks=num_chunks, shape=shape)
+    warning = [f"warning: {report.warning}"] if report.warning else []
+    return [*report.lines, *warning]

@@ -8,6 +8,7 @@ model, the plan) runs before the ledger reserves the release's cost.
 from __future__ import annotations
 
 import argparse
+import sys
 import uuid
 from datetime import UTC, datetime
 from pathlib import Path
@@ -29,6 +30,7 @@ from client.cli._types import open_unit_float, positive_float, positive_int
 from dpmtv_common.errors import ConfigError
 
 if TYPE_CHECKING:
+    from client.models import HeadShape
     from dpmtv_common.heads import HeadLayout
     from protocol import ReleasePlan
 
@@ -109,6 +111,15 @@ def register(sub: Any) -> None:
     parser.add_argument("--budget-delta", type=open_unit_float, help="ledger budget delta")
     parser.add_argument("--signing-key", type=Path, help="Ed25519 private key (keygen)")
     parser.add_argument("--release-id", help="default: a fresh random id")
+    parser.add_argument(
+        "--min-signal-to-noise",
+        type=float,
+        default=0.0,
+        metavar="R",
+        help="refuse, before anything is reserved, a release whose predicted signal/noise "
+        "(an upper bound from m, K, the model's heads and epsilon) is below R (default 0: "
+        "only warn below 1)",
+    )
     parser.add_argument("--quiet", action="store_true", help="no progress bars")
     parser.set_defaults(handler=run)
 
@@ -220,6 +231,24 @@ def _check_heads(plan: ReleasePlan, args: argparse.Namespace, layout: HeadLayout
             )
 
 
+def _check_signal(
+    plan: ReleasePlan, args: argparse.Namespace, *, num_chunks: int, shape: HeadShape
+) -> None:
+    """Warn (stderr) below SNR 1, refuse below --min-signal-to-noise: before the ledger."""
+    from client.signal_check import signal_report
+
+    report = signal_report(plan, num_chunks=num_chunks, shape=shape)
+    predicted = report.estimate.signal_to_noise
+    if predicted < args.min_signal_to_noise:
+        raise ConfigError(
+            f"--min-signal-to-noise must be at most the predicted signal/noise, got "
+            f"{args.min_signal_to_noise:g} > {predicted:.3g} (m = {num_chunks}); nothing was "
+            f"spent. {report.warning or ''}".strip()
+        )
+    if report.warning:
+        print(f"warning: {report.warning}", file=sys.stderr)
+
+
 def run(args: argparse.Namespace) -> int:
     """Run the release and print what it spent and produced."""
     settings = settings_from(args)
@@ -255,6 +284,7 @@ def run(args: argparse.Namespace) -> int:
             f"--data must hold at least --shots + 1 = {plan.shots + 1} records for one chunk, "
             f"got {len(dataset.records)}."
         )
+    _check_signal(plan, args, num_chunks=len(chunks.chunks), shape=shape)
     sums = LocalSums(
         loaded,
         chunks.chunks,
