@@ -22,6 +22,11 @@ cannot (which two words answer), and it is harder: a model that answers the trai
 is right on exactly half the queries, so only accuracy above 0.5 shows the new rule learned in
 context. Its answers are words the embedded tokenizer already has (checked at import).
 
+**Word family** (``WORD_TASKS``, for a model with a real vocabulary such as
+``client.models.pretrained``): each attribute's four values map to four *other* words (count
+as a word, colour in French or as a fruit, the opposite position). No model here was trained
+to say them for an image, so only in-context learning can give them.
+
 **Content-disjoint splits (public rule).** A scene is one of 4 x 4 x 4 x 4 = 256 attribute
 combinations. With each attribute's index (colour, shape and position in the order of
 ``COLOURS``, ``SHAPES``, ``POSITIONS``; count - 1), a scene's split is
@@ -55,6 +60,8 @@ __all__ = [
     "TASKS",
     "TRAINED_TASKS",
     "UNTRAINED_TASKS",
+    "WORD_ANSWERS",
+    "WORD_TASKS",
     "SceneSpec",
     "all_scenes",
     "draw_scene",
@@ -88,7 +95,18 @@ MERGED_ANSWERS: dict[str, dict[str, str]] = {
     "position-merged": {"left": "left", "right": "left", "top": "top", "bottom": "top"},
 }
 UNTRAINED_TASKS = tuple(MERGED_ANSWERS)
-TASKS = TRAINED_TASKS + UNTRAINED_TASKS
+# Each word task maps an attribute's four values to four words that no model here was
+# trained to say for an image (the pretrained-decoder model's projector saw only the attribute
+# words; the word-level embedded models cannot say them at all): a gain over zero-shot is the
+# decoder's in-context learning, not recall. ``position-opposite`` uses seen words in a new map.
+WORD_ANSWERS: dict[str, dict[str, str]] = {
+    "count-word": {"1": "one", "2": "two", "3": "three", "4": "four"},
+    "colour-french": {"red": "rouge", "green": "vert", "blue": "bleu", "yellow": "jaune"},
+    "colour-fruit": {"red": "cherry", "green": "lime", "blue": "blueberry", "yellow": "banana"},
+    "position-opposite": {"left": "right", "right": "left", "top": "bottom", "bottom": "top"},
+}
+WORD_TASKS = tuple(WORD_ANSWERS)
+TASKS = TRAINED_TASKS + UNTRAINED_TASKS + WORD_TASKS
 IMAGE_SIZE = 64
 SCENE_SPLITS = ("train", "validation", "test")
 _SPLIT_OF_RESIDUE = ("test", "validation", "train", "train")
@@ -114,17 +132,22 @@ class SceneSpec:
         if task in MERGED_ANSWERS:
             attribute = task.removesuffix("-merged")
             return MERGED_ANSWERS[task][answers[attribute]]
+        if task in WORD_ANSWERS:
+            attribute = task.split("-", 1)[0]
+            return WORD_ANSWERS[task][answers[attribute]]
         if task not in answers:
             raise ConfigError(f"task must be one of {list(TASKS)}, got {task!r}.")
         return answers[task]
 
 
 def task_family(task: str) -> str:
-    """``trained`` or ``untrained``: whether the embedded models were trained on ``task``."""
+    """``trained``, ``untrained`` (merged) or ``words`` (answers no model was trained to say)."""
     if task in TRAINED_TASKS:
         return "trained"
     if task in UNTRAINED_TASKS:
         return "untrained"
+    if task in WORD_TASKS:
+        return "words"
     raise ConfigError(f"task must be one of {list(TASKS)}, got {task!r}.")
 
 

@@ -16,6 +16,7 @@ from client.synthetic import (
     TASKS,
     TRAINED_TASKS,
     UNTRAINED_TASKS,
+    WORD_TASKS,
     SceneSpec,
     all_scenes,
     draw_scene,
@@ -41,7 +42,7 @@ def test_every_answer_of_every_task_is_equally_frequent_in_each_split(split):
     scenes = all_scenes(split)
     for task in TASKS:
         counts = Counter(scene.answer(task) for scene in scenes)
-        assert len(counts) == (4 if task in TRAINED_TASKS else 2), (task, counts)
+        assert len(counts) == (2 if task in UNTRAINED_TASKS else 4), (task, counts)
         assert len(set(counts.values())) == 1, (task, counts)
 
 
@@ -57,8 +58,9 @@ MERGES = {
 
 def test_the_families_partition_the_tasks_and_training_sees_only_the_trained_one():
     assert set(UNTRAINED_TASKS) == set(MERGES)
-    assert set(TASKS) == set(TRAINED_TASKS) | set(UNTRAINED_TASKS)
-    assert not set(TRAINED_TASKS) & set(UNTRAINED_TASKS)
+    assert set(TASKS) == set(TRAINED_TASKS) | set(UNTRAINED_TASKS) | set(WORD_TASKS)
+    assert len(TASKS) == len(TRAINED_TASKS) + len(UNTRAINED_TASKS) + len(WORD_TASKS)
+    assert {task_family(t) for t in WORD_TASKS} == {"words"}
     assert {task_family(t) for t in TRAINED_TASKS} == {"trained"}
     assert {task_family(t) for t in UNTRAINED_TASKS} == {"untrained"}
     with pytest.raises(ConfigError, match="task must be one of"):
@@ -148,3 +150,29 @@ def test_written_folders_are_content_disjoint(tmp_path, task):
     seen = {scene for name, scene in expected if name not in ("test", "validation")}
     assert held_out
     assert not held_out & seen
+
+
+# The word family, written out independently of the code.
+WORDS = {
+    "count-word": ("count", {"1": "one", "2": "two", "3": "three", "4": "four"}),
+    "colour-french": (
+        "colour",
+        {"red": "rouge", "green": "vert", "blue": "bleu", "yellow": "jaune"},
+    ),
+    "colour-fruit": (
+        "colour",
+        {"red": "cherry", "green": "lime", "blue": "blueberry", "yellow": "banana"},
+    ),
+    "position-opposite": (
+        "position",
+        {"left": "right", "right": "left", "top": "bottom", "bottom": "top"},
+    ),
+}
+
+
+@pytest.mark.parametrize("task", WORD_TASKS)
+def test_a_word_answer_is_the_documented_word_of_its_attribute(task):
+    attribute, words = WORDS[task]
+    for scene in all_scenes():
+        assert scene.answer(task) == words[scene.answer(attribute)], (task, scene)
+    assert set(WORD_TASKS) == set(WORDS)
