@@ -40,6 +40,7 @@ class Bench:
     test: QuerySet
     validation: QuerySet
     test_records: list[Record]
+    validation_records: list[Record]
     public_records: list[Record]
     pooled: SiteDataset
     mtv_mean: np.ndarray  # non-private MTV: unclipped mean of the pooled chunks, (L*H, D)
@@ -110,6 +111,7 @@ def setup(args, model: Path, root: Path, task: str) -> Bench:
         test=_queries(loaded, test),
         validation=_queries(loaded, validation),
         test_records=test,
+        validation_records=validation,
         public_records=list(public.records),
         pooled=pooled,
         mtv_mean=mtv_mean,

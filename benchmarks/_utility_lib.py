@@ -107,3 +107,26 @@ def score(loaded: LoadedModel, queries: QuerySet, patch=None) -> Scored:
     guesses, answers = predicted.numpy(), expected.numpy()
     _, counts = np.unique(guesses, return_counts=True)
     return Scored(float(np.mean(guesses == answers)), float(counts.max() / len(guesses)))
+
+
+def _gain_ratio(value: float, zero: float, reference: float) -> float:
+    """(value - zero) / (reference - zero); NaN when the reference gains nothing over zero-shot."""
+    return (value - zero) / (reference - zero) if reference > zero else float("nan")
+
+
+def headline_ratios(*, zero: float, dp: float, own_selection: float, same_heads: float) -> dict:
+    """The headline ratio and its diagnostic, from four accuracies on the same test queries.
+
+    ``ratio`` divides DP-MTV's gain over zero-shot by the gain of **MTV with its own head
+    selection** (the paper's method: attribution on validation queries, non-private, the
+    same k). ``ratio_same_heads`` divides by MTV patched into the heads DP picked: a diagnostic
+    only, since a bad private pick lowers its numerator and denominator together.
+    """
+    return {
+        "zero": zero,
+        "dp": dp,
+        "own_selection": own_selection,
+        "same_heads": same_heads,
+        "ratio": _gain_ratio(dp, zero, own_selection),
+        "ratio_same_heads": _gain_ratio(dp, zero, same_heads),
+    }

@@ -35,7 +35,7 @@ def _headline(task: str, ratio: float) -> dict[str, Any]:
         "dp_std": 0.0,
         "m": 200,
         "ratio": ratio,
-        "ratio_oracle": ratio,
+        "ratio_same_heads": ratio,
         "recall": 1.0,
         "majority": 0.5,
     }
@@ -70,8 +70,34 @@ def test_the_headline_table_shows_every_task_of_both_families_on_both_models(rep
         ["untrained", "small", "shape-merged"],
         ["untrained", "deep", "shape-merged"],
     ]
-    assert cells[0][9] == "93%"
-    assert cells[-1][9] == "50%"
+    assert cells[0][9] == "**93%**"
+    assert cells[-1][9] == "**50%**"
+
+
+def test_the_headline_ratio_divides_by_mtv_with_its_own_selection_not_the_same_heads(report):
+    # Arrange: MTV's own heads reach 0.9, the heads DP picked only 0.5 (a bad private pick)
+    row = _headline("position", 1.0) | {"zero": 0.1, "oracle": 0.9, "mtv_same_heads": 0.5}
+    row["dp"] = 0.5
+    # Act
+    cells = [
+        c.strip()
+        for c in report._headline({"deep": {"trained": {"headline": [row]}}})[2]
+        .strip("|")
+        .split("|")
+    ]
+    # Assert: (0.5 - 0.1) / (0.9 - 0.1) = 50 %, while the same-heads diagnostic says 100 %
+    assert cells[9] == "**50%**"
+    assert cells[10] == "100%"
+
+
+def test_headline_ratios_use_own_selection_and_keep_same_heads_as_a_diagnostic():
+    sys.path.insert(0, str(BENCHMARKS))
+    lib = importlib.import_module("_utility_lib")
+    ratios = lib.headline_ratios(zero=0.2, dp=0.5, own_selection=0.8, same_heads=0.5)
+    assert ratios["ratio"] == pytest.approx(0.5)
+    assert ratios["ratio_same_heads"] == pytest.approx(1.0)
+    nothing = lib.headline_ratios(zero=0.5, dp=0.6, own_selection=0.5, same_heads=0.4)
+    assert nothing["ratio"] != nothing["ratio"]  # NaN: MTV itself gains nothing
 
 
 def test_the_benchmark_accepts_every_task_and_reports_its_family(monkeypatch, utility):
