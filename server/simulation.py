@@ -5,10 +5,13 @@ sockets or SuperLink (notes/flower.md §2.7): the simulated consortium of the de
 benchmarks and the integration tests. Each node may have its own ``ClientApp`` (a site's relay
 bound to that site's service). It behaves like the wire where it matters:
 
-* every message and reply is deep-copied (the SecAgg+ workflow sends one ``RecordDict``
-  object to all nodes in stage 0 and ``secaggplus_mod`` pops keys from it);
+* every message and reply is copied record by record (the SecAgg+ workflow sends one
+  ``RecordDict`` object to all nodes in stage 0 and ``secaggplus_mod`` pops keys from it):
+  each side gets its own records and lists, while the immutable values (bytes, numbers,
+  ``Array`` payloads) are shared rather than deep-copied, which cost more than the
+  protocol's own work once consortia reached a hundred sites;
 * each node has its own ``Context``, committed only when its ``ClientApp`` returns (as a
-  SuperNode keeps its state when a ClientApp raises);
+  SuperNode keeps its state when a ClientApp raises), copied the same way;
 * an exception in the ``ClientApp`` becomes an error reply with Flower's reason format;
 * ``drops`` silences a node at chosen stages (a SecAgg+ stage name, or the message type for
   other traffic): the message gets no reply, as when a site times out.
@@ -21,8 +24,17 @@ from __future__ import annotations
 import copy
 import uuid
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any
 
-from flwr.app import Context, Error, Message, RecordDict
+from flwr.app import (
+    ArrayRecord,
+    ConfigRecord,
+    Context,
+    Error,
+    Message,
+    MetricRecord,
+    RecordDict,
+)
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
 from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
@@ -139,13 +151,13 @@ class InProcessGrid(Grid):
         return replies
 
     def _deliver(self, message: Message) -> Message | None:
-        sent = copy.deepcopy(message)
+        sent = _copy_message(message)
         sent.metadata.__dict__["_message_id"] = uuid.uuid4().hex  # the SuperLink's job
         node_id = sent.metadata.dst_node_id
         stage = _stage_of(sent)
         if stage in self.drops.get(node_id, set()):
             return None
-        context = copy.deepcopy(self.contexts[node_id])
+        context = _copy_context(self.contexts[node_id])
         try:
             reply = self.apps[node_id](sent, context)
         except Exception as exc:  # what a SuperNode does with any ClientApp error
@@ -153,9 +165,47 @@ class InProcessGrid(Grid):
             reply = Message(Error(ErrorCode.CLIENT_APP_RAISED_EXCEPTION, reason), reply_to=sent)
         else:
             self.contexts[node_id] = context
-        received = copy.deepcopy(reply)
+        received = _copy_message(reply)
         self.replies.append((node_id, stage, received))
-        return copy.deepcopy(received)
+        return _copy_message(received)
+
+
+def _copy_message(message: Message) -> Message:
+    """A copy of ``message`` that shares no mutable container with it.
+
+    Metadata, the record dict, each record and each list value are new objects; values
+    that cannot change in place (bytes, str, numbers, ``Array`` payloads, the error) are
+    shared, as a wire would hand over equal values.
+    """
+    copied = copy.copy(message)
+    copied.__dict__["_metadata"] = copy.copy(message.metadata)
+    if message.has_content():
+        copied.__dict__["_content"] = _copy_records(message.content)
+    return copied
+
+
+def _copy_records(records: RecordDict) -> RecordDict:
+    """A copy of ``records`` sharing no record, dict or list with it (see ``_copy_message``)."""
+    return RecordDict({key: _copy_record(record) for key, record in records.items()})
+
+
+def _copy_record(record: ArrayRecord | ConfigRecord | MetricRecord) -> Any:
+    if isinstance(record, ArrayRecord):
+        return ArrayRecord({key: copy.copy(array) for key, array in record.items()})
+    values: dict[str, Any] = {
+        key: list(value) if isinstance(value, list) else value for key, value in record.items()
+    }
+    return type(record)(values)
+
+
+def _copy_context(context: Context) -> Context:
+    return Context(
+        run_id=context.run_id,
+        node_id=context.node_id,
+        node_config=dict(context.node_config),
+        state=_copy_records(context.state),
+        run_config=dict(context.run_config),
+    )
 
 
 def _stage_of(message: Message) -> str:
@@ -165,4 +215,9 @@ def _stage_of(message: Message) -> str:
     return message.metadata.message_type
 
 
-__all__ = ["FIRST_NODE_ID", "InProcessGrid", "make_server_context", "set_task_identity"]
+__all__ = [
+    "FIRST_NODE_ID",
+    "InProcessGrid",
+    "make_server_context",
+    "set_task_identity",
+]
