@@ -23,8 +23,9 @@ from client.cli import (
 from client.cli._types import non_negative_int, open_unit_float, positive_float
 from dpmtv_common.crypto import SigningKey
 from dpmtv_common.errors import ConfigError
+from dpmtv_common.privacy.accounting import EpsilonBound, epsilon_bound
 from dpmtv_common.privacy.budget import PrivacyBudget
-from dpmtv_common.privacy.ledger import PrivacyLedger
+from dpmtv_common.privacy.ledger import LedgerEntry, PrivacyLedger, ReleaseState
 
 __all__ = ["REGISTRY"]
 
@@ -127,15 +128,42 @@ def _show_ledger(args: argparse.Namespace) -> int:
         if args.abort:
             ledger.abort(args.abort, args.reason or "resolved by the site admin")
             print(f"{args.abort}: aborted (refunded)")
-        for entry in ledger.releases():
-            print(
-                f"{entry.release_id}  {entry.state.value:9}  eps={entry.epsilon:.4g} "
-                f"delta={entry.delta:.2g}  {entry.accountant}  {entry.note}"
-            )
-        spent = ledger.spent()
-    total = "nothing" if spent is None else f"epsilon={spent.epsilon:.4g} ({spent.accountant})"
-    print(f"spent: {total} of epsilon={budget.epsilon} at delta={budget.delta}")
+        entries = ledger.releases()
+        counted = ledger.spent()
+    for entry in entries:
+        print(
+            f"{entry.release_id}  {entry.state.value:9}  eps={entry.epsilon:.4g} "
+            f"delta={entry.delta:.2g}  {entry.accountant}  {entry.note}"
+        )
+    for line in _budget_lines(entries, counted, budget):
+        print(line)
     return 0
+
+
+def _budget_lines(
+    entries: list[LedgerEntry], counted: EpsilonBound | None, budget: PrivacyBudget
+) -> list[str]:
+    """Spent (committed or exposed: noise may have left) apart from reserved (may be refunded)."""
+    spent_states = (ReleaseState.COMMITTED, ReleaseState.EXPOSED)
+    spent_events = [e.event for e in entries if e.state in spent_states]
+    reserved = [e.release_id for e in entries if e.state is ReleaseState.RESERVED]
+    if spent_events:
+        bound = epsilon_bound(spent_events, delta=budget.delta)
+        spent = f"epsilon={bound.epsilon:.4g} ({bound.accountant}) by {len(spent_events)} releases"
+    else:
+        spent = "nothing"
+    lines = [f"spent: {spent} (committed, or exposed: noise may have left)"]
+    if reserved and counted is not None:
+        lines.append(
+            f"reserved: {len(reserved)} open ({', '.join(reserved)}): refunded if aborted, spent "
+            f"if committed; with them epsilon={counted.epsilon:.4g} ({counted.accountant})"
+        )
+    total = "nothing" if counted is None else f"epsilon={counted.epsilon:.4g}"
+    lines.append(
+        f"counted against the budget: {total} of epsilon={budget.epsilon} at "
+        f"delta={budget.delta} (spent and reserved composed)"
+    )
+    return lines
 
 
 def register_ledger(sub: Subparsers) -> None:
@@ -143,7 +171,9 @@ def register_ledger(sub: Subparsers) -> None:
     parser = sub.add_parser(
         "ledger",
         help="show the privacy ledger, or resolve a release a lost run left reserved",
-        description="Lists every release and the budget spent. A federated run that never "
+        description="Lists every release, what is spent (committed, or exposed: noise may "
+        "have left) apart from what is only reserved (an open release: refunded if it aborts), "
+        "and what both count against the budget. A federated run that never "
         "finished (coordinator lost) leaves its reservation counted; once you know whether its "
         "noise was drawn, --commit it (spent) or --abort it (refund: only if NO noisy output "
         "was ever produced).",
