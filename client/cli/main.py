@@ -21,15 +21,8 @@ from dpmtv_common.thread_policy import apply_thread_policy
 __all__ = ["build_parser", "main"]
 
 _DESCRIPTION = """\
-Site-side commands of dpmtv (federated, differentially private multimodal task vectors).
-
-  keygen          make an Ed25519 key pair for signing or trusting artifacts
-  make-tiny-model write a tiny random VLM (for tests and trying things out)
-  select-heads    choose heads on PUBLIC data (no privacy cost) -> a head list a plan can name
-  release         single-holder DP release on your private data -> signed artifact + ledger entry
-  infer           answer questions with a model patched by an artifact (no further privacy cost)
-  evaluate        accuracy of zero-shot, K-shot ICL, or an artifact on a labelled set
-  ledger          show this site's privacy ledger
+Site-side commands of dpmtv (federated, differentially private multimodal task vectors):
+every command is listed below; 'dpmtv-site COMMAND --help' gives its options.
 
 Options can also come from DPMTV_CLIENT_* environment variables (e.g. DPMTV_CLIENT_LEDGER_PATH).
 Exit codes: 0 done, 2 bad input (one line says which option or file), 1 anything else.
