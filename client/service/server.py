@@ -18,14 +18,14 @@ finishes, open releases are resolved from the site's record, the socket file is 
 Resources: whoever can write to the socket (the relay, perhaps the coordinator's code) must
 not be able to wear the service down. At most ``max_connections`` connections are served at
 once (more are answered "busy" and closed); a request frame must arrive whole within
-``_READ_TIMEOUT_S``; and its length is checked against a bound before any payload byte is
-read. A ``MESSAGE`` frame may carry at most :data:`SMALL_FRAME_BYTES` while no plan is open,
-and at most what the largest open plan needs (its noisy vector or artifact, twice over for
-encodings) while one is; ``INFER`` is bounded by the inference limits
-(:data:`client.service.inference.MAX_REQUEST_BYTES`). Memory taken by requests is thus at
-most ``max_connections`` times the largest bound. A release's idle timer is renewed only by
-an accepted message of its own run, so junk cannot keep a reservation alive. No reply
-carries a path of the site.
+``read_timeout_s`` (a peer that trickles bytes loses its slot); and its length is checked
+against a bound before any payload byte is read. A ``MESSAGE`` frame may carry at most
+:data:`SMALL_FRAME_BYTES` while no plan is open, and at most what the largest open plan
+needs (its noisy vector or artifact, twice over for encodings) while one is; ``INFER`` is
+bounded by the inference limits (:data:`client.service.inference.MAX_REQUEST_BYTES`).
+Memory taken by requests is thus at most ``max_connections`` times the largest bound. A
+release's idle timer is renewed only by an accepted message of its own run, so junk cannot
+keep a reservation alive. No reply carries a path of the site.
 """
 
 from __future__ import annotations
@@ -83,15 +83,23 @@ class SiteService:
     Attributes:
         site: The site whose handlers decide.
         max_connections: Connections served at once; more are refused at once.
+        read_timeout_s: Time a request frame has to arrive whole, from its first byte.
     """
 
     def __init__(
-        self, settings: SiteSettings, *, max_connections: int = DEFAULT_MAX_CONNECTIONS
+        self,
+        settings: SiteSettings,
+        *,
+        max_connections: int = DEFAULT_MAX_CONNECTIONS,
+        read_timeout_s: float = _READ_TIMEOUT_S,
     ) -> None:
         if max_connections < 1:
             raise ServiceError(f"max_connections must be >= 1, got {max_connections}.")
+        if not read_timeout_s > 0:
+            raise ServiceError(f"read_timeout_s must be > 0, got {read_timeout_s}.")
         self.site = Site(settings)
         self.max_connections = max_connections
+        self.read_timeout_s = read_timeout_s
         self._message_bound = SMALL_FRAME_BYTES
         self._app = build_site_app(self.site)
         self._contexts: OrderedDict[tuple[int, int], Context] = OrderedDict()
@@ -308,9 +316,9 @@ class _Handler(socketserver.BaseRequestHandler):
     def handle(self) -> None:
         service: SiteService = self.server.service  # type: ignore[attr-defined]
         sock: socket.socket = self.request
-        sock.settimeout(_READ_TIMEOUT_S)
+        sock.settimeout(service.read_timeout_s)
         try:
-            deadline = time.monotonic() + _READ_TIMEOUT_S
+            deadline = time.monotonic() + service.read_timeout_s
             kind, payload = read_frame(sock, max_bytes=service.frame_limit, deadline=deadline)
             if kind is FrameKind.PING:
                 write_frame(sock, FrameKind.STATUS, json.dumps(service.status()).encode())

@@ -13,8 +13,10 @@ import os
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # read when flwr is first imported
 
 import base64
+import contextlib
 import io
 import json
+import select
 import socket
 import stat
 import struct
@@ -43,6 +45,7 @@ from tests.flower_harness import flower_process_state
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 _HEADER = struct.Struct(">4sBBHI")
+READ_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -72,7 +75,7 @@ def running(tmp_path: Path) -> Iterator[Running]:
         socket_path=tmp_path / "s.sock",  # AF_UNIX paths must stay under ~100 bytes
         device="cpu",
     )
-    service = SiteService(settings, max_connections=2)
+    service = SiteService(settings, max_connections=2, read_timeout_s=READ_TIMEOUT_S)
     ready = threading.Event()
     thread = threading.Thread(
         target=service.serve, args=(settings.socket_file,), kwargs={"ready": ready}, daemon=True
@@ -167,6 +170,38 @@ def test_connections_beyond_the_cap_are_answered_busy_at_once(running: Running) 
         if kind is FrameKind.STATUS or time.monotonic() > deadline:
             break
         time.sleep(0.1)
+    assert kind is FrameKind.STATUS
+
+
+def test_a_frame_that_never_finishes_loses_its_slot(running: Running) -> None:
+    # Arrange: both slots taken by peers that announce a small payload and trickle it.
+    stalled = [running.connect() for _ in range(2)]
+    for sock in stalled:
+        sock.sendall(_header(FrameKind.MESSAGE, 1000) + b"x")
+    cut_at: dict[int, float] = {}
+    started = time.monotonic()
+    try:
+        # Act: a byte every quarter second (each recv is quick); only a whole-frame
+        # deadline cuts them off.
+        while len(cut_at) < len(stalled) and time.monotonic() - started < 4 * READ_TIMEOUT_S:
+            time.sleep(0.25)
+            for index, sock in enumerate(stalled):
+                if index in cut_at:
+                    continue
+                if select.select([sock], [], [], 0)[0]:  # the service answered
+                    cut_at[index] = time.monotonic() - started
+                    continue
+                with contextlib.suppress(OSError):  # the service may just have cut it off
+                    sock.sendall(b"x")
+        answers = [read_frame(sock) for sock in stalled]
+    finally:
+        for sock in stalled:
+            sock.close()
+    # Assert
+    assert len(cut_at) == len(stalled)
+    assert max(cut_at.values()) < 1.5 * READ_TIMEOUT_S
+    assert all(kind is FrameKind.ERROR for kind, _ in answers)
+    kind, _ = running.exchange(FrameKind.PING, b"")
     assert kind is FrameKind.STATUS
 
 
