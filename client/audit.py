@@ -39,6 +39,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
+from tqdm import tqdm
 
 from client.canary import audited_heads, changed_chunks, releases_whole_scope
 from client.chunking import make_chunks
@@ -238,12 +239,12 @@ def _projections(
     runs: int,
     noise: NoiseSource,
     layout: HeadLayout,
+    progress: str | None = None,
 ) -> Float64Array:
+    """``runs`` noisy releases of ``summed`` on ``direction``; a bar named ``progress``."""
+    steps = tqdm(range(runs), desc=progress, unit="run", disable=progress is None)
     return np.array(
-        [
-            float(np.sum(_released_values(plan, summed, noise, layout) * direction))
-            for _ in range(runs)
-        ]
+        [float(np.sum(_released_values(plan, summed, noise, layout) * direction)) for _ in steps]
     )
 
 
@@ -256,6 +257,7 @@ def audit_pair(
     layout: HeadLayout,
     confidence: float = 0.95,
     label: str = "production",
+    progress: bool = False,
 ) -> AuditReport:
     """Release each side of ``pair`` ``runs`` times with ``noise`` and measure (module doc).
 
@@ -267,6 +269,7 @@ def audit_pair(
         layout: The model's head layout (which layers carry heads).
         confidence: Of every interval and lower bound (two-sided for μ̂).
         label: Names the noise in the report.
+        progress: Show a bar with an estimate of the time left (stderr) for each side.
     """
     if runs < 20:
         raise ConfigError(f"runs must be >= 20 per side, got {runs!r}.")
@@ -280,8 +283,17 @@ def audit_pair(
     direction = (pair.with_canary.total - pair.without.total) / pair.distance
     scale = pair.without.num_chunks  # projections of the sum, not the mean
     sides = [
-        _projections(plan, summed, direction, runs=runs, noise=noise, layout=layout) * scale
-        for summed in (pair.without, pair.with_canary)
+        _projections(
+            plan,
+            summed,
+            direction,
+            runs=runs,
+            noise=noise,
+            layout=layout,
+            progress=f"audit {label}, {side}" if progress else None,
+        )
+        * scale
+        for side, summed in (("without canary", pair.without), ("with", pair.with_canary))
     ]
     mechanism = plan_calibration(plan).gaussian(clip_norm=plan.clip_norm, heads=pair.without.heads)
     mu_claimed = mechanism.l2_sensitivity / mechanism.noise_std

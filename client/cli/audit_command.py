@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 import tempfile
 from dataclasses import asdict
 from pathlib import Path
@@ -81,7 +82,14 @@ def register(sub: Any) -> None:
         "--no-power", action="store_true", help="skip the sigma-halved and noise-off rows"
     )
     parser.add_argument("--json", dest="json_out", type=Path, help="also write the report here")
+    parser.add_argument("--quiet", action="store_true", help="no progress lines or bars (stderr)")
     parser.set_defaults(handler=run, release_id="audit", task=None)
+
+
+def _say(args: argparse.Namespace, text: str) -> None:
+    """A progress line on stderr (stdout keeps the report alone)."""
+    if not args.quiet:
+        print(text, file=sys.stderr, flush=True)
 
 
 def _format(value: float) -> str:
@@ -142,8 +150,10 @@ def run(args: argparse.Namespace) -> int:
     chunk_seed = secret_seed()  # one secret shuffle, the same for both datasets
     with tempfile.TemporaryDirectory(prefix="dpmtv-audit-") as tmp:
         candidates = canary_candidates(dataset, Path(tmp))
+        _say(args, f"audit: choosing a canary among {len(candidates)} candidates")
         canary, index, _ = choose_canary(loaded, dataset, candidates, plan, chunk_seed=chunk_seed)
         neighbour = plant_canary(dataset, canary, index=index)
+        _say(args, "audit: extracting the two neighbouring sums (with and without the canary)")
         pair = make_canary_pair(loaded, dataset, neighbour, plan, chunk_seed=chunk_seed)
     noise = secure_noise()
     sources: list[tuple[str, NoiseSource]] = [("production", noise)]
@@ -158,6 +168,7 @@ def run(args: argparse.Namespace) -> int:
             layout=shape.layout(),
             confidence=args.confidence,
             label=label,
+            progress=not args.quiet,
         )
         for label, source in sources
     ]

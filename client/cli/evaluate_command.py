@@ -42,6 +42,7 @@ def register(sub: Any) -> None:
         "--limit", type=positive_int, help="evaluate the first N >= 1 records only (default all)"
     )
     parser.add_argument("--seed", type=non_negative_int, default=0, help="demonstrations (icl)")
+    parser.add_argument("--quiet", action="store_true", help="no progress bar (stderr)")
     add_patch_options(parser)
     add_image_crops_option(parser, purpose="for zero-shot and icl (artifact: the artifact's)")
     parser.set_defaults(handler=run)
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
         seed=args.seed,
         max_new_tokens=args.max_new_tokens,
         batch_size=settings.batch_size,
+        progress=not args.quiet,  # answered queries, with an estimate of the time left
     )
     print(f"{mode.value}: accuracy {result.accuracy:.4f} over {len(result.scores)} queries")
     return 0

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 import sys
 import traceback
 from collections.abc import Sequence
@@ -61,6 +62,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     try:
         apply_thread_policy(getattr(args, "threads", None))  # before any command loads torch
+        _quiet_third_party_progress()
         return int(args.handler(args))
     except Exception as exc:  # every failure becomes one line; see client.cli._errors
         code, line = describe(exc)
@@ -68,6 +70,17 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.verbose:
             traceback.print_exc()
         return code
+
+
+def _quiet_third_party_progress() -> None:
+    """Silence transformers' and the Hub's bars and advisories (read when they are imported).
+
+    "Loading weights" bars and advisory warnings flooded every command and the service log;
+    dpmtv prints its own progress, with an estimate, where a command runs long. A value the
+    operator set is kept.
+    """
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # transformers' bars obey it too
+    os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 
 if __name__ == "__main__":  # pragma: no cover

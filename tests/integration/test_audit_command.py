@@ -59,9 +59,15 @@ def test_audit_prints_and_writes_its_report(workspace, capsys):
         )
     )
     # Assert
-    printed = capsys.readouterr().out
+    captured = capsys.readouterr()
+    printed = captured.out
     assert code == 0
     assert "canary pair: 1 chunk changed, m=5" in printed
+    # progress goes to stderr: each stage named, each side's runs as a bar with an estimate
+    assert "audit: choosing a canary among" in captured.err
+    for label in ("production", "sigma halved", "noise off"):
+        assert f"audit {label}, without canary: 100%" in captured.err
+        assert f"audit {label}, with: 100%" in captured.err
     report = json.loads(out.read_text())
     labels = [r["label"] for r in report["reports"]]
     assert labels == ["production", "sigma halved", "noise off"]

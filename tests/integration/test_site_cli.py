@@ -511,3 +511,35 @@ def test_data_check_refuses_an_unsupported_model_before_decoding_the_data(
     err = capsys.readouterr().err.strip()
     assert code == 2
     assert "model_type must be one of" in err
+
+
+def test_third_party_bars_are_quiet_and_evaluate_shows_its_own_progress(workspace):
+    # Arrange: a shell without the variables dpmtv sets by default
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("DPMTV_CLIENT_", "HF_HUB_D"))}
+    env.pop("TRANSFORMERS_VERBOSITY", None)
+    env |= {"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    argv = [
+        "evaluate",
+        "--mode",
+        "zero-shot",
+        *workspace.model_args(),
+        "--data",
+        str(workspace.test),
+    ]
+
+    # Act
+    result = subprocess.run(
+        [sys.executable, "-m", "client.cli", *argv],
+        cwd=REPO_ROOT,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+
+    # Assert: no "Loading weights" bar from transformers; our own bar, with its rate
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert "Loading weights" not in result.stderr
+    assert "answer: 100%" in result.stderr
+    assert "zero-shot: accuracy" in result.stdout
