@@ -38,7 +38,7 @@ from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_STATE
 from flwr.compat.common.recorddict_compat import fitres_to_recorddict
 
 from dpmtv_common.aliases import Float64Array
-from dpmtv_common.crypto import mask_prg
+from dpmtv_common.crypto import mask_prg, shamir
 from dpmtv_common.errors import ConfigError
 from protocol import PlanMismatchError
 
@@ -60,6 +60,7 @@ __all__ = [
 _MOD_MODULE = "flwr.client.mod.secure_aggregation.secaggplus_mod"
 # The global that the mod module imported from secaggplus_utils and calls at collect.
 _PATCHED_NAME = "pseudo_rand_gen"
+_SHAMIR_NAME = "create_shares"  # imported there from flwr...crypto.shamir; called at share keys
 # Flower's legacy FitIns record keys, as its SecAgg+ workflow sends them at collect.
 FITINS_CONFIG = "fitins.config"
 FITINS_PARAMETERS = "fitins.parameters"
@@ -155,8 +156,15 @@ def install_secure_mask_prg() -> None:
     this module and is covered too. The coordinator must call
     ``server.secagg.install_secure_mask_prg()``, or the masks do not cancel;
     :func:`secure_sum_reply` refuses a mismatch announced by the coordinator.
+
+    The share-keys stage's ``create_shares`` is replaced too, by
+    ``dpmtv_common.crypto.shamir.create_shares``: the same shares bit for bit from the same
+    random bytes (a coordinator running Flower's own reconstruction interoperates), tens of
+    times faster.
     """
-    vars(importlib.import_module(_MOD_MODULE))[_PATCHED_NAME] = _chacha20_pseudo_rand_gen
+    names = vars(importlib.import_module(_MOD_MODULE))
+    names[_PATCHED_NAME] = _chacha20_pseudo_rand_gen
+    names[_SHAMIR_NAME] = shamir.create_shares
 
 
 def mask_prg_in_use() -> str:

@@ -155,3 +155,22 @@ def test_a_reference_that_is_not_a_float64_numpy_array_is_refused(data, match):
 
     with pytest.raises(PlanMismatchError, match=match):
         sent_reference(with_parameters(array))
+
+
+def test_install_puts_the_vectorised_sharing_in_flowers_share_keys_stage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Arrange: restore Flower's own names afterwards
+    import importlib
+
+    from dpmtv_common.crypto import shamir
+
+    names = vars(importlib.import_module("flwr.client.mod.secure_aggregation.secaggplus_mod"))
+    for name in ("create_shares", "pseudo_rand_gen"):
+        monkeypatch.setitem(names, name, names[name])
+
+    # Act
+    install_secure_mask_prg()
+
+    # Assert
+    assert names["create_shares"] is shamir.create_shares

@@ -109,3 +109,23 @@ def test_even_integer_neighbourhood_is_refused_with_the_odd_fix() -> None:
     # flwr 1.42 widens even neighbourhoods on the coordinator only; every site would fail.
     with pytest.raises(ConfigError, match=r"must be odd.*Use 17"):
         SecureSumSettings(**VALID, num_shares=16, reconstruction_threshold=10)
+
+
+def test_install_puts_the_vectorised_reconstruction_in_flowers_unmask_stage(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    # Arrange: restore Flower's own names afterwards
+    from flwr.server.workflow.secure_aggregation import secaggplus_workflow
+
+    from dpmtv_common.crypto import shamir
+    from server.secagg import install_secure_mask_prg
+
+    names = vars(secaggplus_workflow)
+    for name in ("combine_shares", "pseudo_rand_gen"):
+        monkeypatch.setitem(names, name, names[name])
+
+    # Act
+    install_secure_mask_prg()
+
+    # Assert
+    assert names["combine_shares"] is shamir.combine_shares
