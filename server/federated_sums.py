@@ -12,7 +12,6 @@ others), and the total is decoded here; the coordinator never holds an un-noised
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -38,6 +37,7 @@ from server.secagg import (
     install_secure_mask_prg,
     secure_sum,
 )
+from server.secagg_neighbourhood import neighbourhood
 
 __all__ = ["FederatedSums", "neighbourhood"]
 
@@ -174,17 +174,3 @@ class FederatedSums:
         sent = () if reference is None else (np.asarray(reference, dtype=np.float64),)
         arrays, count, _ = self._secure_sum(request, grid, sent)
         return VoteSum(np.asarray(arrays[0], dtype=np.float64), count)
-
-
-def neighbourhood(sites: int) -> tuple[int | float, int | float]:
-    """SecAgg+ neighbourhood size and threshold for ``sites`` sites.
-
-    Up to 10 sites everyone is everyone's neighbour (classic SecAgg, threshold 2/3). Beyond,
-    a neighbourhood of about 3·log2(n) sites (odd, as flwr 1.42 needs) keeps the cost
-    logarithmic (Bell et al. 2020); two thirds of it rebuild a secret.
-    """
-    if sites <= 10:
-        return 1.0, 0.67
-    size = min(sites, math.ceil(3 * math.log2(sites)))
-    size += 1 - size % 2  # odd
-    return size, math.ceil(2 * size / 3)

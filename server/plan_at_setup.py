@@ -36,10 +36,10 @@ from protocol import (
     expect,
     message_to_record,
 )
-from server.federated_sums import neighbourhood
 from server.messaging import Replies
 from server.prompt_grid import site_label
 from server.secagg import SecureSumRound, SecureSumSettings, install_secure_mask_prg
+from server.secagg_neighbourhood import neighbourhood
 
 __all__ = ["plan_folds_into_setup", "send_plan_at_setup"]
 
