@@ -73,7 +73,7 @@ def _thread_count(threads: int | None) -> int:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             raise ConfigError(f"threads must be a positive integer, got {threads!r}.")
         return threads
-    given = os.environ.get(_NUM_THREADS)
+    given = os.environ.get(_NUM_THREADS) or None  # "OMP_NUM_THREADS=" means unset
     if given is None:
         return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else _cpus()
     try:

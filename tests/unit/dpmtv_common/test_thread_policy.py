@@ -58,12 +58,13 @@ def test_the_default_keeps_an_operators_settings() -> None:
     assert printed == "ACTIVE 1 1"
 
 
-def test_the_default_uses_the_cores_this_process_may_run_on() -> None:
+@pytest.mark.parametrize("env", [{}, {"OMP_NUM_THREADS": ""}], ids=["unset", "empty"])
+def test_the_default_uses_the_cores_this_process_may_run_on(env: dict[str, str]) -> None:
     # Arrange
     code = "from dpmtv_common.thread_policy import apply_thread_policy as a; print(a().threads)"
 
     # Act
-    printed = run_fresh(code)
+    printed = run_fresh(code, **env)
 
     # Assert
     assert int(printed) == len(os.sched_getaffinity(0))
@@ -110,7 +111,7 @@ def test_threads_must_be_a_positive_integer(threads: object) -> None:
         apply_thread_policy(threads)  # type: ignore[arg-type]
 
 
-@pytest.mark.parametrize("given", ["0", "two", ""])
+@pytest.mark.parametrize("given", ["0", "two", "-1"])
 def test_omp_num_threads_must_be_a_positive_integer(
     given: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
