@@ -1,0 +1,62 @@
+"""The product's docs speak of the product, and the walkthroughs match what they claim."""
+
+from __future__ import annotations
+
+import argparse
+import re
+from pathlib import Path
+
+import pytest
+
+from client.cli._common import add_model_options
+
+REPO = Path(__file__).resolve().parents[2]
+DOCS = sorted((REPO / "docs").rglob("*.md"))
+# Words of how the product was made, not of the product: a reader has no issue tracker,
+# sessions or device leases, and no sibling folder of this repository.
+PROCESS_WORDS = re.compile(
+    r"\bissues?\s+\d+|\bthe issue\b|\bsessions?\b|\bleases?\b|follow-up|\.\./shared|shared/design",
+    re.IGNORECASE,
+)
+
+
+@pytest.mark.parametrize("doc", DOCS, ids=lambda path: str(path.relative_to(REPO)))
+def test_no_doc_speaks_of_how_it_was_made(doc):
+    found = [
+        f"{doc.name}:{number}: {line.strip()[:80]}"
+        for number, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1)
+        if PROCESS_WORDS.search(line)
+    ]
+    assert found == []
+
+
+def test_gpu_doc_names_every_model_option_and_how_to_get_a_checkpoint():
+    # Arrange
+    parser = argparse.ArgumentParser(add_help=False)
+    add_model_options(parser)
+    flags = [f for action in parser._actions for f in action.option_strings if f.startswith("--")]
+    text = (REPO / "docs" / "gpu.md").read_text(encoding="utf-8")
+
+    # Assert: every flag is documented, none is said to be missing, and the install has pytest
+    assert [flag for flag in flags if f"`{flag}`" not in text] == []
+    assert "do not expose" not in text
+    assert "hf download" in text
+    assert "--local-dir" in text
+    assert "--group dev" in text
+    assert "scripts/model_memory.py" in text
+
+
+def test_deployment_walkthrough_starts_services_with_the_idle_limit_its_text_times():
+    # Arrange
+    text = " ".join((REPO / "docs" / "deployment.md").read_text(encoding="utf-8").split())
+    loop = text[text.index("## 6. Each site's service") : text.index("## 7.")]
+    idle = re.search(r"--idle-release-seconds (\d+)", loop)
+    stage = re.search(r"stage-timeout=([\d.]+)", text)
+
+    # Assert: the services get a limit, above the run's stage timeout, and the text times it
+    assert idle is not None
+    assert stage is not None
+    limit = int(idle.group(1))
+    assert limit > float(stage.group(1))
+    assert f"`--idle-release-seconds {limit}`" in text
+    assert f"{limit} to {limit + 30} s later" in text
