@@ -543,3 +543,36 @@ def test_third_party_bars_are_quiet_and_evaluate_shows_its_own_progress(workspac
     assert "Loading weights" not in result.stderr
     assert "answer: 100%" in result.stderr
     assert "zero-shot: accuracy" in result.stdout
+
+
+def test_select_heads_and_data_check_state_the_same_out_of_vocabulary_share(
+    workspace, capsys, caplog
+):
+    # Arrange: half the answers are words the embedded model has, half are not; select-heads
+    # scores one query only, so a share over its queries would read 0 % or 100 %, not 50 %
+    from client.models.embedded import EMBEDDED_MODEL_DIR
+
+    rows = [
+        {"id": f"v{i}", "image": f"{i:03d}.png", "question": QUESTION, "answer": answer}
+        for i, answer in enumerate(["red"] * 15 + ["pneumonia"] * 15)
+    ]
+    data = workspace.root / "half-known"
+    write_shapes(data, 30)  # the images
+    write_jsonl_dataset(data, rows, task="half-known")
+    model = ["--model", str(EMBEDDED_MODEL_DIR), "--device", "cpu"]
+
+    # Act
+    assert main(["data", "check", str(data), *model, "--shots", "2"]) == 0
+    checked = capsys.readouterr().out
+    with caplog.at_level("WARNING", logger="client.scoring"):
+        code = main(
+            [
+                "select-heads", *model, "--data", str(data), "--shots", "2",
+                "--queries", "1", "--k", "2", "--out", str(workspace.root / "half.json"),
+            ]
+        )  # fmt: skip
+
+    # Assert
+    assert code == 0
+    assert "out of vocabulary: 50% first" in checked
+    assert "50% of answers start with the unknown token" in caplog.text
