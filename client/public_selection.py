@@ -105,10 +105,12 @@ def select_heads_attribution(
     k: int,
     batch_size: int = 4,
     instruction: str | None = None,
+    progress: bool = False,
 ) -> HeadSet:
     """The k heads whose overwrite with μ most raises log p(answer), to first order.
 
     Only heads the model carries are ranked (none of a hybrid's headless layers).
+    ``progress`` shows a bar of the queries scored, with an estimate of the time left.
     """
     layout = loaded.adapter.head_shape(loaded.model).layout()
     candidates = layout.candidates()
@@ -117,13 +119,15 @@ def select_heads_attribution(
             f"k must lie in [1, {len(candidates)}] (the heads the model carries), got {k!r}."
         )
     gain = torch.zeros(layout.num_layers, layout.num_heads)
-    for start in range(0, len(queries), batch_size):
-        batch = queries[start : start + batch_size]
-        prompts = [zero_shot_prompt(r) for r in batch]
-        acts, grads = last_token_attribution(
-            loaded, prompts, [r.answer for r in batch], instruction=instruction
-        )
-        gain += ((mean - acts) * grads).sum(dim=(0, -1))
+    with tqdm(total=len(queries), desc="attribution", unit="query", disable=not progress) as bar:
+        for start in range(0, len(queries), batch_size):
+            batch = queries[start : start + batch_size]
+            prompts = [zero_shot_prompt(r) for r in batch]
+            acts, grads = last_token_attribution(
+                loaded, prompts, [r.answer for r in batch], instruction=instruction
+            )
+            gain += ((mean - acts) * grads).sum(dim=(0, -1))
+            bar.update(len(batch))
     ranked = torch.argsort(gain.flatten()[candidates], descending=True, stable=True)[:k]
     return layout.heads_at(candidates[int(i)] for i in ranked)
 

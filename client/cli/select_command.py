@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
         )
     else:
         heads = select_heads_attribution(
-            loaded, mean, queries, k=args.k, instruction=dataset.instruction
+            loaded, mean, queries, k=args.k, instruction=dataset.instruction, progress=True
         )
     clip = suggested_clip_norm(acts, heads)
     write_heads_file(

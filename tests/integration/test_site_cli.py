@@ -576,3 +576,7 @@ def test_select_heads_and_data_check_state_the_same_out_of_vocabulary_share(
     assert code == 0
     assert "out of vocabulary: 50% first" in checked
     assert "50% of answers start with the unknown token" in caplog.text
+    # and its own progress: the public chunks, then the queries scored, each with a bar
+    progress = capsys.readouterr().err
+    assert "public: 100%" in progress
+    assert "attribution: 100%" in progress
