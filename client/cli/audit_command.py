@@ -40,6 +40,11 @@ and to what this canary should show; an empirical epsilon lower bound from mu, a
 non-parametric one (threshold test, Clopper-Pearson); and the same with sigma halved and with
 the noise off (planted bugs), which shows what the audit can detect.
 
+Runs are sized for power: by default the fewest that flag sigma halved with probability --power
+(as a violation of the claim when the canary is strong enough, i.e. its distance is over half
+the bound; otherwise as noise not as calibrated); the power reached is printed either way.
+Progress, with an estimate of the time left, goes to stderr (--quiet: none).
+
 What it can show: a broken noise scale or broken clipping (mu above the claim, or mu far from
 what the canary's distance implies); that the pipeline leaks with the noise off.
 What it cannot show: that the release IS private (an audit only finds violations); anything
@@ -73,7 +78,15 @@ def register(sub: Any) -> None:
     parser.add_argument("--max-chunks", type=positive_int, help="cap on chunks (default: all)")
     add_image_crops_option(parser, purpose="as the audited release's plan would")
     parser.add_argument(
-        "--runs", type=positive_int, default=1000, help="releases per side (default 1000)"
+        "--runs",
+        type=positive_int,
+        help="releases per side (default: the fewest that flag sigma halved with --power)",
+    )
+    parser.add_argument(
+        "--power",
+        type=open_unit_float,
+        default=0.8,
+        help="probability that the runs flag sigma halved, which sizes them (default 0.8)",
     )
     parser.add_argument(
         "--confidence", type=open_unit_float, default=0.95, help="of intervals (default 0.95)"
@@ -130,6 +143,7 @@ def run(args: argparse.Namespace) -> int:
         raise ConfigError(f"--json must lie in an existing folder, got {str(args.json_out)!r}.")
     # Imported here: the data and model side need PIL, torch and transformers.
     from client.audit import ScaledNoise, audit_pair, make_canary_pair
+    from client.audit_power import audit_power
     from client.canary import canary_candidates, choose_canary, plant_canary
     from client.cli.release_command import _check_heads, _plan
     from client.data import load_dataset
@@ -155,6 +169,8 @@ def run(args: argparse.Namespace) -> int:
         neighbour = plant_canary(dataset, canary, index=index)
         _say(args, "audit: extracting the two neighbouring sums (with and without the canary)")
         pair = make_canary_pair(loaded, dataset, neighbour, plan, chunk_seed=chunk_seed)
+    sized = audit_power(plan, pair, runs=args.runs, power=args.power, confidence=args.confidence)
+    _say(args, f"audit: {sized.line()}")
     noise = secure_noise()
     sources: list[tuple[str, NoiseSource]] = [("production", noise)]
     if not args.no_power:
@@ -164,7 +180,7 @@ def run(args: argparse.Namespace) -> int:
             plan,
             pair,
             noise=source,
-            runs=args.runs,
+            runs=sized.runs,
             layout=shape.layout(),
             confidence=args.confidence,
             label=label,
@@ -173,6 +189,7 @@ def run(args: argparse.Namespace) -> int:
         for label, source in sources
     ]
     _print_report(pair, reports)
+    print(sized.line())
     if args.json_out is not None:
         payload: dict[str, Any] = {
             "canary": {"id": canary.id, "answer": canary.answer, "replaces_index": index},
@@ -180,6 +197,7 @@ def run(args: argparse.Namespace) -> int:
             "num_chunks": pair.without.num_chunks,
             "distance": pair.distance,
             "sensitivity": pair.sensitivity,
+            "power": {**asdict(sized), "planted_bug": "sigma halved", "asked": args.power},
             "reports": [asdict(r) for r in reports],
         }
         args.json_out.write_text(json.dumps(payload, indent=2) + "\n")

@@ -10,7 +10,13 @@ from dpmtv_common.privacy.accounting import (
     epsilon_bound,
     epsilon_per_pick_from_share,
 )
-from dpmtv_common.privacy.auditing import clopper_pearson_epsilon, epsilon_of_gdp, mu_estimate
+from dpmtv_common.privacy.auditing import (
+    clopper_pearson_epsilon,
+    detection_power,
+    epsilon_of_gdp,
+    mu_estimate,
+    runs_for_power,
+)
 from dpmtv_common.privacy.budget import PrivacyBudget
 from dpmtv_common.privacy.calibration import ReleaseCalibration
 from dpmtv_common.privacy.events import ReleaseEvent
@@ -43,11 +49,13 @@ __all__ = [
     "clip_per_layer",
     "clip_scores",
     "clopper_pearson_epsilon",
+    "detection_power",
     "epsilon_bound",
     "epsilon_of_gdp",
     "epsilon_per_pick_from_share",
     "mu_estimate",
     "require_cryptographic",
+    "runs_for_power",
     "secure_noise",
     "sum_clipped_contributions",
 ]

@@ -9,7 +9,10 @@ direction; these functions turn the two samples of projections into what the aud
 * :func:`epsilon_of_gdp` — the smallest ε a μ-GDP mechanism has at δ (Dong, Roth & Su 2019);
 * :func:`clopper_pearson_epsilon` — a non-parametric ε lower bound: a threshold chosen on one
   half of the runs, Clopper-Pearson limits on its error rates on the other half
-  (Jagielski, Ullman & Oprea 2020).
+  (Jagielski, Ullman & Oprea 2020);
+* :func:`detection_power` and :func:`runs_for_power` — how likely μ̂'s lower confidence limit
+  clears a bar when the true μ is above it, and how many runs make that likely: an audit is
+  sized for a stated power instead of a guessed number of runs.
 
 They draw no noise and state no guarantee: a lower bound below the claim does not prove the
 claim, it only fails to refute it for that canary.
@@ -24,7 +27,15 @@ import numpy as np
 from dpmtv_common.aliases import Float64Array
 from dpmtv_common.errors import ConfigError
 
-__all__ = ["clopper_pearson_epsilon", "epsilon_of_gdp", "mu_estimate"]
+__all__ = [
+    "clopper_pearson_epsilon",
+    "detection_power",
+    "epsilon_of_gdp",
+    "mu_estimate",
+    "runs_for_power",
+]
+
+_MIN_RUNS = 20  # below this the normal approximation of mu_estimate is not trusted
 
 
 def epsilon_of_gdp(mu: float, delta: float) -> float:
@@ -114,3 +125,63 @@ def mu_estimate(
     spread = math.sqrt(1 / n0 + 1 / n1 + mu * mu / (2 * (n0 + n1 - 2)))
     z = float(stats.norm.isf((1 - confidence) / 2))
     return mu, mu - z * spread, mu + z * spread
+
+
+def _mu_spread(mu: float, runs: int) -> float:
+    """Standard error of μ̂ with ``runs`` a side (the variance :func:`mu_estimate` uses)."""
+    return math.sqrt(2 / runs + mu * mu / (2 * (2 * runs - 2)))
+
+
+def detection_power(*, mu_true: float, mu_bar: float, runs: int, confidence: float) -> float:
+    """P(μ̂'s lower confidence limit > ``mu_bar``) when the outputs are ``mu_true``-GDP apart.
+
+    Normal approximation of :func:`mu_estimate` with ``runs`` releases a side: the lower limit
+    is μ̂ − z·se with z the two-sided ``confidence`` quantile, so the power is
+    Φ((mu_true − mu_bar)/se − z), se evaluated at ``mu_true``.
+
+    Raises:
+        ConfigError: ``runs`` below 20 or ``confidence`` outside [0.5, 1).
+    """
+    from scipy import stats  # here: scipy costs a CLI start half a second
+
+    _check_runs_and_confidence(runs, confidence)
+    z = float(stats.norm.isf((1 - confidence) / 2))
+    return float(stats.norm.cdf((mu_true - mu_bar) / _mu_spread(mu_true, runs) - z))
+
+
+def runs_for_power(
+    *, mu_true: float, mu_bar: float, power: float, confidence: float, max_runs: int = 1_000_000
+) -> int | None:
+    """The fewest runs a side (>= 20) whose :func:`detection_power` reaches ``power``.
+
+    Returns:
+        None when no number of runs up to ``max_runs`` reaches it (always so when
+        ``mu_true <= mu_bar``: the bar cannot be cleared more often than by chance).
+
+    Raises:
+        ConfigError: ``power`` outside (0, 1), or ``confidence`` outside [0.5, 1).
+    """
+    if not 0.0 < power < 1.0:
+        raise ConfigError(f"power must lie in (0, 1), got {power!r}.")
+    _check_runs_and_confidence(_MIN_RUNS, confidence)
+
+    def enough(runs: int) -> bool:
+        return (
+            detection_power(mu_true=mu_true, mu_bar=mu_bar, runs=runs, confidence=confidence)
+            >= power
+        )
+
+    if not enough(max_runs):
+        return None
+    low, high = _MIN_RUNS, max_runs  # power grows with runs: bisect on the smallest that is enough
+    while low < high:
+        middle = (low + high) // 2
+        low, high = (low, middle) if enough(middle) else (middle + 1, high)
+    return low
+
+
+def _check_runs_and_confidence(runs: int, confidence: float) -> None:
+    if runs < _MIN_RUNS:
+        raise ConfigError(f"runs must be >= {_MIN_RUNS} a side, got {runs!r}.")
+    if not 0.5 <= confidence < 1.0:
+        raise ConfigError(f"confidence must lie in [0.5, 1), got {confidence!r}.")

@@ -73,6 +73,11 @@ def test_audit_prints_and_writes_its_report(workspace, capsys):
     assert labels == ["production", "sigma halved", "noise off"]
     production, halved, off = report["reports"]
     assert report["distance"] <= report["sensitivity"] * (1 + 1e-9)
+    # the power of the given runs is stated, in the report and in the JSON
+    power = report["power"]
+    assert power["runs"] == 100
+    assert "power: sigma halved is flagged as" in printed
+    assert f"with probability {power['power']:.2f} at 100 runs a side" in printed
     assert production["mu_claimed"] == pytest.approx(halved["mu_claimed"])
     assert production["epsilon_claimed"] <= 8.0 + 1e-6
     assert off["epsilon_lower_cp"] > production["epsilon_lower_cp"]
@@ -96,7 +101,7 @@ def test_private_release_first_configuration_is_audited_without_power_rows(works
     printed = capsys.readouterr().out
     assert code == 0
     assert "production:" in printed
-    assert "sigma halved" not in printed
+    assert not [line for line in printed.splitlines() if line.startswith("sigma halved")]
 
 
 def test_audit_without_clip_norm_is_one_line(workspace, capsys):
@@ -117,3 +122,33 @@ def test_help_says_what_the_audit_cannot_show(capsys):
     assert code == 0
     assert "What it cannot show" in text
     assert "Nothing is" in text
+
+
+def test_default_runs_are_sized_for_the_asked_power(workspace, capsys):
+    # Arrange
+    from dpmtv_common.privacy.auditing import detection_power, runs_for_power
+
+    out = workspace / "sized.json"
+    # Act: no --runs; a low power and confidence keep the run count small here
+    code = main(
+        _args(
+            workspace,
+            "--clip-norm", "0.05", "--selection", "all", "--epsilon", "8",
+            "--power", "0.5", "--confidence", "0.6", "--no-power", "--json", str(out),
+        )
+    )  # fmt: skip
+    # Assert: the runs are the fewest reaching 0.5 for the check the canary allows
+    assert code == 0
+    report = json.loads(out.read_text())
+    power = report["power"]
+    bar = power["mu_claimed"] if power["check"] == "violation" else power["mu_canary"]
+    halved = 2 * power["mu_canary"]
+    expected = runs_for_power(mu_true=halved, mu_bar=bar, power=0.5, confidence=0.6)
+    assert power["runs"] == expected
+    assert report["reports"][0]["runs"] == expected
+    assert power["power"] >= 0.5
+    assert power["power"] == detection_power(
+        mu_true=halved, mu_bar=bar, runs=expected, confidence=0.6
+    )
+    assert (power["check"] == "violation") == (halved > power["mu_claimed"])
+    assert "power: sigma halved is flagged" in capsys.readouterr().out

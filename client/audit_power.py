@@ -1,0 +1,112 @@
+"""How many audit runs it takes to catch a planted bug, and how likely they are to catch it.
+
+How this connects: ``dpmtv-site audit`` builds a canary pair (:mod:`client.audit`), then asks
+this module how many releases a side its checks need. The planted bug that sizes them is
+**σ halved**: the outputs are then 2·μ_canary-GDP apart, where μ_canary = ‖Δ‖/σ is what this
+canary shows at the claimed σ, a fraction (the canary's strength ‖Δ‖/Δ₂) of the claimed
+μ = Δ₂/σ. Which check can catch it depends on that strength:
+
+* strength above 1/2: 2·μ_canary exceeds the claim, so the **violation flag** (μ̂'s lower
+  confidence limit above the claimed μ) can fire; the bar is the claimed μ;
+* otherwise no number of runs makes σ halved violate the claim for this canary; the
+  **calibration check** (μ̂'s lower limit above μ_canary: the noise is not what the plan says)
+  is what catches it, and sizes the runs.
+
+The power of either is :func:`dpmtv_common.privacy.auditing.detection_power` (normal
+approximation of μ̂); the runs are the fewest that reach the asked power.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from client.audit import CanaryPair
+from dpmtv_common.errors import ConfigError
+from dpmtv_common.privacy.auditing import detection_power, runs_for_power
+from protocol import ReleasePlan, plan_calibration
+
+__all__ = ["AuditPower", "audit_power", "claimed_mu"]
+
+MAX_RUNS = 1_000_000
+"""The most runs a side an audit is sized to."""
+
+
+@dataclass(frozen=True)
+class AuditPower:
+    """The runs an audit makes, and how likely they are to flag σ halved.
+
+    Attributes:
+        check: ``"violation"`` (the claim itself can be refuted) or ``"calibration"``.
+        mu_claimed: Δ₂/σ, what the plan guarantees for any pair.
+        mu_canary: ‖Δ‖/σ, what this canary shows at the claimed σ.
+        runs: Releases a side.
+        power: Probability that σ halved is flagged by ``check`` at ``runs``.
+    """
+
+    check: str
+    mu_claimed: float
+    mu_canary: float
+    runs: int
+    power: float
+
+    @property
+    def strength(self) -> float:
+        """‖Δ‖/Δ₂: how close the canary comes to the worst-case pair."""
+        return self.mu_canary / self.mu_claimed
+
+    def line(self) -> str:
+        """One line for the report."""
+        what = (
+            "a violation of the claimed mu"
+            if self.check == "violation"
+            else "noise NOT as calibrated (a violation of the claim cannot be shown with a "
+            f"canary of strength {self.strength:.2f} <= 0.5)"
+        )
+        return (
+            f"power: sigma halved is flagged as {what} with probability {self.power:.2f} "
+            f"at {self.runs} runs a side"
+        )
+
+
+def claimed_mu(plan: ReleasePlan, pair: CanaryPair) -> tuple[float, float]:
+    """(Δ₂/σ, ‖Δ‖/σ): the plan's GDP claim and what this canary shows at the claimed σ."""
+    mechanism = plan_calibration(plan).gaussian(clip_norm=plan.clip_norm, heads=pair.without.heads)
+    return (
+        mechanism.l2_sensitivity / mechanism.noise_std,
+        pair.distance / mechanism.noise_std,
+    )
+
+
+def audit_power(
+    plan: ReleasePlan,
+    pair: CanaryPair,
+    *,
+    runs: int | None,
+    power: float,
+    confidence: float,
+) -> AuditPower:
+    """Size the runs for ``power`` (``runs`` None), or state the power of the given ``runs``.
+
+    Raises:
+        ConfigError: The canary changes nothing, or no number of runs up to
+            :data:`MAX_RUNS` reaches ``power``.
+    """
+    mu_claimed, mu_canary = claimed_mu(plan, pair)
+    if mu_canary <= 0.0:
+        raise ConfigError(
+            "the canary must change the clipped sum, got a canary that changes nothing; choose "
+            "another canary record."
+        )
+    halved = 2 * mu_canary
+    check, bar = ("violation", mu_claimed) if halved > mu_claimed else ("calibration", mu_canary)
+    if runs is None:
+        runs = runs_for_power(
+            mu_true=halved, mu_bar=bar, power=power, confidence=confidence, max_runs=MAX_RUNS
+        )
+        if runs is None:
+            raise ConfigError(
+                f"--power must be reachable within {MAX_RUNS} runs a side, got {power!r} "
+                f"(canary strength {mu_canary / mu_claimed:.3g}): lower --power or --confidence."
+            )
+    reached = detection_power(mu_true=halved, mu_bar=bar, runs=runs, confidence=confidence)
+    return AuditPower(check, mu_claimed, mu_canary, runs, reached)
