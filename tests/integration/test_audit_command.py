@@ -144,6 +144,7 @@ def test_default_runs_are_sized_for_the_asked_power(workspace, capsys):
     bar = power["mu_claimed"] if power["check"] == "violation" else power["mu_canary"]
     halved = 2 * power["mu_canary"]
     expected = runs_for_power(mu_true=halved, mu_bar=bar, power=0.5, confidence=0.6)
+    assert expected is not None
     assert power["runs"] == expected
     assert report["reports"][0]["runs"] == expected
     assert power["power"] >= 0.5
