@@ -116,7 +116,11 @@ def combine_shares(shares: Sequence[bytes]) -> bytes:
     if len(set(indices)) != len(indices):
         repeated = sorted({index for index in indices if indices.count(index) > 1})
         raise IntegrityError(f"share indices must be distinct, got {repeated!r} repeated.")
-    values = np.frombuffer(b"".join(share[INDEX_BYTES:] for share in shares), dtype=np.uint8)
+    # In index order: shares arrive in any order, and the cached matrix is per index set.
+    order = sorted(range(len(shares)), key=indices.__getitem__)
+    indices = tuple(indices[position] for position in order)
+    body = b"".join(shares[position][INDEX_BYTES:] for position in order)
+    values = np.frombuffer(body, dtype=np.uint8)
     bits = np.unpackbits(values.reshape(len(shares), blocks, BLOCK_BYTES), axis=-1)
     # (blocks, shares * 128) @ (shares * 128, 128): the sum over shares of lambda_j * y_j.
     stacked = bits.transpose(1, 0, 2).reshape(blocks, len(shares) * _BITS)

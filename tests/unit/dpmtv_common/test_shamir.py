@@ -186,3 +186,19 @@ def test_counts_out_of_range_are_refused(threshold: object, num: object) -> None
     # Act / Assert
     with pytest.raises(ConfigError, match="must"):
         create_shares(b"seed", threshold, num)  # type: ignore[arg-type]
+
+
+def test_shares_in_any_order_reuse_one_interpolation() -> None:
+    # Arrange: the order in which neighbours' shares arrive differs from site to site
+    from dpmtv_common.crypto import shamir
+
+    shares = create_shares(os.urandom(32), 4, 7)
+    shuffled = random.Random(3).sample(shares, len(shares))
+    shamir._interpolation_matrix.cache_clear()
+
+    # Act
+    rebuilt = {combine_shares(shares), combine_shares(shuffled), combine_shares(shares[::-1])}
+
+    # Assert
+    assert len(rebuilt) == 1
+    assert shamir._interpolation_matrix.cache_info().misses == 1
