@@ -24,7 +24,8 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
+from functools import lru_cache
 
 from dpmtv_common.errors import CalibrationError, ConfigError
 from dpmtv_common.privacy.events import ReleaseEvent
@@ -139,10 +140,19 @@ def epsilon_bound(events: Sequence[ReleaseEvent], *, delta: float) -> EpsilonBou
 
     Events with distributed-noise sums are composed in RDP only, with their overflow aborts
     counted in δ (``dpmtv_common.privacy.distributed`` says why no PLD is claimed for them).
+
+    A pure function of its arguments, remembered per process: every site of a simulated
+    consortium checks the same plan, and each check composed the same PLDs again.
     """
     _check_delta(delta)
     if not events:
         raise ConfigError("events must not be empty, got [].")
+    bound = _remembered_bound(tuple(events), delta)
+    return replace(bound, by_accountant=dict(bound.by_accountant))  # callers get their own
+
+
+@lru_cache(maxsize=1024)
+def _remembered_bound(events: tuple[ReleaseEvent, ...], delta: float) -> EpsilonBound:
     if any(event.is_distributed for event in events):
         # Imported here: the distributed package builds on this module.
         from dpmtv_common.privacy.distributed import release_events_epsilon_bound

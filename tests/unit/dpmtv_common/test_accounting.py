@@ -104,3 +104,22 @@ def test_invalid_delta_is_refused_with_the_value(delta):
 def test_empty_event_list_is_refused():
     with pytest.raises(ConfigError, match="empty"):
         epsilon_bound([], delta=1e-5)
+
+
+def test_a_remembered_bound_is_the_computed_one_and_each_caller_gets_its_own() -> None:
+    # Arrange: the same plan checked by two sites of one process
+    from dpmtv_common.privacy import accounting
+
+    events = [ReleaseEvent(noise_multiplier=1.3, picks=4, epsilon_per_pick=0.05)]
+    accounting._remembered_bound.cache_clear()
+
+    # Act
+    first = accounting.epsilon_bound(events, delta=1e-5)
+    first.by_accountant["rdp"] = -1.0  # a caller scribbling on its copy
+    second = accounting.epsilon_bound(list(events), delta=1e-5)
+    accounting._remembered_bound.cache_clear()
+    fresh = accounting.epsilon_bound(events, delta=1e-5)
+
+    # Assert
+    assert second == fresh
+    assert second.by_accountant["rdp"] > 0
