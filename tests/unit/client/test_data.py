@@ -304,6 +304,20 @@ def test_an_image_symlinked_outside_the_folder_is_refused(tmp_path):
         load_dataset(root)
 
 
+def test_a_listed_record_never_reads_an_image_symlinked_outside_the_folder(tmp_path):
+    # Arrange: listed without decoding (as a site does at the plan stage), then linked out
+    root = tmp_path / "site"
+    _draw(root / "a.png")
+    write_jsonl_dataset(root, [{"image": "a.png", "question": "Q?", "answer": "a"}], task="t")
+    (record,) = load_dataset(root, check_images=False).records
+    (root / "a.png").unlink()
+    (root / "a.png").symlink_to(_draw(tmp_path / "elsewhere" / "secret.png"))
+
+    # Act / Assert: extraction's read refuses it (that chunk contributes zeros)
+    with pytest.raises(DataError, match=r"image of record 'line-1' must lie inside"):
+        record.load_image()
+
+
 def test_every_bad_record_is_counted_and_none_is_skipped(tmp_path):
     # Arrange: one good record and three bad ones of different kinds
     _draw(tmp_path / "good.png")
