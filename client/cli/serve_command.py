@@ -19,6 +19,7 @@ from typing import Any
 
 from client.cli._common import add_model_options, check_site_model, settings_from
 from client.cli._types import file_mode, open_unit_float, positive_float, positive_int
+from client.cli.http_options import add_http_options, check_http, start_http
 from client.service.wire import FrameKind, read_frame, write_frame
 from dpmtv_common.errors import ConfigError, DataError, ServiceError
 
@@ -83,6 +84,7 @@ def register(sub: Any) -> None:
         "above the coordinator's stage timeout)",
     )
     parser.add_argument("--threads", type=positive_int, help="torch threads (default: cores)")
+    add_http_options(parser)
     parser.set_defaults(handler=run_serve)
     status = sub.add_parser("service-status", help="ask a running site service whether it is up")
     _add_config_option(status)
@@ -119,6 +121,7 @@ def _add_config_option(parser: argparse.ArgumentParser) -> None:
 def run_serve(args: argparse.Namespace) -> int:
     """Start the service and block until SIGTERM/SIGINT."""
     settings = settings_from(args)  # the thread policy (--threads) is set by main()
+    http = check_http(args)  # a bad address or token file stops here, before the model
     from client.service.server import SiteService  # loads torch: only here
 
     check_site_model(settings)  # refused in one line, before weights, data or socket
@@ -134,7 +137,12 @@ def run_serve(args: argparse.Namespace) -> int:
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    service.serve(settings.socket_file)
+    endpoint = start_http(http, service.site, service.model_lock)
+    try:
+        service.serve(settings.socket_file)
+    finally:
+        if endpoint is not None:
+            endpoint.stop()
     return 0
 
 

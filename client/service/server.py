@@ -112,6 +112,11 @@ class SiteService:
         """The site admin's settings."""
         return self.site.settings
 
+    @property
+    def model_lock(self) -> threading.Lock:
+        """The lock every use of the site's model and state takes (one at a time)."""
+        return self._lock
+
     def frame_limit(self, kind: FrameKind) -> int:
         """The largest request payload of ``kind`` the service reads now (before reading it)."""
         if kind is FrameKind.MESSAGE:

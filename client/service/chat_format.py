@@ -1,0 +1,281 @@
+"""The OpenAI chat-completions request, as the site's model can answer it.
+
+The model answers one image-question query, optionally after answered demonstrations. So a
+request maps onto a :class:`~client.models.Prompt` as follows: ``system`` messages (first
+only, text only) become the instruction; each ``user`` message carries exactly one image
+(an ``image_url`` holding a ``data:`` URI: the service never fetches a URL) and its question
+as text; a ``user`` message followed by an ``assistant`` message is a demonstration with its
+answer; the last message is the ``user`` query. Everything else is refused with a message
+saying what was given.
+
+Every bound of ``dpmtv-site ask`` applies, checked before any pixel is decoded
+(:func:`client.service.inference.check_request`): images a request, bytes an image, pixels
+an image (read from the header), characters a question.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import io
+import re
+import warnings
+from typing import Annotated, Literal
+
+from PIL import Image
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from client.data import to_rgb
+from client.models import Example, Prompt
+from client.service.inference import InferRequest, check_request
+from dpmtv_common.errors import ConfigError, DataError
+
+__all__ = [
+    "MAX_COMPLETION_TOKENS",
+    "ChatRequest",
+    "ParsedChat",
+    "chat_request_from_json",
+    "decode_image",
+    "parse_chat",
+    "prompt_from_chat",
+]
+
+MAX_COMPLETION_TOKENS = 512
+"""Most tokens one answer may ask for (``max_tokens``)."""
+_MAX_MESSAGES = 17  # 8 images: 7 demonstrations with answers, the query, one system message
+_DATA_URI = re.compile(r"data:(image/[A-Za-z0-9.+-]+);base64,(.*)", re.DOTALL)
+
+
+class ImageUrl(BaseModel):
+    """``{"url": "data:image/png;base64,..."}``."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    detail: Literal["auto", "low", "high"] | None = None
+
+
+class TextPart(BaseModel):
+    """A text part of a message."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["text"]
+    text: str
+
+
+class ImagePart(BaseModel):
+    """An image part of a message."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["image_url"]
+    image_url: ImageUrl
+
+
+Part = Annotated[TextPart | ImagePart, Field(discriminator="type")]
+
+
+class ChatMessage(BaseModel):
+    """One message of the conversation."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[Part]
+    name: str | None = None
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: whether the last chunk reports token usage."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    include_usage: bool = False
+
+
+class ChatRequest(BaseModel):
+    """The fields of a chat-completions request this endpoint honours (others are refused).
+
+    ``temperature`` absent or 0 means greedy decoding (as ``dpmtv-site ask`` answers);
+    ``n`` must be 1; ``top_p`` 1; penalties 0: settings the service does not apply are
+    refused rather than silently ignored.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    model: Annotated[str, Field(min_length=1, max_length=200)]
+    messages: Annotated[list[ChatMessage], Field(min_length=1, max_length=_MAX_MESSAGES)]
+    max_tokens: Annotated[int, Field(ge=1, le=MAX_COMPLETION_TOKENS)] | None = None
+    max_completion_tokens: Annotated[int, Field(ge=1, le=MAX_COMPLETION_TOKENS)] | None = None
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)] | None = None
+    seed: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    n: Literal[1] = 1
+    top_p: Literal[1] | None = None
+    frequency_penalty: Literal[0] | None = None
+    presence_penalty: Literal[0] | None = None
+    user: Annotated[str, Field(max_length=200)] | None = None
+    policy: Literal["prompt-last-token", "every-call"] = "prompt-last-token"
+
+    @property
+    def answer_tokens(self) -> int:
+        """Most tokens to generate (16 when the request sets no limit)."""
+        return self.max_completion_tokens or self.max_tokens or 16
+
+
+class ParsedChat(BaseModel):
+    """A request reduced to what the model sees, checked but not yet decoded."""
+
+    model_config = ConfigDict(frozen=True, arbitrary_types_allowed=True)
+
+    instruction: str | None
+    questions: tuple[str, ...]
+    images: tuple[bytes, ...]
+    answers: tuple[str, ...]  # one per demonstration: len(questions) - 1
+
+
+def chat_request_from_json(body: bytes) -> ChatRequest:
+    """Parse a request body.
+
+    Raises:
+        ConfigError: The body is not a chat-completions request this endpoint honours.
+    """
+    try:
+        return ChatRequest.model_validate_json(body)
+    except ValidationError as exc:
+        raise ConfigError(f"request must be a chat-completions request: {_brief(exc)}") from exc
+
+
+def parse_chat(request: ChatRequest) -> ParsedChat:
+    """Map the conversation onto instruction, demonstrations and query; check every bound.
+
+    Raises:
+        ConfigError: The conversation does not have the shape the module docstring says.
+        DataError: An image is not a data URI, not base64, unreadable or too large.
+    """
+    messages = list(request.messages)
+    system: list[str] = []
+    while messages and messages[0].role in ("system", "developer"):
+        system.append(_text_only(messages.pop(0), "a system message"))
+    if not messages or messages[-1].role != "user":
+        raise ConfigError(
+            "messages must end with a user message (the query), got "
+            f"{messages[-1].role if messages else 'only system messages'!r}."
+        )
+    questions: list[str] = []
+    images: list[bytes] = []
+    answers: list[str] = []
+    for index, message in enumerate(messages):
+        expected = "user" if index % 2 == 0 else "assistant"
+        if message.role != expected:
+            raise ConfigError(
+                f"messages[{index + len(system)}].role must be {expected!r} (user and assistant "
+                f"alternate after the system messages), got {message.role!r}."
+            )
+        if expected == "assistant":
+            answers.append(_text_only(message, "an assistant message"))
+            continue
+        question, image = _user_turn(message, index + len(system))
+        questions.append(question)
+        images.append(image)
+    _check_bounds(questions, images)
+    instruction = "\n".join(system) if system else None
+    return ParsedChat(
+        instruction=instruction,
+        questions=tuple(questions),
+        images=tuple(images),
+        answers=tuple(answers),
+    )
+
+
+def prompt_from_chat(parsed: ParsedChat) -> Prompt:
+    """Decode the images (every pixel) and build the prompt.
+
+    Raises:
+        DataError: An image cannot be decoded.
+    """
+    examples = [
+        Example(decode_image(data, index), question)
+        for index, (data, question) in enumerate(zip(parsed.images, parsed.questions, strict=True))
+    ]
+    demonstrations = [
+        Example(example.image, example.question, answer)
+        for example, answer in zip(examples[:-1], parsed.answers, strict=True)
+    ]
+    return Prompt.of(demonstrations, examples[-1])
+
+
+def decode_image(data: bytes, index: int) -> Image.Image:
+    """Decode every pixel of image ``index`` to 8-bit RGB (its header was checked already).
+
+    Raises:
+        DataError: The bytes are not a readable picture, or exceed PIL's pixel limit.
+    """
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data)) as image:
+                image.load()  # every pixel now: a truncated file fails here
+                return to_rgb(image)
+    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
+        raise DataError(f"image {index} must have fewer pixels: {exc}") from exc
+    except (OSError, ValueError, SyntaxError) as exc:
+        raise DataError(f"image {index} must be a readable picture: {exc}") from exc
+
+
+def _text_only(message: ChatMessage, what: str) -> str:
+    if isinstance(message.content, str):
+        return message.content
+    if any(not isinstance(part, TextPart) for part in message.content):
+        raise ConfigError(f"{what} must hold text only, got an image.")
+    return "\n".join(part.text for part in message.content if isinstance(part, TextPart))
+
+
+def _user_turn(message: ChatMessage, index: int) -> tuple[str, bytes]:
+    parts = (
+        [TextPart(type="text", text=message.content)]
+        if isinstance(message.content, str)
+        else message.content
+    )
+    texts = [part.text for part in parts if isinstance(part, TextPart)]
+    urls = [part.image_url.url for part in parts if isinstance(part, ImagePart)]
+    if len(urls) != 1:
+        raise ConfigError(
+            f"messages[{index}] must carry exactly one image_url (the model answers about one "
+            f"image a turn), got {len(urls)}."
+        )
+    return "\n".join(texts).strip(), _image_bytes(urls[0], index)
+
+
+def _image_bytes(url: str, index: int) -> bytes:
+    match = _DATA_URI.fullmatch(url.strip())
+    if match is None:
+        scheme = url.split(":", 1)[0][:20] if ":" in url else url[:20]
+        raise DataError(
+            f"messages[{index}] image_url must be a base64 data URI "
+            f"(data:image/png;base64,...): the service fetches no URL, got {scheme!r}..."
+        )
+    try:
+        return base64.b64decode(match.group(2), validate=True)
+    except (binascii.Error, ValueError) as exc:
+        raise DataError(f"messages[{index}] image_url must hold valid base64: {exc}") from exc
+
+
+def _check_bounds(questions: list[str], images: list[bytes]) -> None:
+    """The bounds of ``dpmtv-site ask``, headers included (no pixel decoded)."""
+    try:
+        request = InferRequest(release_id="http", questions=tuple(questions), images=tuple(images))
+    except ValidationError as exc:
+        raise ConfigError(f"request must stay within the inference limits: {_brief(exc)}") from exc
+    check_request(request)
+
+
+def _brief(exc: ValidationError) -> str:
+    """Each error's location and message, without echoing the (possibly huge) input."""
+    items = [
+        f"{'.'.join(str(p) for p in error['loc']) or 'body'}: {error['msg']}"
+        for error in exc.errors()[:5]
+    ]
+    return "; ".join(items)

@@ -1,0 +1,549 @@
+"""An OpenAI-compatible HTTP endpoint in the site service: answers only, behind a token.
+
+How this connects: ``dpmtv-site serve ... --http 127.0.0.1:8080 --http-token-file F`` starts
+:class:`HttpEndpoint` beside the relay's Unix socket, in the same process (the model is
+loaded once). Starlette routes the requests and uvicorn speaks HTTP (no parsing of ours);
+:mod:`client.service.chat_format` maps a chat request onto a prompt under the bounds of
+``dpmtv-site ask``; :mod:`client.service.releases` names the releases a request may use;
+:mod:`client.service.batching` runs the rows of concurrent requests together.
+
+Routes: ``POST /v1/chat/completions`` (``stream`` as server-sent events), ``GET /v1/models``,
+``GET /metrics`` (Prometheus text format) and ``GET /health``. Every route but ``/health``
+(which says ``ok`` and nothing else) needs ``Authorization: Bearer <token>``, the token the
+site admin wrote in the token file, compared in constant time.
+
+Trust: whoever holds the token can query the model with inputs of its own; it reaches no
+data, ledger, key or path of the site. Answers, release ids and counters are all a reply
+ever carries: a failure whose text might name a path is logged and answered with its type.
+The endpoint binds to a loopback address or a Unix socket unless the admin passes
+``--http-allow-remote`` (then put TLS in front: the token travels in clear).
+
+Bounds: a body is read up to :data:`~client.service.inference.MAX_REQUEST_BYTES` (413
+beyond); every image is checked from its header before it is decoded (400); at most
+``max_queue`` requests are admitted (prepared, queued or running): one more gets 503 with
+``Retry-After``; uvicorn refuses connections beyond ``max_connections`` with 503 too.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import secrets
+import socket
+import stat
+import threading
+import time
+import uuid
+from collections import Counter
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from starlette.applications import Starlette
+from starlette.concurrency import run_in_threadpool
+from starlette.requests import Request
+from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from client.hooks import PatchPolicy
+from client.models import LoadedModel
+from client.service.batching import Batcher, OverloadedError, Row, prepare_row
+from client.service.chat_format import (
+    ChatRequest,
+    ParsedChat,
+    chat_request_from_json,
+    parse_chat,
+    prompt_from_chat,
+)
+from client.service.inference import MAX_REQUEST_BYTES
+from client.service.releases import ReleaseCatalogue, UnknownModelError
+from client.site import Site
+from dpmtv_common.errors import ConfigError, DataError, ServiceError
+
+__all__ = ["HttpEndpoint", "HttpSettings", "build_app", "parse_address", "read_token"]
+
+_log = logging.getLogger(__name__)
+_MIN_TOKEN_CHARS = 24
+_Handler = Callable[[Request], Awaitable[Response]]
+
+
+@dataclass(frozen=True)
+class HttpSettings:
+    """How the endpoint listens and how much it admits.
+
+    Attributes:
+        address: ``HOST:PORT`` (an IP literal or ``localhost``) or ``unix:PATH``.
+        token_file: The bearer token, written by the site admin, readable by its owner only.
+        allow_remote: Bind to a non-loopback address (put TLS in front of it).
+        max_queue: Requests admitted at once (being prepared, queued or generated).
+        max_connections: Open connections uvicorn serves; more get 503.
+        socket_mode: Permission bits of a Unix socket.
+    """
+
+    address: str
+    token_file: Path
+    allow_remote: bool = False
+    max_queue: int = 64
+    max_connections: int = 256
+    socket_mode: int = 0o660
+
+
+def parse_address(address: str, *, allow_remote: bool) -> tuple[str, int] | Path:
+    """``(host, port)`` for TCP, a ``Path`` for ``unix:PATH``.
+
+    Raises:
+        ConfigError: Not ``HOST:PORT`` or ``unix:PATH``, or a non-loopback host without
+            ``allow_remote``.
+    """
+    if address.startswith("unix:"):
+        path = Path(address[len("unix:") :])
+        if not path.is_absolute():
+            raise ConfigError(f"--http unix: path must be absolute, got {str(path)!r}.")
+        return path
+    host, sep, port_text = address.rpartition(":")
+    host = host.strip("[]")
+    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) < 65536:
+        raise ConfigError(
+            f"--http must be HOST:PORT (e.g. 127.0.0.1:8080) or unix:PATH, got {address!r}."
+        )
+    if host == "localhost":
+        host = "127.0.0.1"
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        raise ConfigError(
+            f"--http host must be an IP address or localhost, got {host!r}."
+        ) from None
+    if not ip.is_loopback and not allow_remote:
+        raise ConfigError(
+            f"--http host must be a loopback address, got {host!r}; pass --http-allow-remote "
+            "to serve other machines (and put TLS in front: the token travels in clear)."
+        )
+    return host, int(port_text)
+
+
+def read_token(path: Path) -> bytes:
+    """The bearer token in ``path``: one line, at least 24 characters, owner-only file.
+
+    Raises:
+        ConfigError: The file is missing, readable by group or others, or the token is short.
+    """
+    try:
+        info = path.stat()
+        text = path.read_text(encoding="utf-8").strip()
+    except (OSError, UnicodeDecodeError) as exc:
+        raise ConfigError(f"--http-token-file must be a readable text file: {exc}") from exc
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        raise ConfigError(
+            f"--http-token-file must be readable by its owner only, got mode "
+            f"{stat.S_IMODE(info.st_mode):o}; run chmod 600 on it."
+        )
+    if len(text) < _MIN_TOKEN_CHARS or any(c.isspace() or not c.isprintable() for c in text):
+        raise ConfigError(
+            f"--http-token-file must hold one token of at least {_MIN_TOKEN_CHARS} printable "
+            f"characters without spaces, got {len(text)} characters; make one with: "
+            "python -c 'import secrets; print(secrets.token_urlsafe(32))'."
+        )
+    return text.encode()
+
+
+class _HttpError(Exception):
+    def __init__(self, status: int, message: str, kind: str, code: str | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.kind, self.code = status, message, kind, code
+
+
+class _Sink:
+    """One row's tokens, from the worker thread to the request's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, done: Callable[[], None]) -> None:
+        self._loop = loop
+        self._done = done
+        self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+
+    def _put(self, kind: str, value: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
+            self._loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+
+    def token(self, token_id: int) -> None:
+        self._put("token", token_id)
+
+    def finish(self, reason: str) -> None:
+        self._done()
+        self._put("finish", reason)
+
+    def fail(self, error: Exception) -> None:
+        self._done()
+        self._put("fail", error)
+
+
+@dataclass
+class _Metrics:
+    requests: Counter[tuple[str, int]]
+    request_seconds: float = 0.0
+    completions: int = 0
+
+    def text(self, batcher: Batcher) -> str:
+        stats = batcher.stats
+        lines = [
+            "# TYPE dpmtv_http_requests_total counter",
+            *(
+                f'dpmtv_http_requests_total{{route="{route}",code="{code}"}} {count}'
+                for (route, code), count in sorted(self.requests.items())
+            ),
+            "# TYPE dpmtv_completion_seconds summary",
+            f"dpmtv_completion_seconds_sum {self.request_seconds:.6f}",
+            f"dpmtv_completion_seconds_count {self.completions}",
+            "# TYPE dpmtv_queue_rows gauge",
+            f"dpmtv_queue_rows {batcher.depth}",
+            "# TYPE dpmtv_batch_passes_total counter",
+            f"dpmtv_batch_passes_total {stats.passes}",
+            "# TYPE dpmtv_batch_rows_total counter",
+            f"dpmtv_batch_rows_total {stats.rows_served}",
+            "# TYPE dpmtv_batch_filler_rows_total counter",
+            f"dpmtv_batch_filler_rows_total {stats.rows_filled}",
+            "# TYPE dpmtv_generated_tokens_total counter",
+            f"dpmtv_generated_tokens_total {stats.tokens_generated}",
+            "# TYPE dpmtv_generation_seconds_total counter",
+            f"dpmtv_generation_seconds_total {stats.busy_seconds:.6f}",
+            "# TYPE dpmtv_batch_failures_total counter",
+            f"dpmtv_batch_failures_total {stats.failures}",
+        ]
+        return "\n".join(lines) + "\n"
+
+
+class _Api:
+    """The routes' shared state: the model, the releases, the batcher, the token."""
+
+    def __init__(
+        self, site: Site, batcher: Batcher, token: bytes, *, max_queue: int, plain_name: str
+    ) -> None:
+        self.site = site
+        self.batcher = batcher
+        self.catalogue = ReleaseCatalogue(site)
+        self.token = token
+        self.admitted = threading.BoundedSemaphore(max_queue)
+        self.metrics = _Metrics(Counter())
+        self.owner = plain_name
+
+    def authorised(self, request: Request) -> bool:
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        return hmac.compare_digest(given.strip().encode(), self.token)
+
+    def prepare(self, chat: ChatRequest, parsed: ParsedChat) -> Row:
+        """Verify the release, decode the images, tokenise (in a worker thread)."""
+        patch, crops = self.catalogue.patch(chat.model, PatchPolicy(chat.policy))
+        loaded: LoadedModel = self.site.model().with_image_crops(crops)
+        temperature = chat.temperature or 0.0
+        return prepare_row(
+            loaded,
+            prompt_from_chat(parsed),
+            instruction=parsed.instruction,
+            patch=patch,
+            max_new_tokens=chat.answer_tokens,
+            temperature=temperature,
+            seed=chat.seed if chat.seed is not None else secrets.randbits(63),
+        )
+
+    def decode(self, token_ids: list[int]) -> str:
+        tokenizer = self.site.model().processor.tokenizer
+        return str(tokenizer.decode(token_ids, skip_special_tokens=True))
+
+
+def _error_response(error: _HttpError) -> JSONResponse:
+    body = {"error": {"message": error.message, "type": error.kind, "code": error.code}}
+    headers = {"Retry-After": "1"} if error.status == 503 else None
+    if error.status == 401:
+        headers = {"WWW-Authenticate": "Bearer"}
+    return JSONResponse(body, status_code=error.status, headers=headers)
+
+
+def _route(api: _Api, name: str, handler: _Handler, *, auth: bool = True) -> _Handler:
+    """Authorise, turn typed errors into HTTP errors, count the answer."""
+
+    async def wrapped(request: Request) -> Response:
+        try:
+            if auth and not api.authorised(request):
+                raise _HttpError(
+                    401, "Authorization must be 'Bearer <token>' with the site's token.",
+                    "authentication_error", "invalid_api_key",
+                )  # fmt: skip
+            response = await handler(request)
+        except _HttpError as exc:
+            response = _error_response(exc)
+        except UnknownModelError as exc:
+            response = _error_response(_HttpError(404, str(exc), "invalid_request_error",
+                                                  "model_not_found"))  # fmt: skip
+        except OverloadedError as exc:
+            response = _error_response(_HttpError(503, str(exc), "overloaded_error", "overloaded"))
+        except (ConfigError, DataError) as exc:  # the request's own checks: no path of the site
+            response = _error_response(_HttpError(400, str(exc), "invalid_request_error"))
+        except Exception as exc:  # the text may name a path: logged, answered with its type
+            _log.warning("%s failed: %s", name, exc)
+            message = f"{type(exc).__name__} (see the site service's log)"
+            response = _error_response(_HttpError(500, message, "server_error"))
+        api.metrics.requests[(name, response.status_code)] += 1
+        return response
+
+    return wrapped
+
+
+async def _read_body(request: Request) -> bytes:
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
+        raise _HttpError(413, f"request body must be at most {MAX_REQUEST_BYTES} bytes, "
+                         f"got {declared}.", "invalid_request_error")  # fmt: skip
+    chunks: list[bytes] = []
+    size = 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > MAX_REQUEST_BYTES:
+            raise _HttpError(413, f"request body must be at most {MAX_REQUEST_BYTES} bytes.",
+                             "invalid_request_error")  # fmt: skip
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def build_app(api: _Api) -> Starlette:
+    """The routes, each authorised and counted."""
+
+    async def health(request: Request) -> Response:
+        return JSONResponse({"status": "ok"})
+
+    async def metrics(request: Request) -> Response:
+        return PlainTextResponse(api.metrics.text(api.batcher), media_type="text/plain")
+
+    async def models(request: Request) -> Response:
+        ids = await run_in_threadpool(api.catalogue.model_ids)
+        data = [{"id": i, "object": "model", "created": 0, "owned_by": api.owner} for i in ids]
+        return JSONResponse({"object": "list", "data": data})
+
+    async def chat(request: Request) -> Response:
+        started = time.monotonic()
+        chat_request = chat_request_from_json(await _read_body(request))
+        parsed = await run_in_threadpool(parse_chat, chat_request)
+        if not api.admitted.acquire(blocking=False):
+            raise OverloadedError(
+                f"requests in progress must stay below {api.batcher.max_queue}, got a full "
+                "service; retry later."
+            )
+        sink = _Sink(asyncio.get_running_loop(), api.admitted.release)
+        try:
+            row = await run_in_threadpool(api.prepare, chat_request, parsed)
+            api.batcher.submit(row, sink)
+        except BaseException:
+            api.admitted.release()
+            raise
+        completion = _Completion(api, chat_request, row, sink, started)
+        if chat_request.stream:
+            return StreamingResponse(completion.events(), media_type="text/event-stream")
+        return JSONResponse(await completion.whole())
+
+    routes = [
+        Route("/health", _route(api, "health", health, auth=False), methods=["GET"]),
+        Route("/metrics", _route(api, "metrics", metrics), methods=["GET"]),
+        Route("/v1/models", _route(api, "models", models), methods=["GET"]),
+        Route("/v1/chat/completions", _route(api, "chat", chat), methods=["POST"]),
+    ]
+    return Starlette(routes=routes)
+
+
+class _Completion:
+    """One request's answer, as one JSON body or as server-sent events."""
+
+    def __init__(
+        self, api: _Api, request: ChatRequest, row: Row, sink: _Sink, started: float
+    ) -> None:
+        self.api, self.request, self.row, self.sink = api, request, row, sink
+        self.started = started
+        self.id = f"chatcmpl-{uuid.uuid4().hex}"
+        self.created = int(time.time())
+        self.tokens: list[int] = []
+
+    def _usage(self) -> dict[str, int]:
+        made = len(self.tokens)
+        prompt = self.row.prompt_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
+
+    def _done(self) -> None:
+        self.api.metrics.completions += 1
+        self.api.metrics.request_seconds += time.monotonic() - self.started
+
+    async def _events(self) -> AsyncIterator[tuple[str, Any]]:
+        while True:
+            kind, value = await self.sink.events.get()
+            if kind == "token":
+                self.tokens.append(value)
+            yield kind, value
+            if kind != "token":
+                return
+
+    async def whole(self) -> dict[str, Any]:
+        reason = "length"
+        async for kind, value in self._events():
+            if kind == "fail":
+                raise value
+            if kind == "finish":
+                reason = value
+        self._done()
+        message = {"role": "assistant", "content": self.api.decode(self.tokens)}
+        return {
+            "id": self.id,
+            "object": "chat.completion",
+            "created": self.created,
+            "model": self.request.model,
+            "choices": [{"index": 0, "message": message, "finish_reason": reason,
+                         "logprobs": None}],
+            "usage": self._usage(),
+        }  # fmt: skip
+
+    def _chunk(self, delta: dict[str, str], reason: str | None = None) -> str:
+        choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
+        body = {
+            "id": self.id,
+            "object": "chat.completion.chunk",
+            "created": self.created,
+            "model": self.request.model,
+            "choices": [choice],
+        }
+        return f"data: {json.dumps(body)}\n\n"
+
+    async def events(self) -> AsyncIterator[str]:
+        yield self._chunk({"role": "assistant", "content": ""})
+        sent = ""
+        async for kind, value in self._events():
+            if kind == "fail":
+                _log.warning("streamed completion failed: %s", value)
+                error = {"message": f"{type(value).__name__} (see the site service's log)",
+                         "type": "server_error", "code": None}  # fmt: skip
+                yield f"data: {json.dumps({'error': error})}\n\n"
+                return
+            text = self.api.decode(self.tokens)
+            if kind == "token" and text.endswith("\ufffd"):  # a character cut mid-bytes
+                continue
+            if text[len(sent) :]:
+                yield self._chunk({"content": text[len(sent) :]})
+                sent = text
+            if kind == "finish":
+                yield self._chunk({}, value)
+        self._done()
+        options = self.request.stream_options
+        if options is not None and options.include_usage:
+            body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,
+                    "model": self.request.model, "choices": [], "usage": self._usage()}  # fmt: skip
+            yield f"data: {json.dumps(body)}\n\n"
+        yield "data: [DONE]\n\n"
+
+
+class HttpEndpoint:
+    """The endpoint's socket, its uvicorn server (own thread and event loop) and batcher.
+
+    Args:
+        site: The site whose model answers.
+        model_lock: The lock every use of the site's model takes.
+        settings: Address, token file and bounds.
+    """
+
+    def __init__(self, site: Site, model_lock: threading.Lock, settings: HttpSettings) -> None:
+        import uvicorn
+
+        if settings.max_queue < 1 or settings.max_connections < 1:
+            raise ConfigError(
+                "max_queue and max_connections must be >= 1, got "
+                f"{settings.max_queue} and {settings.max_connections}."
+            )
+        self.settings = settings
+        token = read_token(settings.token_file)
+        self._target = parse_address(settings.address, allow_remote=settings.allow_remote)
+        rows = site.settings.batch_size
+        self.batcher = Batcher(site.model(), model_lock, rows=rows, max_queue=settings.max_queue)
+        api = _Api(site, self.batcher, token, max_queue=settings.max_queue,
+                   plain_name=site.settings.name)  # fmt: skip
+        config = uvicorn.Config(
+            build_app(api),
+            lifespan="off",
+            log_config=None,
+            access_log=False,
+            server_header=False,
+            http="h11",
+            loop="asyncio",
+            limit_concurrency=settings.max_connections,
+            timeout_keep_alive=5,
+        )
+        self._server = uvicorn.Server(config)
+        self._listener: socket.socket | None = None
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> str:
+        """Bind, start the batcher and the server thread; return where it listens."""
+        self._listener = _listen(self._target, self.settings.socket_mode)
+        self.batcher.start()
+        self._thread = threading.Thread(target=self._serve, name="dpmtv-http", daemon=True)
+        self._thread.start()
+        deadline = time.monotonic() + 30
+        while not self._server.started and self._thread.is_alive():
+            if time.monotonic() > deadline:
+                raise ServiceError("the HTTP endpoint must start within 30 s, got no start.")
+            time.sleep(0.02)
+        if not self._server.started:
+            raise ServiceError("the HTTP endpoint must start, got a failure (see the log).")
+        return self.where()
+
+    def where(self) -> str:
+        """``http://HOST:PORT`` or ``unix:PATH`` (the port chosen when 0 was asked)."""
+        if isinstance(self._target, Path):
+            return f"unix:{self._target}"
+        assert self._listener is not None  # noqa: S101 (typing only: set by start())
+        host, port = self._listener.getsockname()[:2]
+        return f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
+
+    def _serve(self) -> None:
+        assert self._listener is not None  # noqa: S101 (typing only: set by start())
+        asyncio.run(self._server.serve(sockets=[self._listener]))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Stop taking connections, finish what runs, release the socket."""
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout)
+        self.batcher.stop(timeout)
+        if self._listener is not None:
+            self._listener.close()
+        if isinstance(self._target, Path):
+            self._target.unlink(missing_ok=True)
+
+
+def _listen(target: tuple[str, int] | Path, mode: int) -> socket.socket:
+    if isinstance(target, Path):
+        target.parent.mkdir(parents=True, exist_ok=True)
+        if target.exists() or target.is_symlink():
+            if not stat.S_ISSOCK(target.lstat().st_mode):
+                raise ServiceError(f"--http unix: path must be free, got a file at {target}.")
+            target.unlink()
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        previous = os.umask(0o777)  # nobody can connect before the mode is set
+        try:
+            sock.bind(str(target))
+        finally:
+            os.umask(previous)
+        os.chmod(target, mode)
+    else:
+        family = socket.AF_INET6 if ":" in target[0] else socket.AF_INET
+        sock = socket.socket(family, socket.SOCK_STREAM)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind(target)
+        except OSError as exc:
+            sock.close()
+            raise ServiceError(f"--http must name a free address, got {target}: {exc}") from exc
+    sock.listen(512)
+    sock.setblocking(False)
+    return sock

@@ -1,0 +1,157 @@
+"""The releases the service can serve: each stored artifact, verified before it is named.
+
+A model name on the HTTP endpoint is a release id (a plain token, so never a path) or
+:data:`PLAIN_MODEL_ID` (the unpatched model; it holds a ``/``, which no release id may).
+A release is listed and served only once its artifact passes the checks of every other use:
+the signature of a trusted key, the tensors' hash, the model's fingerprint and dtype, and
+heads that exist in the loaded model. A verified artifact is kept in memory until one of its
+files changes (size or modification time), when it is verified again. Why an artifact fails
+goes to the log only: the reason may name a path of the site.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from pathlib import Path
+
+import numpy as np
+import torch
+from pydantic import TypeAdapter, ValidationError
+
+from client.hooks import PatchPolicy
+from client.models import LoadedModel
+from client.service.batching import RowPatch
+from client.site import Site
+from dpmtv_common.artifact import load_artifact
+from dpmtv_common.crypto import TrustedKeys
+from dpmtv_common.errors import ConfigError, DpmtvError
+from protocol.plan import ReleaseId
+
+__all__ = ["PLAIN_MODEL_ID", "ReleaseCatalogue", "UnknownModelError"]
+
+_log = logging.getLogger(__name__)
+
+PLAIN_MODEL_ID = "dpmtv/plain"
+"""The model name that serves the model without any patch."""
+
+_Stamp = tuple[tuple[str, int, int], ...]
+_RELEASE_ID: TypeAdapter[str] = TypeAdapter(ReleaseId)
+
+
+class UnknownModelError(ConfigError):
+    """A request names no release whose verified artifact this site stores."""
+
+
+class ReleaseCatalogue:
+    """Verified patches of the site's stored artifacts, by release id (thread-safe)."""
+
+    def __init__(self, site: Site) -> None:
+        self._site = site
+        self._lock = threading.Lock()
+        self._verified: dict[str, tuple[_Stamp, RowPatch, int | None]] = {}
+
+    def model_ids(self) -> list[str]:
+        """The plain model's name, then every release whose artifact verifies, sorted."""
+        folder = self._site.settings.artifacts_folder
+        names = sorted(p.name for p in folder.iterdir()) if folder.is_dir() else []
+        verified = [name for name in names if self._lookup(name) is not None]
+        return [PLAIN_MODEL_ID, *verified]
+
+    def patch(self, model: str, policy: PatchPolicy) -> tuple[RowPatch | None, int | None]:
+        """The row patch and image-crop cap that serving ``model`` takes.
+
+        Raises:
+            UnknownModelError: ``model`` is neither the plain model nor a release whose
+                artifact this site stores and verifies.
+        """
+        if model == PLAIN_MODEL_ID:
+            return None, None
+        found = self._lookup(model)
+        if found is None:
+            raise UnknownModelError(
+                f"model must be {PLAIN_MODEL_ID!r} or a release id this site holds a verified "
+                f"artifact for (GET /v1/models lists them), got {model[:80]!r}."
+            )
+        patch, crops = found
+        if policy is not patch.policy:
+            patch = RowPatch(patch.release_id, patch.heads, patch.values, policy)
+        return patch, crops
+
+    def _lookup(self, name: str) -> tuple[RowPatch, int | None] | None:
+        try:
+            release_id = _check_release_id(name)
+        except ValueError:
+            return None
+        folder = self._site.settings.artifacts_folder / release_id  # a checked token
+        stamp = _stamp(folder)
+        if not stamp:
+            return None
+        with self._lock:
+            cached = self._verified.get(release_id)
+            if cached is not None and cached[0] == stamp:
+                return cached[1], cached[2]
+            try:
+                patch, crops = _load_patch(self._site, folder, release_id)
+            except (DpmtvError, OSError) as exc:  # the reason may name a path: log only
+                _log.warning("release %s is not served: %s", release_id, exc)
+                self._verified.pop(release_id, None)
+                return None
+            self._verified[release_id] = (stamp, patch, crops)
+            return patch, crops
+
+
+def _check_release_id(name: str) -> str:
+    try:
+        return str(_RELEASE_ID.validate_python(name))
+    except ValidationError as exc:
+        raise ValueError(str(exc)) from exc
+
+
+def _stamp(folder: Path) -> _Stamp:
+    if not folder.is_dir() or folder.is_symlink():
+        return ()
+    try:
+        return tuple(
+            sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in folder.iterdir())
+        )
+    except OSError:
+        return ()
+
+
+def _load_patch(site: Site, folder: Path, release_id: str) -> tuple[RowPatch, int | None]:
+    loaded = site.model()
+    artifact = load_artifact(
+        folder,
+        trusted_keys=TrustedKeys.from_files(site.settings.trusted_keys),
+        expected_model_fingerprint=loaded.fingerprint,
+    )
+    made_in = artifact.manifest.model_dtype
+    if made_in is not None and made_in != loaded.dtype_name:
+        raise ConfigError(
+            f"the service's model dtype must be the artifact's {made_in!r}, "
+            f"got {loaded.dtype_name!r}."
+        )
+    values = torch.tensor(np.asarray(artifact.values), dtype=torch.float32)
+    _check_heads(loaded, artifact.heads.heads, values)
+    patch = RowPatch(release_id, artifact.heads, values, PatchPolicy.PROMPT_LAST_TOKEN)
+    return patch, artifact.manifest.max_image_crops
+
+
+def _check_heads(
+    loaded: LoadedModel, heads: tuple[tuple[int, int], ...], values: torch.Tensor
+) -> None:
+    shape = loaded.adapter.head_shape(loaded.model)
+    for layer, head in heads:
+        if layer not in shape.head_layers or head >= shape.num_heads:
+            raise ConfigError(
+                f"artifact heads must exist in the model's layers {list(shape.head_layers)} x "
+                f"{shape.num_heads} heads, got {(layer, head)!r}."
+            )
+    if tuple(values.shape) != (len(heads), shape.head_dim):
+        raise ConfigError(
+            f"artifact values must have shape {(len(heads), shape.head_dim)}, "
+            f"got {tuple(values.shape)}."
+        )
+    if not bool(torch.isfinite(values).all()):
+        raise ConfigError("artifact values must be finite, got NaN or infinity.")

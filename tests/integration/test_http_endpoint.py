@@ -1,0 +1,373 @@
+"""The site service's OpenAI-compatible endpoint, driven by the official ``openai`` client.
+
+A real ``dpmtv-site serve --http 127.0.0.1:0`` process serves a tiny random LLaVA with two
+stored, signed artifacts; the tests ask it as a hospital application would (the ``openai``
+package, streaming included), and as a hostile one would: no token, a wrong token, an
+unknown release, a file that is not an image, a 200-megapixel header, a body too large, a
+flood of connections and of requests. Each gets a clear HTTP error, and the service keeps
+answering.
+"""
+
+from __future__ import annotations
+
+import os
+
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # read when flwr is first imported
+
+import base64
+import io
+import shutil
+import socket
+import struct
+import subprocess
+import sys
+import threading
+import time
+import zlib
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import httpx
+import numpy as np
+import openai
+import pytest
+from PIL import Image
+
+from tests.integration.test_hostile_coordinator import (
+    HEAD_DIM,
+    NUM_HEADS,
+    NUM_LAYERS,
+    World,
+    make_plan,
+    signed_request,
+)
+from tests.integration.test_site_service import _pump
+from tests.integration.test_site_service import world as world  # the module's fixture
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+TOKEN = "test-token-" + "x" * 32
+PLAIN = "dpmtv/plain"
+
+
+@dataclass
+class Endpoint:
+    url: str
+    process: subprocess.Popen[str]
+    lines: list[str]
+    clients: dict[str, openai.OpenAI]
+
+    def client(self, token: str = TOKEN) -> openai.OpenAI:
+        """One client a token (closed with the fixture); no retries: every error shows."""
+        if token not in self.clients:
+            self.clients[token] = openai.OpenAI(
+                base_url=f"{self.url}/v1", api_key=token, max_retries=0, timeout=120
+            )
+        return self.clients[token]
+
+
+def _store_artifact(world: World, state: Path, scratch: Path, release_id: str, seed: int) -> None:
+    rows = NUM_LAYERS * NUM_HEADS
+    values = 4 * np.random.default_rng(seed).standard_normal((rows, HEAD_DIM))
+    request = signed_request(world, scratch, make_plan(world, release_id), values=values)
+    folder = state / "artifacts" / release_id
+    folder.mkdir(parents=True)
+    source = max(scratch.glob("artifact-*"), key=lambda p: p.stat().st_mtime_ns)
+    for item in source.iterdir():
+        shutil.copy(item, folder / item.name)
+    assert request.release_id == release_id
+
+
+@pytest.fixture(scope="module")
+def endpoint(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Endpoint]:
+    root = tmp_path_factory.mktemp("http")
+    state, scratch = root / "state", root / "scratch"
+    scratch.mkdir()
+    _store_artifact(world, state, scratch, "r1", seed=1)
+    _store_artifact(world, state, scratch, "r2", seed=2)
+    (state / "artifacts" / "broken").mkdir()
+    (state / "artifacts" / "broken" / "manifest.json").write_text("{}")
+    token_file = root / "token"
+    token_file.write_text(TOKEN + "\n")
+    token_file.chmod(0o600)
+    command = [
+        sys.executable, "-m", "client.cli", "serve",
+        "--model", str(world.model),
+        "--data", str(world.root / "data" / "site-0"),
+        "--state-dir", str(state),
+        "--socket", str(root / "s.sock"),
+        "--trusted-key", str(world.verify_key),
+        "--device", "cpu", "--threads", "1", "--min-sites", "3",
+        "--http", "127.0.0.1:0", "--http-token-file", str(token_file),
+        "--http-max-queue", "6", "--http-max-connections", "48",
+    ]  # fmt: skip
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    process = subprocess.Popen(
+        command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env
+    )
+    lines: list[str] = []
+    reader = threading.Thread(target=_pump, args=(process, lines), daemon=True)
+    reader.start()
+    try:
+        _wait_until_serving(process, lines)
+        where = next(line for line in lines if "HTTP endpoint on" in line)
+        served = Endpoint(where.rsplit(" ", 1)[1].strip(), process, lines, {})
+        yield served
+        for client in served.clients.values():
+            client.close()
+    finally:
+        process.terminate()
+        try:
+            process.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            process.kill()
+            process.wait(timeout=30)
+        reader.join(timeout=10)
+        assert process.stderr is not None
+        process.stderr.close()
+
+
+def _wait_until_serving(process: subprocess.Popen[str], lines: list[str]) -> None:
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and process.poll() is None:
+        if any("serving on" in line for line in list(lines)):
+            return
+        time.sleep(0.1)
+    raise AssertionError(f"service never started; it printed:\n{''.join(lines)}")
+
+
+def data_uri(colour: str = "red", size: tuple[int, int] = (40, 40)) -> str:
+    buffer = io.BytesIO()
+    Image.new("RGB", size, colour).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def user(question: str, url: str) -> Any:
+    return {
+        "role": "user",
+        "content": [
+            {"type": "text", "text": question},
+            {"type": "image_url", "image_url": {"url": url}},
+        ],
+    }
+
+
+def ask(client: openai.OpenAI, model: str, colour: str = "red", **kwargs: Any) -> str:
+    reply = client.chat.completions.create(
+        model=model,
+        messages=[user("What colour is this?", data_uri(colour))],
+        max_tokens=6,
+        **kwargs,
+    )
+    assert reply.choices[0].finish_reason in ("stop", "length")
+    assert reply.usage is not None
+    assert reply.usage.completion_tokens <= 6
+    return reply.choices[0].message.content or ""
+
+
+def huge_png_header() -> bytes:
+    """A PNG whose header claims 20000 x 10000 pixels (200 MP) and holds almost no data."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        crc = zlib.crc32(kind + body) & 0xFFFFFFFF
+        return struct.pack(">I", len(body)) + kind + body + struct.pack(">I", crc)
+
+    header = struct.pack(">IIBBBBB", 20000, 10000, 8, 2, 0, 0, 0)
+    body = chunk(b"IHDR", header) + chunk(b"IDAT", zlib.compress(b"")) + chunk(b"IEND", b"")
+    return b"\x89PNG\r\n\x1a\n" + body
+
+
+def test_models_lists_the_plain_model_and_every_verified_release(endpoint: Endpoint) -> None:
+    # Act
+    ids = [model.id for model in endpoint.client().models.list()]
+    # Assert: the artifact that does not verify is not offered
+    assert ids == [PLAIN, "r1", "r2"]
+
+
+def test_the_openai_client_gets_answers_plain_and_patched(endpoint: Endpoint) -> None:
+    # Arrange
+    client = endpoint.client()
+    # Act
+    plain = ask(client, PLAIN)
+    patched = {ask(client, "r1"), ask(client, "r2")}
+    # Assert: greedy answers repeat; a release's patch changes the answer
+    assert ask(client, PLAIN) == plain
+    assert patched != {plain}
+
+
+def test_streaming_sends_the_same_answer_in_pieces(endpoint: Endpoint) -> None:
+    # Arrange
+    client = endpoint.client()
+    whole = ask(client, "r1", colour="blue")
+    # Act
+    stream = client.chat.completions.create(
+        model="r1",
+        messages=[user("What colour is this?", data_uri("blue"))],
+        max_tokens=6,
+        stream=True,
+        stream_options={"include_usage": True},
+    )
+    chunks = list(stream)
+    # Assert
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert text == whole
+    assert [c.choices[0].finish_reason for c in chunks if c.choices][-1] in ("stop", "length")
+    assert chunks[-1].usage is not None
+
+
+def test_an_answer_is_the_same_alone_or_among_concurrent_requests(endpoint: Endpoint) -> None:
+    # Arrange
+    client = endpoint.client()
+    alone = ask(client, "r1", colour="green")
+    jobs = [("r1", "green"), ("r2", "red"), (PLAIN, "blue"), ("r1", "purple"), ("r1", "green")]
+    # Act
+    with ThreadPoolExecutor(len(jobs)) as pool:
+        answers = list(pool.map(lambda job: ask(client, job[0], colour=job[1]), jobs))
+    # Assert
+    assert answers[0] == alone
+    assert answers[4] == alone  # the queue admits 6: none of these five is refused
+
+
+def test_seeded_sampling_repeats(endpoint: Endpoint) -> None:
+    client = endpoint.client()
+    first = ask(client, "r2", temperature=1.5, seed=11)
+    assert ask(client, "r2", temperature=1.5, seed=11) == first
+
+
+def test_no_token_is_401(endpoint: Endpoint) -> None:
+    for path in ("/v1/models", "/metrics"):
+        reply = httpx.get(f"{endpoint.url}{path}")
+        assert reply.status_code == 401
+        assert reply.headers["www-authenticate"] == "Bearer"
+    reply = httpx.post(f"{endpoint.url}/v1/chat/completions", json={})
+    assert reply.status_code == 401
+
+
+def test_a_wrong_token_is_401(endpoint: Endpoint) -> None:
+    with pytest.raises(openai.AuthenticationError, match="Bearer"):
+        endpoint.client("wrong-" + "y" * 30).models.list()
+    with pytest.raises(openai.AuthenticationError):
+        ask(endpoint.client(TOKEN[:-1]), PLAIN)
+
+
+def test_an_unknown_release_is_404(endpoint: Endpoint) -> None:
+    for model in ("r9", "broken", "../state", "x" * 300):
+        with pytest.raises(openai.NotFoundError if len(model) < 200 else openai.BadRequestError):
+            ask(endpoint.client(), model)
+
+
+@pytest.mark.parametrize(
+    ("url", "match"),
+    [
+        ("data:image/png;base64," + base64.b64encode(b"not a picture").decode(), "readable"),
+        ("data:image/png;base64," + base64.b64encode(huge_png_header()).decode(), "pixels"),
+        ("https://example.org/cat.png", "data URI"),
+        ("data:image/png;base64,%%%", "base64"),
+    ],
+)
+def test_a_bad_image_is_400_and_the_service_keeps_serving(
+    endpoint: Endpoint, url: str, match: str
+) -> None:
+    client = endpoint.client()
+    with pytest.raises(openai.BadRequestError, match=match):
+        client.chat.completions.create(
+            model="r1",
+            messages=[user("What colour?", url)],
+            max_tokens=4,
+        )
+    assert ask(client, PLAIN) != "\x00"  # still answers
+
+
+def test_requests_the_model_cannot_answer_are_400(endpoint: Endpoint) -> None:
+    client = endpoint.client()
+    with pytest.raises(openai.BadRequestError, match="exactly one image_url"):
+        client.chat.completions.create(
+            model=PLAIN, messages=[{"role": "user", "content": "hello"}], max_tokens=4
+        )
+    with pytest.raises(openai.BadRequestError, match="n"):
+        client.chat.completions.create(
+            model=PLAIN,
+            messages=[user("What colour?", data_uri())],
+            max_tokens=4,
+            n=2,
+        )
+
+
+def test_a_body_too_large_is_413(endpoint: Endpoint) -> None:
+    reply = httpx.post(
+        f"{endpoint.url}/v1/chat/completions",
+        headers={"Authorization": f"Bearer {TOKEN}"},
+        content=b"{" + b" " * (48 << 20),
+        timeout=60,
+    )
+    assert reply.status_code == 413
+
+
+def test_a_burst_of_requests_gets_answers_or_503_and_the_service_keeps_serving(
+    endpoint: Endpoint,
+) -> None:
+    # Arrange: more requests at once than the queue admits (6)
+    body = {
+        "model": "r1",
+        "messages": [user("What colour is this?", data_uri())],
+        "max_tokens": 16,
+    }
+
+    def post(_: int) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {TOKEN}"}
+        url = f"{endpoint.url}/v1/chat/completions"
+        return httpx.post(url, json=body, headers=headers, timeout=120)
+
+    # Act
+    with ThreadPoolExecutor(24) as pool:
+        replies = list(pool.map(post, range(24)))
+    # Assert
+    codes = [reply.status_code for reply in replies]
+    assert set(codes) <= {200, 503}
+    assert 200 in codes
+    assert 503 in codes
+    refused = next(reply for reply in replies if reply.status_code == 503)
+    assert refused.headers["retry-after"] == "1"
+    assert "retry later" in refused.json()["error"]["message"]
+    assert ask(endpoint.client(), "r1") != "\x00"
+
+
+def test_a_flood_of_connections_is_bounded_and_the_service_keeps_serving(
+    endpoint: Endpoint,
+) -> None:
+    # Arrange: connections opened and held in a bounded loop, far beyond the 48 served
+    host, port = endpoint.url.removeprefix("http://").rsplit(":", 1)
+    held: list[socket.socket] = []
+    statuses: list[bytes] = []
+    try:
+        for _ in range(2000):
+            sock = socket.create_connection((host, int(port)), timeout=10)
+            held.append(sock)
+        for sock in held[:200]:
+            sock.sendall(b"GET /health HTTP/1.1\r\nHost: x\r\n\r\n")
+        for sock in held[:200]:
+            statuses.append(sock.recv(64).split(b" ", 2)[1])
+    finally:
+        for sock in held:
+            sock.close()
+    # Assert: answered or refused with 503, never hung
+    assert set(statuses) <= {b"200", b"503"}
+    assert b"503" in statuses
+    # The closed connections free their slots as the server notices them: within seconds.
+    deadline = time.monotonic() + 30
+    while httpx.get(f"{endpoint.url}/health").status_code != 200:
+        assert time.monotonic() < deadline
+        time.sleep(0.2)
+    assert ask(endpoint.client(), PLAIN) != "\x00"
+
+
+def test_metrics_count_requests_and_passes_and_name_no_path(endpoint: Endpoint) -> None:
+    ask(endpoint.client(), PLAIN)
+    reply = httpx.get(f"{endpoint.url}/metrics", headers={"Authorization": f"Bearer {TOKEN}"})
+    assert reply.status_code == 200
+    assert 'dpmtv_http_requests_total{route="chat",code="200"}' in reply.text
+    assert "dpmtv_batch_passes_total" in reply.text
+    assert str(Path.home()) not in reply.text
