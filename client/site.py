@@ -5,12 +5,10 @@ whole life and calls one method per message; the Flower relay that delivers the 
 untrusted. Each method checks the message against the plan the site accepted and its own
 record (:mod:`client.site_policy`, :mod:`client.release_record`) before anything moves:
 
-* ``check_data``: at service start, every record is decoded and the answers are checked
-  against the model; a dataset that fails stops the start, before any plan.
-* ``accept_plan``: the plan must fit the site's policy, model and data layout (the records
-  are listed, never decoded: whether a site takes part must never depend on one record's
-  content); only then is the cost reserved in the site ledger and m_i announced (a public
-  count, from n alone). A record that no longer decodes costs its own chunk (zeros) later.
+* ``check_data`` (at service start): every record decoded, the answers checked.
+* ``accept_plan``: the plan must fit the site's policy, model and data (records listed, never
+  decoded: taking part never depends on a record's content); only then is the cost reserved
+  and m_i announced (a public count, from n). A record that fails later costs its chunk only.
 * ``contribution``: one secure sum of the plan, once, as the plan says; the ledger is marked
   exposed and the record updated *before* the arrays go to SecAgg+ masking.
 * ``store_reference``: the noisy all-head vector of a release-first plan, kept to score
@@ -143,8 +141,7 @@ class Site:
         """Decode every record and check the answers against the model: at service start.
 
         Raises:
-            DataError: A record is unusable (all of them counted), or every answer is outside
-                the model's vocabulary.
+            DataError: A record is unusable (all counted), or no answer is in the vocabulary.
         """
         if self.settings.data_path is None:
             raise ConfigError("the site needs --data (or DPMTV_CLIENT_DATA_PATH).")
