@@ -231,6 +231,8 @@ class _Api:
         self.admitted = threading.BoundedSemaphore(max_queue)
         self.metrics = _Metrics(Counter())
         self.owner = plain_name
+        self._capped_lock = threading.Lock()
+        self._capped_models: dict[int | None, LoadedModel] = {}
 
     def authorised(self, request: Request) -> bool:
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
@@ -241,7 +243,7 @@ class _Api:
     def prepare(self, chat: ChatRequest, parsed: ParsedChat) -> Row:
         """Verify the release, decode the images, tokenise (in a worker thread)."""
         patch, crops = self.catalogue.patch(chat.model, PatchPolicy(chat.policy))
-        loaded: LoadedModel = self.site.model().with_image_crops(crops)
+        loaded = self._capped(crops)
         temperature = chat.temperature or 0.0
         return prepare_row(
             loaded,
@@ -252,6 +254,13 @@ class _Api:
             temperature=temperature,
             seed=chat.seed if chat.seed is not None else secrets.randbits(63),
         )
+
+    def _capped(self, crops: int | None) -> LoadedModel:
+        """The model with its processor capped at ``crops`` (a copy, kept per cap)."""
+        with self._capped_lock:
+            if crops not in self._capped_models:
+                self._capped_models[crops] = self.site.model().with_image_crops(crops)
+            return self._capped_models[crops]
 
     def decode(self, token_ids: list[int]) -> str:
         tokenizer = self.site.model().processor.tokenizer
@@ -326,6 +335,13 @@ def build_app(api: _Api) -> Starlette:
         data = [{"id": i, "object": "model", "created": 0, "owned_by": api.owner} for i in ids]
         return JSONResponse({"object": "list", "data": data})
 
+    async def model(request: Request) -> Response:
+        name = str(request.path_params["name"])
+        ids = await run_in_threadpool(api.catalogue.model_ids)
+        if name not in ids:
+            raise UnknownModelError(f"model must be one GET /v1/models lists, got {name[:80]!r}.")
+        return JSONResponse({"id": name, "object": "model", "created": 0, "owned_by": api.owner})
+
     async def chat(request: Request) -> Response:
         started = time.monotonic()
         chat_request = chat_request_from_json(await _read_body(request))
@@ -351,6 +367,7 @@ def build_app(api: _Api) -> Starlette:
         Route("/health", _route(api, "health", health, auth=False), methods=["GET"]),
         Route("/metrics", _route(api, "metrics", metrics), methods=["GET"]),
         Route("/v1/models", _route(api, "models", models), methods=["GET"]),
+        Route("/v1/models/{name:path}", _route(api, "models", model), methods=["GET"]),
         Route("/v1/chat/completions", _route(api, "chat", chat), methods=["POST"]),
     ]
     return Starlette(routes=routes)
@@ -477,6 +494,7 @@ class HttpEndpoint:
             loop="asyncio",
             limit_concurrency=settings.max_connections,
             timeout_keep_alive=5,
+            timeout_graceful_shutdown=10,  # a stop waits this long for answers under way
         )
         self._server = uvicorn.Server(config)
         self._listener: socket.socket | None = None

@@ -185,6 +185,9 @@ def test_models_lists_the_plain_model_and_every_verified_release(endpoint: Endpo
     ids = [model.id for model in endpoint.client().models.list()]
     # Assert: the artifact that does not verify is not offered
     assert ids == [PLAIN, "r1", "r2"]
+    assert endpoint.client().models.retrieve("r2").id == "r2"
+    with pytest.raises(openai.NotFoundError):
+        endpoint.client().models.retrieve("broken")
 
 
 def test_the_openai_client_gets_answers_plain_and_patched(endpoint: Endpoint) -> None:
