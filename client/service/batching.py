@@ -39,6 +39,7 @@ from __future__ import annotations
 import collections
 import logging
 import threading
+import time
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -228,11 +229,21 @@ class Batcher:
         model_lock: The lock that serialises every use of the model in this process.
         rows: Rows of every pass (fixed: see the module docstring).
         max_queue: Rows that may wait; one more is refused with :class:`OverloadedError`.
+        gather_s: How long the oldest row waits for others to fill its pass (a pass of one
+            row costs as much as a full one).
     """
 
     def __init__(
-        self, loaded: LoadedModel, model_lock: threading.Lock, *, rows: int, max_queue: int
+        self,
+        loaded: LoadedModel,
+        model_lock: threading.Lock,
+        *,
+        rows: int,
+        max_queue: int,
+        gather_s: float = 0.01,
     ) -> None:
+        if not 0 <= gather_s <= 1:
+            raise ConfigError(f"gather_s must be within [0, 1] seconds, got {gather_s}.")
         if rows < 1:
             raise ConfigError(f"rows must be >= 1, got {rows}.")
         if max_queue < 1:
@@ -240,6 +251,7 @@ class Batcher:
         self.loaded = loaded
         self.rows = rows
         self.max_queue = max_queue
+        self.gather_s = gather_s
         self.stats = BatchStats()
         self._model_lock = model_lock
         self._queue: collections.deque[_Ticket] = collections.deque()
@@ -289,15 +301,25 @@ class Batcher:
         with self._ready:
             while not self._queue and not self._stopped:
                 self._ready.wait()
+            # A pass costs the same with one row as with ``rows``: wait a moment for company.
+            deadline = time.monotonic() + self.gather_s
+            while not self._stopped and len(self._mates()) < self.rows:
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    break
+                self._ready.wait(remaining)
             if self._stopped:
                 return None
-            first = self._queue[0]
-            key = (first.row.signature, first.row.image_crops)
-            taken = [t for t in self._queue if (t.row.signature, t.row.image_crops) == key]
-            taken = taken[: self.rows]
+            taken = self._mates()[: self.rows]
             for ticket in taken:
                 self._queue.remove(ticket)
             return taken
+
+    def _mates(self) -> list[_Ticket]:
+        """The oldest row and every queued row that can share its pass, oldest first."""
+        first = self._queue[0]
+        key = (first.row.signature, first.row.image_crops)
+        return [t for t in self._queue if (t.row.signature, t.row.image_crops) == key]
 
     def _run(self) -> None:
         while (tickets := self._next_pass()) is not None:
@@ -310,8 +332,6 @@ class Batcher:
                     ticket.sink.fail(exc)
 
     def _generate(self, tickets: list[_Ticket]) -> None:
-        import time
-
         rows = [t.row for t in tickets]
         filled = rows + [rows[0]] * (self.rows - len(rows))  # copies: outputs discarded
         loaded = self.loaded

@@ -162,9 +162,13 @@ class _HttpError(Exception):
 class _Sink:
     """One row's tokens, from the worker thread to the request's event loop."""
 
-    def __init__(self, loop: asyncio.AbstractEventLoop, done: Callable[[], None]) -> None:
+    def __init__(
+        self, loop: asyncio.AbstractEventLoop, done: Callable[[], None], *, streaming: bool
+    ) -> None:
         self._loop = loop
         self._done = done
+        self._streaming = streaming
+        self.tokens: list[int] = []  # appended by the worker thread only
         self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
 
     def _put(self, kind: str, value: Any) -> None:
@@ -172,7 +176,9 @@ class _Sink:
             self._loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
 
     def token(self, token_id: int) -> None:
-        self._put("token", token_id)
+        self.tokens.append(token_id)
+        if self._streaming:  # a whole answer wakes its request once, at the end
+            self._put("token", token_id)
 
     def finish(self, reason: str) -> None:
         self._done()
@@ -351,7 +357,9 @@ def build_app(api: _Api) -> Starlette:
                 f"requests in progress must stay below {api.batcher.max_queue}, got a full "
                 "service; retry later."
             )
-        sink = _Sink(asyncio.get_running_loop(), api.admitted.release)
+        sink = _Sink(
+            asyncio.get_running_loop(), api.admitted.release, streaming=chat_request.stream
+        )
         try:
             row = await run_in_threadpool(api.prepare, chat_request, parsed)
             api.batcher.submit(row, sink)
@@ -399,6 +407,8 @@ class _Completion:
             kind, value = await self.sink.events.get()
             if kind == "token":
                 self.tokens.append(value)
+            else:
+                self.tokens = list(self.sink.tokens)  # every token, streamed or not
             yield kind, value
             if kind != "token":
                 return
@@ -555,8 +565,11 @@ def _listen(target: tuple[str, int] | Path, mode: int) -> socket.socket:
         os.chmod(target, mode)
     else:
         family = socket.AF_INET6 if ":" in target[0] else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # proto named: asyncio sets TCP_NODELAY on accepted sockets only when it reads
+        # IPPROTO_TCP, and without it each answer waits ~40 ms for a delayed ACK (Nagle).
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         try:
             sock.bind(target)
         except OSError as exc:
