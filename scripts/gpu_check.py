@@ -38,6 +38,10 @@ sys.path.insert(0, str(ROOT))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # weights are local; never wait on the hub
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 
+from dpmtv_common.thread_policy import apply_thread_policy
+
+apply_thread_policy()  # before torch loads: its thread pool must not spin on shared cores
+
 import torch  # after the environment above: transformers reads it on import
 
 from client.chunking import make_chunks

@@ -37,11 +37,15 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
-import torch
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from dpmtv_common.thread_policy import apply_thread_policy
+
+apply_thread_policy()  # before torch loads: its thread pool must not spin on shared cores
+
+import numpy as np
+import torch
 
 from client.models import Example, adapter_for
 from client.models.embedded import EMBEDDED_MODEL_DIRS, build_embedded_model
@@ -185,7 +189,7 @@ def query_accuracy(model, bank, layout, tokenizer, rng, batches: int = 4) -> flo
 
 def train(args: argparse.Namespace):
     torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
+    apply_thread_policy(args.threads)
     torch.use_deterministic_algorithms(True)
     model, processor = build_embedded_model(args.size)
     tokenizer = processor.tokenizer
