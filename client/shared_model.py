@@ -20,7 +20,8 @@ torch version counter at load. Every hand-out checks them (a few microseconds a 
 in-place write (``p.add_``, ``p[0] = ...``, ``p.copy_``, through a view or ``detach()``), a
 replaced tensor, or a parameter put back under training raises :class:`ModelError` before the
 next site computes on altered weights. ``p.data`` writes bypass torch's version counter; the
-full check (:meth:`WeightGuard.check_contents`, a digest of every byte) catches those too.
+full check (:meth:`WeightGuard.check_contents`, a digest of every byte, taken at load for a
+model in host memory: one pass over its weights) catches those too.
 
 Sites in one process use the model one at a time (the in-process grid delivers one message
 after another; the service holds a lock per request), so forward hooks registered by one
@@ -146,7 +147,9 @@ class WeightGuard:
         for parameter in model.parameters():
             parameter.requires_grad_(False)
         self._states = _guarded(model)
-        self._digest = self._contents_digest()
+        # Host weights only: hashing a GPU model would copy all of it to host memory.
+        on_host = all(state.tensor.device.type == "cpu" for state in self._states)
+        self._digest = self._contents_digest() if on_host else None
 
     def check(self) -> None:
         """Raise if a guarded tensor was written in place, replaced, or made trainable.
@@ -167,12 +170,18 @@ class WeightGuard:
         """:meth:`check`, then compare a digest of every weight byte with the one at load.
 
         Costs one pass over the weights; catches writes through ``.data``, which torch's
-        version counter does not see.
+        version counter does not see. Only for weights in host memory (the digest of a GPU
+        model is not taken at load).
 
         Raises:
-            ModelError: The shared weights are no longer as loaded.
+            ModelError: The shared weights are no longer as loaded, or are not in host memory.
         """
         self.check()
+        if self._digest is None:
+            raise ModelError(
+                "check_contents must run on a model loaded to the CPU, got weights on "
+                f"{self._states[0].tensor.device}; check() still guards them."
+            )
         if self._contents_digest() != self._digest:
             raise _altered("their bytes differ from the loaded ones")
 
@@ -181,7 +190,7 @@ class WeightGuard:
         for state in self._states:
             digest.update(state.name.encode())
             flat = state.tensor.detach().reshape(-1).contiguous().view(torch.uint8)
-            digest.update(flat.cpu().numpy().tobytes())
+            digest.update(flat.numpy().data)  # the tensor's own bytes, not a copy
         return digest.digest()
 
 

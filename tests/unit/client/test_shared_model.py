@@ -42,6 +42,7 @@ def fresh_cache() -> Iterator[None]:
 @pytest.fixture
 def load_counter(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
     loads: list[Path] = []
+
     def counting(path: Path, **options: object) -> LoadedModel:
         loads.append(Path(path))
         return load_model(path, **options)  # type: ignore[arg-type]
@@ -227,3 +228,16 @@ def test_model_key_names_the_resolved_folder_device_and_dtype(model_dir: Path) -
     # Assert
     assert (key.folder, key.device, key.dtype) == (model_dir.resolve(), "cpu", "bfloat16")
     assert {name for name, *_ in key.files} == set(os.listdir(model_dir))
+
+
+def test_the_contents_check_of_a_bfloat16_model_sees_a_write_through_data(model_dir: Path) -> None:
+    # Arrange: two bytes an element, hashed as they are stored
+    loaded = shared_model(model_dir, device="cpu", dtype="bfloat16")
+    check_shared_contents()
+
+    # Act
+    first_parameter(loaded).data.mul_(2.0)
+
+    # Assert
+    with pytest.raises(ModelError, match="bytes differ"):
+        check_shared_contents()
