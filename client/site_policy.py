@@ -43,6 +43,7 @@ from protocol import (
     SecureSumRequest,
     SelectionMode,
     StageOrderError,
+    check_candidate_picks,
     check_compatible,
     check_plan_scope,
     plan_calibration,
@@ -258,6 +259,7 @@ def _check_extract_heads(record: ReleaseRecord, request: SecureSumRequest) -> No
     layout.check_carried(asked, "extract heads")
     if expected and asked != expected:
         raise PlanMismatchError("extract heads must be the plan's public heads, got others.")
+    check_candidate_picks(plan, asked, "extract heads")
     if len(asked) != plan.num_selected_heads:
         raise PlanMismatchError(
             f"extract sum must cover the plan's k={plan.num_selected_heads} selected heads, "
@@ -359,6 +361,7 @@ def _check_released_heads(record: ReleaseRecord, heads: HeadSet) -> None:
         _same("heads", heads.heads, plan.public_heads)
     else:
         _same("number of heads", len(heads), plan.num_selected_heads)
+        check_candidate_picks(plan, heads.heads, "artifact heads")
         if record.extract_heads is not None:
             _same("heads", heads.heads, record.extract_heads)
 

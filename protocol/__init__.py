@@ -60,6 +60,7 @@ from protocol.release import (
     ReleaseOutcome,
     ReleaseSums,
     VoteSum,
+    check_candidate_picks,
     check_plan_scope,
     run_release,
 )
@@ -108,6 +109,7 @@ __all__ = [
     "VersionMismatchError",
     "VoteSum",
     "WireMessage",
+    "check_candidate_picks",
     "check_compatible",
     "check_plan_scope",
     "expect",

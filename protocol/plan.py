@@ -229,6 +229,13 @@ class ReleasePlan(BaseModel):
         num_selected_heads: k, heads to select (must equal ``len(public_heads)`` in
             public mode; ignored in mode all).
         public_heads: The fixed head list; set iff ``selection`` is public.
+        candidate_heads: Private selection's candidate set, or ``None`` for every head the
+            model carries. A list computed on public data (``select-heads --k 2k``), fixed in
+            the plan before any private data is read: the Gumbel top-k then runs over fewer
+            heads, with the same sensitivity and ε₀ per pick (a public restriction of the
+            domain), so the picks land on heads that public data already found useful.
+            Private selection only; at least ``num_selected_heads`` heads. Left out of the
+            canonical JSON when ``None``, so plans without it hash as they did before.
         selection_share: Share of epsilon spent on private selection (private mode only).
         score_top_r: Each chunk votes for its top-r heads; bounds a chunk's vote to r.
         min_sites: Fewest surviving sites the release may go on with; fewer aborts it.
@@ -267,6 +274,7 @@ class ReleasePlan(BaseModel):
     order: ReleaseOrder
     num_selected_heads: HeadCount
     public_heads: HeadList | None
+    candidate_heads: HeadList | None = None
     selection_share: _OpenUnitFloat
     score_top_r: HeadCount
     min_sites: PositiveInt
@@ -285,8 +293,9 @@ class ReleasePlan(BaseModel):
         # Plans (and ledgers, records and artifacts that hash them) made before the field
         # existed never held the key: an unset cap must serialise, and hash, as they did.
         document: dict[str, Any] = handler(self)
-        if self.max_image_crops is None:
-            document.pop("max_image_crops", None)
+        for optional in ("max_image_crops", "candidate_heads"):
+            if getattr(self, optional) is None:
+                document.pop(optional, None)
         return document
 
     @model_validator(mode="after")
@@ -302,6 +311,22 @@ class ReleasePlan(BaseModel):
             raise ValueError(
                 f"min_honest <= min_sites <= max_sites must hold in distributed mode, got "
                 f"{self.min_honest}, {self.min_sites}, {self.max_sites}."
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _check_candidate_heads(self) -> Self:
+        if self.candidate_heads is None:
+            return self
+        if self.selection is not SelectionMode.PRIVATE:
+            raise ValueError(
+                f"candidate_heads must be None when selection is {self.selection.value!r}, "
+                f"got {len(self.candidate_heads)} heads: only private selection picks among them."
+            )
+        if len(self.candidate_heads) < self.num_selected_heads:
+            raise ValueError(
+                f"candidate_heads must hold at least num_selected_heads = "
+                f"{self.num_selected_heads} heads, got {len(self.candidate_heads)}."
             )
         return self
 

@@ -31,13 +31,13 @@ public model, never from data, so restricting the candidates changes no privacy 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Protocol
 
 import numpy as np
 
-from dpmtv_common.aliases import Float64Array
+from dpmtv_common.aliases import Float64Array, LayerHead
 from dpmtv_common.errors import ConfigError, InsufficientSharesError
 from dpmtv_common.heads import HeadLayout, HeadSet
 from dpmtv_common.privacy.accounting import EpsilonBound
@@ -46,6 +46,7 @@ from dpmtv_common.privacy.distributed import top_k_from_noisy_votes
 from dpmtv_common.privacy.noise import NoiseSource
 from protocol.calibration import plan_calibration
 from protocol.distributed import DistributedRelease
+from protocol.errors import PlanMismatchError
 from protocol.plan import NoiseMode, ReleaseOrder, ReleasePlan, SelectionMode
 
 __all__ = [
@@ -54,6 +55,7 @@ __all__ = [
     "ReleaseSums",
     "DistributedOutcome",
     "VoteSum",
+    "check_candidate_picks",
     "check_plan_scope",
     "run_release",
 ]
@@ -168,40 +170,59 @@ def _rows(heads: HeadSet, subset: HeadSet) -> list[int]:
     return [index[head] for head in subset.heads]
 
 
-def _candidate_votes(votes: VoteSum, layout: HeadLayout) -> tuple[list[int], Float64Array]:
-    """The dense slots of the carried heads and their vote sums, in (layer, head) order."""
+def _candidates(plan: ReleasePlan, layout: HeadLayout) -> list[int]:
+    """Dense slots selection picks among: the plan's candidate set, else every carried head.
+
+    Both are fixed before any private data is read (the layout by the public model, the
+    candidate list by the plan), so either is a public domain of the same mechanism.
+    """
+    if plan.candidate_heads is None:
+        return layout.candidates()
+    return sorted(layout.dense_indices(HeadSet(plan.candidate_heads)))
+
+
+def _candidate_votes(
+    votes: VoteSum, plan: ReleasePlan, layout: HeadLayout
+) -> tuple[list[int], Float64Array]:
+    """The dense slots of the candidate heads and their vote sums, in (layer, head) order."""
     if votes.total.shape != (layout.dense_size,):
         raise ConfigError(
             f"vote sum must have shape (L * H,) = ({layout.dense_size},), "
             f"got {votes.total.shape!r}."
         )
-    candidates = layout.candidates()
+    candidates = _candidates(plan, layout)
     return candidates, votes.total[candidates]
 
 
 def _select(
-    votes: VoteSum, calibration: ReleaseCalibration, noise: NoiseSource, layout: HeadLayout
+    votes: VoteSum,
+    calibration: ReleaseCalibration,
+    noise: NoiseSource,
+    plan: ReleasePlan,
+    layout: HeadLayout,
 ) -> HeadSet:
-    """Gumbel top-k (central mode) over the candidate set: every head the model carries.
+    """Gumbel top-k (central mode) over the candidate set.
 
     Mechanism: ``calibration.gumbel()`` (Δ∞ = 1 per head under replace-one of one privacy
-    unit's chunk, β = 2/ε₀, k picks). The candidate set is ``layout.all_heads()``, fixed by
-    the public model before any data is read, so running the mechanism over those heads'
-    vote sums only is the same mechanism on a smaller public domain: same sensitivity, same
-    ε₀ per pick. No head of a headless layer can be picked.
+    unit's chunk, β = 2/ε₀, k picks). The candidate set is the plan's public
+    ``candidate_heads``, or else ``layout.all_heads()``: both are fixed before any data is
+    read, so running the mechanism over those heads' vote sums only is the same mechanism on
+    a smaller public domain: same sensitivity, same ε₀ per pick. No head of a headless layer
+    can be picked.
     """
-    candidates, scores = _candidate_votes(votes, layout)
+    candidates, scores = _candidate_votes(votes, plan, layout)
     picked = calibration.gumbel().select(scores, noise=noise)
     return layout.heads_at(candidates[index] for index in picked)
 
 
-def _top_k_noisy(votes: VoteSum, k: int, layout: HeadLayout) -> HeadSet:
+def _top_k_noisy(votes: VoteSum, plan: ReleasePlan, layout: HeadLayout) -> HeadSet:
     """Top k of the already-noisy vote histogram over the candidate set (post-processing).
 
-    The candidate set is the carried heads, as in :func:`_select`: a public restriction of a
-    noisy output, so it costs nothing beyond the histogram's own noise.
+    The candidate set is as in :func:`_select`: a public restriction of a noisy output, so it
+    costs nothing beyond the histogram's own noise.
     """
-    candidates, scores = _candidate_votes(votes, layout)
+    k = plan.num_selected_heads
+    candidates, scores = _candidate_votes(votes, plan, layout)
     return layout.heads_at(candidates[index] for index in top_k_from_noisy_votes(scores, k=k))
 
 
@@ -224,16 +245,33 @@ def _once(callback: Callable[[], None]) -> Callable[[], None]:
     return call
 
 
+def check_candidate_picks(plan: ReleasePlan, heads: Iterable[LayerHead], name: str) -> None:
+    """Refuse private picks outside the plan's public candidate set (when it names one).
+
+    Raises:
+        PlanMismatchError: How many of ``heads`` lie outside, and a few of them.
+    """
+    if plan.candidate_heads is None:
+        return
+    outside = sorted(set(heads) - set(plan.candidate_heads))
+    if outside:
+        raise PlanMismatchError(
+            f"{name} must be among the plan's {len(plan.candidate_heads)} candidate heads, "
+            f"got {len(outside)} outside them ({[list(h) for h in outside[:4]]})."
+        )
+
+
 def check_plan_scope(plan: ReleasePlan, layout: HeadLayout) -> None:
     """Refuse a plan whose heads do not fit the model's carried heads (before any spending).
 
-    Public heads must lie in layers that carry heads; in private selection k and top-r can be
-    at most the number of carried heads (the candidate set of selection and of each vote).
+    Public and candidate heads must lie in layers that carry heads; in private selection k and
+    top-r can be at most the number of carried heads (the candidates of each vote).
 
     Raises:
         ConfigError: What did not fit, and the carried layers.
     """
     layout.check_carried(plan.public_heads or (), "plan public heads")
+    layout.check_carried(plan.candidate_heads or (), "plan candidate heads")
     if plan.selection is not SelectionMode.PRIVATE:
         return
     carried = len(layout.all_heads())
@@ -279,7 +317,7 @@ def run_release(
         if private:
             votes = sums.vote_sum(None)
             exposed()
-            scope = _select(votes, calibration, noise, layout)
+            scope = _select(votes, calibration, noise, plan, layout)
         summed = _require_chunks(sums.activation_sum(scope))
         exposed()
         values, noise_std = _noisy_mean(summed, plan, calibration, noise)
@@ -291,7 +329,7 @@ def run_release(
         released = fixed_scope
         if private:
             reference = layout.dense_rows(noisy_all)
-            released = _select(sums.vote_sum(reference), calibration, noise, layout)
+            released = _select(sums.vote_sum(reference), calibration, noise, plan, layout)
         values = noisy_all[_rows(all_heads, released)]
     return ReleaseOutcome(
         heads=released,
@@ -316,12 +354,11 @@ def _run_distributed(
     all_heads = layout.all_heads()
     scope = HeadSet(plan.public_heads) if plan.public_heads else all_heads
     private = plan.selection is SelectionMode.PRIVATE
-    k = plan.num_selected_heads
     if plan.order is ReleaseOrder.SELECT_FIRST or plan.selection is SelectionMode.ALL:
         if private:
             votes = sums.vote_sum(None)
             mark()  # the noisy histogram exists: it is the first noisy output
-            scope = _top_k_noisy(votes, k, layout)
+            scope = _top_k_noisy(votes, plan, layout)
         summed = _require_chunks(sums.activation_sum(scope))
         mark()
         values = summed.total / summed.num_chunks
@@ -333,7 +370,7 @@ def _run_distributed(
         released = scope
         if private:
             votes = sums.vote_sum(layout.dense_rows(noisy_all))
-            released = _top_k_noisy(votes, k, layout)
+            released = _top_k_noisy(votes, plan, layout)
         values = noisy_all[_rows(all_heads, released)]
     return _distributed_outcome(plan, summed, released, values, layout.dense_size)
 

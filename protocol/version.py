@@ -14,7 +14,7 @@ from protocol.errors import VersionMismatchError
 
 __all__ = ["PROTOCOL_VERSION", "check_compatible"]
 
-PROTOCOL_VERSION = "2.0"
+PROTOCOL_VERSION = "3.0"
 
 _VERSION_PATTERN = re.compile(r"(\d+)\.(\d+)")
 

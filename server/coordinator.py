@@ -88,6 +88,7 @@ def build_plan(run: RunConfig) -> ReleasePlan:
         order=ReleaseOrder(run.order),
         num_selected_heads=k,
         public_heads=public.heads if public is not None else None,
+        candidate_heads=candidates.heads if (candidates := run.candidates()) else None,
         selection_share=run.selection_share,
         score_top_r=run.score_top_r or k,
         min_sites=run.min_sites,

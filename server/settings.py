@@ -45,6 +45,7 @@ class RunConfig(BaseModel):
     order: str = "release-first"
     num_selected_heads: int = 8
     public_heads: str = ""
+    candidate_heads: str = ""  # private selection's public candidate set, "layer:head,..."
     selection_share: float = 0.3
     score_top_r: int = 0
     min_sites: int = Field(default=2, ge=2)  # a secure sum of one site is that site's vector
@@ -86,19 +87,25 @@ class RunConfig(BaseModel):
 
     def heads(self) -> HeadSet | None:
         """``public-heads`` ("layer:head,layer:head") as a head set, or None."""
-        if not self.public_heads.strip():
-            return None
-        try:
-            pairs = [item.split(":") for item in self.public_heads.split(",") if item.strip()]
-            return HeadSet.of((int(layer), int(head)) for layer, head in pairs)
-        except ValueError as exc:
-            raise ConfigError(
-                f"public-heads must look like '0:1,3:2', got {self.public_heads!r}."
-            ) from exc
+        return _head_list("public-heads", self.public_heads)
+
+    def candidates(self) -> HeadSet | None:
+        """``candidate-heads`` ("layer:head,layer:head") as a head set, or None."""
+        return _head_list("candidate-heads", self.candidate_heads)
 
     def resolved_release_id(self) -> str:
         """The given release id, or a fresh random one."""
         return self.release_id or f"release-{uuid.uuid4().hex[:12]}"
+
+
+def _head_list(key: str, text: str) -> HeadSet | None:
+    if not text.strip():
+        return None
+    try:
+        pairs = [item.split(":") for item in text.split(",") if item.strip()]
+        return HeadSet.of((int(layer), int(head)) for layer, head in pairs)
+    except ValueError as exc:
+        raise ConfigError(f"{key} must look like '0:1,3:2', got {text!r}.") from exc
 
 
 class CoordinatorSettings(BaseSettings):

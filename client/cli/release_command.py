@@ -46,6 +46,7 @@ _PLAN_OPTIONS = {
     "clip_norm": "--clip-norm",
     "num_selected_heads": "--heads",
     "public_heads": "--public-heads",
+    "candidate_heads": "--candidate-heads",
     "selection_share": "--selection-share",
     "score_top_r": "--top-r",
     "max_chunks_per_site": "--max-chunks",
@@ -92,6 +93,13 @@ def register(sub: Any) -> None:
         "--heads", type=positive_int, default=8, help="k heads to select privately (default 8)"
     )
     parser.add_argument("--public-heads", type=Path, help="head list from select-heads")
+    parser.add_argument(
+        "--candidate-heads",
+        type=Path,
+        help="private selection picks only among these heads: a select-heads file computed on "
+        "PUBLIC data, e.g. with --k twice --heads (no privacy cost; fewer candidates, better "
+        "picks on models with many heads)",
+    )
     parser.add_argument(
         "--selection-share",
         type=open_unit_float,
@@ -169,6 +177,15 @@ def _plan(
         heads, extras = load_heads_file(args.public_heads)
         public_heads = heads.heads
         _check_heads_file_crops(extras, args.max_image_crops)
+    candidate_heads = None
+    if args.candidate_heads is not None:
+        if args.selection != "private":
+            raise ConfigError(
+                f"--candidate-heads needs --selection private, got --selection {args.selection}."
+            )
+        candidates, candidate_extras = load_heads_file(args.candidate_heads)
+        candidate_heads = candidates.heads
+        _check_heads_file_crops(candidate_extras, args.max_image_crops)
     k = len(public_heads) if public_heads else args.heads
     try:
         return ReleasePlan(
@@ -184,6 +201,7 @@ def _plan(
             order=ReleaseOrder(args.order),
             num_selected_heads=k,
             public_heads=public_heads,
+            candidate_heads=candidate_heads,
             selection_share=args.selection_share,
             # Documented default: each chunk votes for as many heads as are selected.
             score_top_r=args.top_r or k,
@@ -222,11 +240,14 @@ def _check_heads(plan: ReleasePlan, args: argparse.Namespace, layout: HeadLayout
     if plan.selection != "all" and plan.score_top_r > len(carried):
         option = "--top-r" if args.top_r else "--top-r (default: --heads)"
         raise ConfigError(f"{option} must be at most {where}, got {plan.score_top_r}.")
-    if plan.public_heads is not None:
-        outside = [h for h in plan.public_heads if h not in set(carried.heads)]
+    for option, listed in (
+        ("--public-heads", plan.public_heads),
+        ("--candidate-heads", plan.candidate_heads),
+    ):
+        outside = [h for h in listed or () if h not in set(carried.heads)]
         if outside:
             raise ConfigError(
-                f"--public-heads must name heads of {where}, got {[list(h) for h in outside]}: "
+                f"{option} must name heads of {where}, got {[list(h) for h in outside]}: "
                 "was the list made for another model?"
             )
 

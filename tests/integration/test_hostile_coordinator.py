@@ -889,3 +889,21 @@ def test_secagg_parameters_below_the_site_policy_refuse_the_setup_before_the_pla
     assert accepts == {}
     for index in range(2):
         assert consortium.ledger_state(index, "r1") is None
+
+
+def test_private_picks_outside_the_plan_s_candidate_heads_get_nothing(
+    consortium: Consortium,
+) -> None:
+    # Arrange: a private select-first plan whose picks must come from three public candidates
+    plan = planned(
+        consortium,
+        selection=SelectionMode.PRIVATE,
+        candidate_heads=((0, 0), (0, 1), (1, 0)),
+    )
+    assert consortium.secure_sum(select_request(plan)) is not None
+    # Act: the coordinator asks for the activations of heads it was not allowed to pick
+    result = consortium.secure_sum(extract_request(heads=((0, 0), (1, 1))))
+    # Assert: no site sends them; each has sent only its votes
+    assert result is None
+    for index in range(SITES):
+        assert consortium.services[index].site.records.require("r1").sent == ("select",)

@@ -580,3 +580,42 @@ def test_select_heads_and_data_check_state_the_same_out_of_vocabulary_share(
     progress = capsys.readouterr().err
     assert "public: 100%" in progress
     assert "attribution: 100%" in progress
+
+
+def test_a_private_release_picks_only_among_public_candidate_heads(workspace, capsys, tmp_path):
+    # Arrange: 4 candidate heads from public data; the release picks 2 of them privately
+    ws, candidates = workspace, tmp_path / "candidates.json"
+    select = ["select-heads", *ws.model_args(), "--data", str(ws.public), "--out"]
+    select += [str(candidates), "--k", "4", "--shots", "2", "--queries", "2"]
+    assert main(select) == 0
+    listed = {tuple(h) for h in json.loads(candidates.read_text())["heads"]}
+    capsys.readouterr()
+    # Act
+    code = main(
+        [
+            "release", *ws.model_args(), "--data", str(ws.private), "--shots", "2", "--quiet",
+            "--selection", "private", "--heads", "2", "--candidate-heads", str(candidates),
+            "--clip-norm", "1", "--out", str(tmp_path / "artifact"),
+            "--ledger", str(tmp_path / "ledger.sqlite"), "--signing-key", str(ws.signing_key),
+        ]
+    )  # fmt: skip
+    # Assert
+    assert code == 0, capsys.readouterr().err
+    released = load_artifact(
+        tmp_path / "artifact",
+        trusted_keys=TrustedKeys([VerifyKey.load(ws.public_key)]),
+        expected_model_fingerprint=None,
+    )
+    assert len(released.heads) == 2
+    assert set(released.heads.heads) <= listed
+    # A candidate list with a public plan is refused before anything is reserved
+    refused = main(
+        [
+            "release", *ws.model_args(), "--data", str(ws.private), "--selection", "public",
+            "--public-heads", str(candidates), "--candidate-heads", str(candidates),
+            "--out", str(tmp_path / "other"), "--signing-key", str(ws.signing_key),
+            "--ledger", str(tmp_path / "other.sqlite"),
+        ]
+    )  # fmt: skip
+    assert refused == 2
+    assert "--candidate-heads needs --selection private" in capsys.readouterr().err

@@ -12,6 +12,7 @@ from dpmtv_common.privacy.testing import SeededNoise
 from protocol import (
     PROTOCOL_VERSION,
     ActivationSum,
+    NoiseMode,
     ReleaseOrder,
     ReleasePlan,
     SelectionMode,
@@ -155,3 +156,90 @@ def test_zero_chunks_abort_before_noise():
         release(make_plan(SelectionMode.ALL, ReleaseOrder.SELECT_FIRST), sums)
     assert "gaussian" not in sums.log
     assert "exposed" not in sums.log
+
+
+# ---- a public candidate set for private selection
+
+
+def test_private_selection_picks_only_among_the_plan_s_candidate_heads():
+    # Arrange: votes favour (1, 1) and (2, 1) overwhelmingly, but neither is a candidate
+    candidates = ((0, 0), (0, 2), (1, 3), (2, 0))
+    for order in ReleaseOrder:
+        plan = make_plan(SelectionMode.PRIVATE, order, candidate_heads=candidates)
+        # Act
+        outcome = release(plan, FakeSums())
+        # Assert
+        assert set(outcome.heads.heads) <= set(candidates), order
+        assert len(outcome.heads) == 2
+
+
+def test_distributed_top_k_also_keeps_to_the_candidate_heads():
+    candidates = ((0, 0), (0, 2), (1, 3))
+    plan = make_plan(
+        SelectionMode.PRIVATE,
+        ReleaseOrder.SELECT_FIRST,
+        candidate_heads=candidates,
+        noise_mode=NoiseMode.DISTRIBUTED,
+        min_sites=2,
+        max_sites=3,
+        max_chunks_per_site=1000,
+    )
+    sums = FakeSums()
+    outcome = run_release(
+        plan, sums=sums, layout=HeadLayout(LAYERS, HEADS), noise=SeededNoise(0),
+        on_first_noise=lambda: None,
+    )  # fmt: skip
+    assert set(outcome.heads.heads) <= set(candidates)
+
+
+def test_without_candidates_the_favoured_heads_win():
+    outcome = release(make_plan(SelectionMode.PRIVATE, ReleaseOrder.SELECT_FIRST), FakeSums())
+    assert set(outcome.heads.heads) == {(1, 1), (2, 1)}
+
+
+def test_candidate_heads_outside_the_carried_heads_are_refused_before_any_sum():
+    plan = make_plan(
+        SelectionMode.PRIVATE, ReleaseOrder.SELECT_FIRST, candidate_heads=((0, 0), (5, 0))
+    )
+    sums = FakeSums()
+    with pytest.raises(ConfigError, match="plan candidate heads must lie"):
+        release(plan, sums)
+    assert sums.log == []
+
+
+@pytest.mark.parametrize(
+    ("selection", "candidates", "message"),
+    [
+        (SelectionMode.PUBLIC, ((0, 0), (0, 2)), "candidate_heads must be None"),
+        (SelectionMode.ALL, ((0, 0), (0, 2)), "candidate_heads must be None"),
+        (SelectionMode.PRIVATE, ((0, 0),), "at least num_selected_heads = 2"),
+    ],
+)
+def test_a_plan_refuses_candidates_outside_private_selection_or_fewer_than_k(
+    selection, candidates, message
+):
+    with pytest.raises(ValueError, match=message):
+        make_plan(selection, ReleaseOrder.SELECT_FIRST, candidate_heads=candidates)
+
+
+def test_a_plan_without_candidates_hashes_as_before_and_one_with_them_differs():
+    from protocol import plan_hash
+
+    plain = make_plan(SelectionMode.PRIVATE, ReleaseOrder.SELECT_FIRST)
+    assert "candidate_heads" not in plain.model_dump(mode="json")
+    restricted = plain.model_copy(update={"candidate_heads": ((0, 0), (0, 2))})
+    assert plan_hash(restricted) != plan_hash(plain)
+
+
+def test_check_candidate_picks_names_the_picks_outside_the_candidates():
+    from protocol import check_candidate_picks
+    from protocol.errors import PlanMismatchError
+
+    plan = make_plan(
+        SelectionMode.PRIVATE, ReleaseOrder.SELECT_FIRST, candidate_heads=((0, 0), (0, 2))
+    )
+    check_candidate_picks(plan, ((0, 2), (0, 0)), "heads")
+    with pytest.raises(PlanMismatchError, match=r"1 outside them \(\[\[1, 1\]\]\)"):
+        check_candidate_picks(plan, ((0, 0), (1, 1)), "heads")
+    plain = make_plan(SelectionMode.PRIVATE, ReleaseOrder.SELECT_FIRST)
+    check_candidate_picks(plain, ((1, 1), (2, 3)), "heads")  # no candidate set: any head

@@ -21,6 +21,16 @@ def test_run_config_needs_the_model_fingerprint():
         RunConfig.from_context({"clip-norm": 1.0, "model-fingerprint": ""})
 
 
+def test_candidate_heads_parse_reach_the_plan_and_refuse_garbage():
+    config = RunConfig.from_context({**VALID, "candidate-heads": "1:2,0:3,2:0"})
+    candidates = config.candidates()
+    assert candidates is not None
+    assert set(candidates.heads) == {(0, 3), (1, 2), (2, 0)}
+    assert RunConfig.from_context(VALID).candidates() is None
+    with pytest.raises(ConfigError, match="candidate-heads"):
+        RunConfig.from_context({**VALID, "candidate-heads": "a:b"}).candidates()
+
+
 def test_public_heads_parse_and_refuse_garbage():
     config = RunConfig.from_context({**VALID, "public-heads": "1:2,0:3"})
     heads = config.heads()
@@ -55,3 +65,13 @@ def test_max_image_crops_refuses_a_negative_value_and_the_plan_bounds_it():
         RunConfig.from_context({**VALID, "max-image-crops": -1})
     with pytest.raises(ValidationError, match="max_image_crops"):
         build_plan(RunConfig.from_context({**VALID, "max-image-crops": 65}))
+
+
+def test_candidate_heads_ride_in_the_plan_the_coordinator_builds():
+    from server.coordinator import build_plan
+
+    two = {**VALID, "num-selected-heads": 2}
+    plan = build_plan(RunConfig.from_context({**two, "candidate-heads": "0:1,2:3,1:0,4:4"}))
+    assert plan.candidate_heads == ((0, 1), (1, 0), (2, 3), (4, 4))
+    with pytest.raises(ValueError, match="at least num_selected_heads"):
+        build_plan(RunConfig.from_context({**two, "candidate-heads": "0:1"}))
