@@ -62,6 +62,7 @@ from dpmtv_common.errors import ConfigError, ServiceError
 from dpmtv_common.heads import HeadSet
 
 __all__ = [
+    "BatchStats",
     "Batcher",
     "OverloadedError",
     "Row",
@@ -229,8 +230,8 @@ class Batcher:
         model_lock: The lock that serialises every use of the model in this process.
         rows: Rows of every pass (fixed: see the module docstring).
         max_queue: Rows that may wait; one more is refused with :class:`OverloadedError`.
-        gather_s: How long the oldest row waits for others to fill its pass (a pass of one
-            row costs as much as a full one).
+        gather_s: How long the oldest row may wait for announced rows (:meth:`expect`) to
+            fill its pass (a pass of one row costs as much as a full one).
     """
 
     def __init__(
@@ -240,7 +241,7 @@ class Batcher:
         *,
         rows: int,
         max_queue: int,
-        gather_s: float = 0.01,
+        gather_s: float = 0.05,
     ) -> None:
         if not 0 <= gather_s <= 1:
             raise ConfigError(f"gather_s must be within [0, 1] seconds, got {gather_s}.")
@@ -257,6 +258,7 @@ class Batcher:
         self._queue: collections.deque[_Ticket] = collections.deque()
         self._ready = threading.Condition()
         self._stopped = False
+        self._expected = 0  # rows announced by expect() and not yet submitted
         self._thread = threading.Thread(target=self._run, name="dpmtv-batcher", daemon=True)
 
     @property
@@ -280,13 +282,32 @@ class Batcher:
         if self._thread.is_alive():
             self._thread.join(timeout)
 
-    def submit(self, row: Row, sink: RowSink) -> None:
+    def expect(self) -> None:
+        """Announce a row being prepared: a pass about to start waits for it (``gather_s``)."""
+        with self._ready:
+            self._expected += 1
+
+    def cancel_expected(self) -> None:
+        """Withdraw an announced row that will not come (its request failed)."""
+        with self._ready:
+            self._expected = max(0, self._expected - 1)
+            self._ready.notify_all()
+
+    def submit(self, row: Row, sink: RowSink, *, expected: bool = False) -> None:
         """Queue ``row``; its tokens go to ``sink`` from the worker thread.
+
+        Args:
+            row: The prepared row.
+            sink: Receives its tokens.
+            expected: The row was announced with :meth:`expect` (counted off either way).
 
         Raises:
             OverloadedError: ``max_queue`` rows already wait, or the batcher is stopped.
         """
         with self._ready:
+            if expected:
+                self._expected = max(0, self._expected - 1)
+                self._ready.notify_all()
             if self._stopped:
                 raise OverloadedError("the service is stopping: it takes no new rows.")
             if len(self._queue) >= self.max_queue:
@@ -301,9 +322,10 @@ class Batcher:
         with self._ready:
             while not self._queue and not self._stopped:
                 self._ready.wait()
-            # A pass costs the same with one row as with ``rows``: wait a moment for company.
+            # A pass costs the same with one row as with ``rows``: while rows are announced
+            # (being prepared), wait a moment for them; with none announced, start at once.
             deadline = time.monotonic() + self.gather_s
-            while not self._stopped and len(self._mates()) < self.rows:
+            while not self._stopped and self._expected and len(self._mates()) < self.rows:
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     break

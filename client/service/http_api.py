@@ -246,6 +246,24 @@ class _Api:
             return False
         return hmac.compare_digest(given.strip().encode(), self.token)
 
+    def admit(self, body: bytes, loop: asyncio.AbstractEventLoop) -> tuple[ChatRequest, Row, _Sink]:
+        """Parse and check a request, prepare its row and queue it (in a worker thread).
+
+        Raises:
+            ConfigError, DataError: The request is malformed or out of bounds.
+            UnknownModelError: It names no servable model.
+            OverloadedError: The batcher's queue is full.
+        """
+        try:
+            chat = chat_request_from_json(body)
+            row = self.prepare(chat, parse_chat(chat))
+        except BaseException:
+            self.batcher.cancel_expected()
+            raise
+        sink = _Sink(loop, self.admitted.release, streaming=chat.stream)
+        self.batcher.submit(row, sink, expected=True)
+        return chat, row, sink
+
     def prepare(self, chat: ChatRequest, parsed: ParsedChat) -> Row:
         """Verify the release, decode the images, tokenise (in a worker thread)."""
         patch, crops = self.catalogue.patch(chat.model, PatchPolicy(chat.policy))
@@ -350,19 +368,16 @@ def build_app(api: _Api) -> Starlette:
 
     async def chat(request: Request) -> Response:
         started = time.monotonic()
-        chat_request = chat_request_from_json(await _read_body(request))
-        parsed = await run_in_threadpool(parse_chat, chat_request)
+        body = await _read_body(request)
         if not api.admitted.acquire(blocking=False):
             raise OverloadedError(
                 f"requests in progress must stay below {api.batcher.max_queue}, got a full "
                 "service; retry later."
             )
-        sink = _Sink(
-            asyncio.get_running_loop(), api.admitted.release, streaming=chat_request.stream
-        )
-        try:
-            row = await run_in_threadpool(api.prepare, chat_request, parsed)
-            api.batcher.submit(row, sink)
+        loop = asyncio.get_running_loop()
+        api.batcher.expect()  # a pass about to start waits for this row (briefly)
+        try:  # one trip to a worker thread: parse, check, decode, tokenise, queue
+            chat_request, row, sink = await run_in_threadpool(api.admit, body, loop)
         except BaseException:
             api.admitted.release()
             raise

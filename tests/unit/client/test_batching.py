@@ -155,3 +155,29 @@ def test_stopping_fails_the_rows_still_waiting(loaded):
     # Assert
     assert sink.done.is_set()
     assert sink.error is not None
+
+
+@ONE_ARCH
+def test_a_pass_waits_briefly_for_an_announced_row_and_not_for_a_withdrawn_one(loaded):
+    # Arrange: two rows announced; the second arrives 20 ms after the first
+    batcher = Batcher(loaded, threading.Lock(), rows=2, max_queue=4, gather_s=1.0)
+    first, second = Collected(), Collected()
+    batcher.start()
+    batcher.expect()
+    batcher.expect()
+    # Act
+    batcher.submit(row(loaded, "red", None), first, expected=True)
+    threading.Event().wait(0.02)
+    batcher.submit(row(loaded, "blue", None), second, expected=True)
+    assert first.done.wait(120)
+    assert second.done.wait(120)
+    passes_together = batcher.stats.passes
+    batcher.expect()
+    alone = Collected()
+    batcher.submit(row(loaded, "green", None), alone)  # not the announced one
+    batcher.cancel_expected()  # the announced row's request failed: the pass goes
+    assert alone.done.wait(120)
+    batcher.stop()
+    # Assert
+    assert passes_together == 1
+    assert batcher.stats.passes == 2
