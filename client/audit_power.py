@@ -6,14 +6,16 @@ this module how many releases a side its checks need. The planted bug that sizes
 canary shows at the claimed σ, a fraction (the canary's strength ‖Δ‖/Δ₂) of the claimed
 μ = Δ₂/σ. Which check can catch it depends on that strength:
 
-* strength above 1/2: 2·μ_canary exceeds the claim, so the **violation flag** (μ̂'s lower
-  confidence limit above the claimed μ) can fire; the bar is the claimed μ;
-* otherwise no number of runs makes σ halved violate the claim for this canary; the
-  **calibration check** (μ̂'s lower limit above μ_canary: the noise is not what the plan says)
-  is what catches it, and sizes the runs.
+* the **calibration check** (μ̂'s lower limit above μ_canary: the noise is not what the
+  plan says) can always catch it, since 2·μ_canary > μ_canary;
+* the **violation flag** (μ̂'s lower limit above the claimed μ: the claim itself is refuted)
+  only when the canary's strength is above 1/2, and then needs more runs the closer
+  2·μ_canary comes to the claim.
 
-The power of either is :func:`dpmtv_common.privacy.auditing.detection_power` (normal
-approximation of μ̂); the runs are the fewest that reach the asked power.
+The runs are the fewest that reach the asked power with either check (the violation flag
+when it needs no more runs than the calibration check); the power of a given number of runs
+is that of the check that sizes best. Both come from
+:func:`dpmtv_common.privacy.auditing.detection_power` (normal approximation of μ̂).
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from protocol import ReleasePlan, plan_calibration
 
 __all__ = ["AuditPower", "audit_power", "claimed_mu"]
 
-MAX_RUNS = 1_000_000
-"""The most runs a side an audit is sized to."""
+MAX_RUNS = 100_000
+"""The most runs a side an audit is sized to (about an hour for the embedded model)."""
 
 
 @dataclass(frozen=True)
@@ -59,8 +61,8 @@ class AuditPower:
         what = (
             "a violation of the claimed mu"
             if self.check == "violation"
-            else "noise NOT as calibrated (a violation of the claim cannot be shown with a "
-            f"canary of strength {self.strength:.2f} <= 0.5)"
+            else f"noise NOT as calibrated (canary strength {self.strength:.2f}; a violation "
+            "of the claim needs a strength over 0.5, and more runs the closer it is to 0.5)"
         )
         return (
             f"power: sigma halved is flagged as {what} with probability {self.power:.2f} "
@@ -98,15 +100,25 @@ def audit_power(
             "another canary record."
         )
     halved = 2 * mu_canary
-    check, bar = ("violation", mu_claimed) if halved > mu_claimed else ("calibration", mu_canary)
+    bars = {"violation": mu_claimed, "calibration": mu_canary}  # the violation flag first
     if runs is None:
-        runs = runs_for_power(
-            mu_true=halved, mu_bar=bar, power=power, confidence=confidence, max_runs=MAX_RUNS
-        )
-        if runs is None:
+        needed = {
+            check: runs_for_power(
+                mu_true=halved, mu_bar=bar, power=power, confidence=confidence, max_runs=MAX_RUNS
+            )
+            for check, bar in bars.items()
+        }
+        reachable = {check: n for check, n in needed.items() if n is not None}
+        if not reachable:
             raise ConfigError(
                 f"--power must be reachable within {MAX_RUNS} runs a side, got {power!r} "
-                f"(canary strength {mu_canary / mu_claimed:.3g}): lower --power or --confidence."
+                f"(canary strength {mu_canary / mu_claimed:.3g}, mu canary {mu_canary:.3g}): "
+                "lower --power or --confidence, or pass --runs to run anyway."
             )
-    reached = detection_power(mu_true=halved, mu_bar=bar, runs=runs, confidence=confidence)
-    return AuditPower(check, mu_claimed, mu_canary, runs, reached)
+        runs = min(reachable.values())
+    powers = {
+        check: detection_power(mu_true=halved, mu_bar=bar, runs=runs, confidence=confidence)
+        for check, bar in bars.items()
+    }
+    check = max(powers, key=lambda name: powers[name])  # ties: the violation flag
+    return AuditPower(check, mu_claimed, mu_canary, runs, powers[check])

@@ -40,9 +40,10 @@ and to what this canary should show; an empirical epsilon lower bound from mu, a
 non-parametric one (threshold test, Clopper-Pearson); and the same with sigma halved and with
 the noise off (planted bugs), which shows what the audit can detect.
 
-Runs are sized for power: by default the fewest that flag sigma halved with probability --power
-(as a violation of the claim when the canary is strong enough, i.e. its distance is over half
-the bound; otherwise as noise not as calibrated); the power reached is printed either way.
+Runs are sized for power: by default the fewest that flag sigma halved with probability --power,
+as noise not as calibrated or, when the canary is strong enough (its distance over half the
+bound) and it needs no more runs, as a violation of the claim; the power reached is printed
+either way (with --runs too).
 Progress, with an estimate of the time left, goes to stderr (--quiet: none).
 
 What it can show: a broken noise scale or broken clipping (mu above the claim, or mu far from
@@ -96,7 +97,8 @@ def register(sub: Any) -> None:
     )
     parser.add_argument("--json", dest="json_out", type=Path, help="also write the report here")
     parser.add_argument("--quiet", action="store_true", help="no progress lines or bars (stderr)")
-    parser.set_defaults(handler=run, release_id="audit", task=None)
+    # What a release takes and an audit does not (the audit plans over every carried head).
+    parser.set_defaults(handler=run, release_id="audit", task=None, candidate_heads=None)
 
 
 def _say(args: argparse.Namespace, text: str) -> None:

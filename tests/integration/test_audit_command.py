@@ -137,19 +137,22 @@ def test_default_runs_are_sized_for_the_asked_power(workspace, capsys):
             "--power", "0.5", "--confidence", "0.6", "--no-power", "--json", str(out),
         )
     )  # fmt: skip
-    # Assert: the runs are the fewest reaching 0.5 for the check the canary allows
+    # Assert: the runs are the fewest that reach 0.5 with either check (the canary is drawn
+    # with a fresh secret shuffle, so which check sizes them varies from run to run)
     assert code == 0
     report = json.loads(out.read_text())
     power = report["power"]
-    bar = power["mu_claimed"] if power["check"] == "violation" else power["mu_canary"]
     halved = 2 * power["mu_canary"]
-    expected = runs_for_power(mu_true=halved, mu_bar=bar, power=0.5, confidence=0.6)
-    assert expected is not None
+    bars = {"violation": power["mu_claimed"], "calibration": power["mu_canary"]}
+    needed = [
+        runs_for_power(mu_true=halved, mu_bar=bar, power=0.5, confidence=0.6, max_runs=100_000)
+        for bar in bars.values()
+    ]
+    expected = min(n for n in needed if n is not None)
     assert power["runs"] == expected
     assert report["reports"][0]["runs"] == expected
     assert power["power"] >= 0.5
     assert power["power"] == detection_power(
-        mu_true=halved, mu_bar=bar, runs=expected, confidence=0.6
+        mu_true=halved, mu_bar=bars[power["check"]], runs=expected, confidence=0.6
     )
-    assert (power["check"] == "violation") == (halved > power["mu_claimed"])
     assert "power: sigma halved is flagged" in capsys.readouterr().out
