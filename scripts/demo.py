@@ -27,6 +27,8 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # no "Loading weights" bars
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
 from dpmtv_common.thread_policy import apply_thread_policy
 
@@ -204,6 +206,7 @@ def main() -> int:
     logging.getLogger("flwr").setLevel(logging.WARNING)  # SecAgg+ logs every stage at DEBUG
     args = parse_args()
     started = time.monotonic()
+    print("[1/3] preparing data, model and keys ...", flush=True)
     work, model = prepare(args)
     if args.clip_norm is None:
         args.clip_norm = public_clip_norm(work, model, args.shots)
@@ -215,6 +218,12 @@ def main() -> int:
     else:
         print(f"      model: the embedded shapes VLM ({model}); task {args.task!r};")
     print(f"      clip norm C = {args.clip_norm:.3g} (median layer norm on public data)")
+    print(
+        f"[2/3] federated release over {args.sites} site services: plan, SecAgg+ secure sums, "
+        "one noise draw, head selection, signed artifact ... (the longest phase: tens of "
+        "seconds on 2 idle cores)",
+        flush=True,
+    )
     report = federated_release(args, model)
     outcome = report.outcome
     bound = outcome.bound
