@@ -516,6 +516,7 @@ class HttpEndpoint:
             access_log=False,
             server_header=False,
             http="h11",
+            ws="none",  # no websockets served (nor their library imported)
             loop="asyncio",
             limit_concurrency=settings.max_connections,
             timeout_keep_alive=5,
@@ -534,9 +535,11 @@ class HttpEndpoint:
         deadline = time.monotonic() + 30
         while not self._server.started and self._thread.is_alive():
             if time.monotonic() > deadline:
+                self.stop(timeout=5)
                 raise ServiceError("the HTTP endpoint must start within 30 s, got no start.")
             time.sleep(0.02)
         if not self._server.started:
+            self.stop(timeout=5)
             raise ServiceError("the HTTP endpoint must start, got a failure (see the log).")
         return self.where()
 

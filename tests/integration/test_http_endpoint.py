@@ -374,3 +374,46 @@ def test_metrics_count_requests_and_passes_and_name_no_path(endpoint: Endpoint) 
     assert 'dpmtv_http_requests_total{route="chat",code="200"}' in reply.text
     assert "dpmtv_batch_passes_total" in reply.text
     assert str(Path.home()) not in reply.text
+
+
+def test_a_unix_socket_endpoint_is_private_answers_and_is_removed_at_stop(
+    world: World, tmp_path: Path
+) -> None:
+    # Arrange: the endpoint in this process, on a Unix socket of mode 600
+    from client.service.http_api import HttpEndpoint, HttpSettings
+    from client.settings import SiteSettings
+    from client.site import Site
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    settings = SiteSettings(
+        model_path=world.model, state_dir=tmp_path / "state", device="cpu", batch_size=2
+    )
+    path = tmp_path / "http.sock"
+    endpoint = HttpEndpoint(
+        Site(settings),
+        threading.Lock(),
+        HttpSettings(address=f"unix:{path}", token_file=token_file, socket_mode=0o600),
+    )
+    # Act
+    assert endpoint.start() == f"unix:{path}"
+    try:
+        mode = path.stat().st_mode & 0o777
+        transport = httpx.HTTPTransport(uds=str(path))
+        with httpx.Client(transport=transport, base_url="http://site") as client:
+            headers = {"Authorization": f"Bearer {TOKEN}"}
+            models = client.get("/v1/models", headers=headers).json()
+            reply = client.post(
+                "/v1/chat/completions",
+                headers=headers,
+                json={"model": PLAIN, "messages": [user("Colour?", data_uri())], "max_tokens": 3},
+            )
+    finally:
+        endpoint.stop()
+    # Assert
+    assert mode == 0o600
+    assert [m["id"] for m in models["data"]] == [PLAIN]
+    assert reply.status_code == 200
+    assert reply.json()["usage"]["completion_tokens"] <= 3
+    assert not path.exists()
