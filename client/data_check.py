@@ -199,6 +199,12 @@ def _pixel_warnings(pixels: Sequence[PixelSummary]) -> list[str]:
             "image's depth is the fewest of 8/10/12/14/16 bits that hold its brightest value, "
             "so a dark scan reads brighter than on its scanner's scale."
         )
+    several = sum(p.several_frames for p in pixels)
+    if several:
+        found.append(
+            f"{several} images hold several frames (multi-page TIFF, animated GIF or WebP): "
+            "the model sees the first frame only."
+        )
     for p in pixels:
         if p.scale is PixelScale.OWN_RANGE:
             found.append(

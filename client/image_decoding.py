@@ -85,6 +85,7 @@ class DecodedImage:
         high: The largest stored value.
         scale: How stored values became 0..255.
         bits: The bit depth read from the data (``BIT_DEPTH`` only; else None).
+        frames: Frames the file holds (multi-page TIFF, animated GIF): the first is read.
     """
 
     rgb: Image.Image
@@ -93,6 +94,7 @@ class DecodedImage:
     high: float
     scale: PixelScale
     bits: int | None = None
+    frames: int = 1
 
     def describe(self) -> str:
         """How the values were read, in words, e.g. ``12-bit content, divided by 4095``."""
@@ -109,7 +111,8 @@ class DecodedImage:
 
     def summary(self) -> PixelSummary:
         """This image's stored values, for :func:`summarize_pixels`."""
-        return PixelSummary(self.mode, self.describe(), self.scale, 1, self.low, self.high)
+        several = int(self.frames > 1)
+        return PixelSummary(self.mode, self.describe(), self.scale, 1, self.low, self.high, several)
 
 
 def decode_image(path: str | os.PathLike[str]) -> DecodedImage:
@@ -125,11 +128,12 @@ def decode_image(path: str | os.PathLike[str]) -> DecodedImage:
         warnings.simplefilter("error", Image.DecompressionBombWarning)
         with Image.open(path) as image:
             wide_colour = _holds_wide_colour(image)  # the tile list is gone after load()
+            frames = int(getattr(image, "n_frames", 1))  # the first is read: data check says so
             # load() decodes every pixel: verify() alone passes a truncated JPEG.
             image.load()
             # A camera's EXIF orientation is how the image is meant to be seen.
             upright = ImageOps.exif_transpose(image)
-            return decoded_from_image(upright, wide_colour=wide_colour)
+            return replace(decoded_from_image(upright, wide_colour=wide_colour), frames=frames)
 
 
 def read_rgb(path: str | os.PathLike[str]) -> Image.Image:
@@ -217,6 +221,7 @@ class PixelSummary:
         images: How many images.
         low: The smallest stored value over those images.
         high: The largest.
+        several_frames: Images among them whose file holds more than one frame.
     """
 
     mode: str
@@ -225,6 +230,7 @@ class PixelSummary:
     images: int
     low: float
     high: float
+    several_frames: int = 0
 
     def line(self) -> str:
         """E.g. ``I;16 x6: 0..4095 (12-bit content, divided by 4095)``."""
@@ -245,6 +251,7 @@ def summarize_pixels(images: Iterable[PixelSummary]) -> tuple[PixelSummary, ...]
                 images=seen.images + image.images,
                 low=min(seen.low, image.low),
                 high=max(seen.high, image.high),
+                several_frames=seen.several_frames + image.several_frames,
             )
         )
     return tuple(sorted(groups.values(), key=lambda s: (-s.images, s.mode, s.reading)))

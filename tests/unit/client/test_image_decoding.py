@@ -311,6 +311,25 @@ def test_to_rgb_reads_an_opened_16_bit_image_by_its_bit_depth():
     assert np.asarray(to_rgb(image))[0, :, 0].tolist() == [0, 255]
 
 
+@pytest.mark.parametrize("suffix", [".tif", ".gif"])
+def test_a_multi_frame_file_is_read_at_its_first_frame_and_reported(tmp_path, suffix):
+    # Arrange: a two-page TIFF or a two-frame GIF, red then blue
+    (tmp_path / "a").mkdir()
+    first, second = Image.new("RGB", (4, 4), (255, 0, 0)), Image.new("RGB", (4, 4), (0, 0, 255))
+    path = tmp_path / "a" / f"pages{suffix}"
+    first.save(path, save_all=True, append_images=[second])
+    (tmp_path / "dataset.json").write_text('{"layout": "image-folder"}', encoding="utf-8")
+
+    # Act
+    decoded = decode_image(path)
+    _, report = check_dataset(tmp_path, shots=1)
+
+    # Assert
+    assert decoded.frames == 2
+    assert np.asarray(decoded.rgb)[0, 0].tolist() == [255, 0, 0]
+    assert any(w.startswith("1 images hold several frames") for w in report.warnings)
+
+
 # ---------------------------------------------------------------- bombs, and the report
 
 
