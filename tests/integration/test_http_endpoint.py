@@ -119,15 +119,18 @@ def endpoint(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         for client in served.clients.values():
             client.close()
     finally:
-        process.terminate()
+        process.terminate()  # SIGTERM: the endpoint stops with the relay's socket
         try:
-            process.wait(timeout=60)
+            code = process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=30)
+            code = None
         reader.join(timeout=10)
         assert process.stderr is not None
         process.stderr.close()
+    assert code == 0, "".join(lines)
+    assert "Traceback" not in "".join(lines)
 
 
 def _wait_until_serving(process: subprocess.Popen[str], lines: list[str]) -> None:
