@@ -121,7 +121,7 @@ def endpoint(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator
     finally:
         process.terminate()  # SIGTERM: the endpoint stops with the relay's socket
         try:
-            code = process.wait(timeout=60)
+            code: int | None = process.wait(timeout=60)
         except subprocess.TimeoutExpired:
             process.kill()
             process.wait(timeout=30)
