@@ -21,7 +21,9 @@ The endpoint binds to a loopback address or a Unix socket unless the admin passe
 Bounds: a body is read up to :data:`~client.service.inference.MAX_REQUEST_BYTES` (413
 beyond); every image is checked from its header before it is decoded (400); at most
 ``max_queue`` requests are admitted (prepared, queued or running): one more gets 503 with
-``Retry-After``; uvicorn refuses connections beyond ``max_connections`` with 503 too.
+``Retry-After``; uvicorn answers requests beyond ``max_connections`` open connections with
+503 too, connections beyond twice that are closed at once, and a connection that sends no
+request within 5 s is closed (:class:`_GuardedH11`).
 """
 
 from __future__ import annotations
@@ -50,6 +52,7 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
+from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from client.hooks import PatchPolicy
 from client.models import LoadedModel
@@ -515,7 +518,7 @@ class HttpEndpoint:
             log_config=None,
             access_log=False,
             server_header=False,
-            http="h11",
+            http=_GuardedH11,
             ws="none",  # no websockets served (nor their library imported)
             loop="asyncio",
             limit_concurrency=settings.max_connections,
@@ -565,6 +568,27 @@ class HttpEndpoint:
             self._listener.close()
         if isinstance(self._target, Path):
             self._target.unlink(missing_ok=True)
+
+
+class _GuardedH11(H11Protocol):
+    """uvicorn's h11 protocol, with the service's file descriptors bounded.
+
+    uvicorn answers requests beyond ``limit_concurrency`` with 503 but keeps every connection
+    it accepts, and a fresh connection may stay silent forever: a flood of idle connections
+    would exhaust the process's descriptors (and with them the ledger's and the relay's). So
+    a connection beyond twice the limit is closed at once, and a fresh one must send its
+    request within the keep-alive timeout, as a kept-alive one must.
+    """
+
+    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+        super().connection_made(transport)
+        limit = self.limit_concurrency
+        if limit is not None and len(self.connections) > 2 * limit:
+            transport.close()
+            return
+        self.timeout_keep_alive_task = self.loop.call_later(
+            self.timeout_keep_alive, self.timeout_keep_alive_handler
+        )
 
 
 def _listen(target: tuple[str, int] | Path, mode: int) -> socket.socket:
