@@ -22,8 +22,8 @@ Bounds: a body is read up to :data:`~client.service.inference.MAX_REQUEST_BYTES`
 beyond); every image is checked from its header before it is decoded (400); at most
 ``max_queue`` requests are admitted (prepared, queued or running): one more gets 503 with
 ``Retry-After``; uvicorn answers requests beyond ``max_connections`` open connections with
-503 too, connections beyond twice that are closed at once, and a connection that sends no
-request within 5 s is closed (:class:`_GuardedH11`).
+503 too, connections beyond twice that are closed at once, a request's head must arrive
+within 10 s (:class:`_GuardedH11`) and its body within 120 s (408).
 """
 
 from __future__ import annotations
@@ -73,6 +73,8 @@ __all__ = ["HttpEndpoint", "HttpSettings", "build_app", "parse_address", "read_t
 
 _log = logging.getLogger(__name__)
 _MIN_TOKEN_CHARS = 24
+_HEAD_TIMEOUT_S = 10.0  # a request's head must arrive whole within this
+_BODY_TIMEOUT_S = 120.0  # and its body within this (the relay socket's frame limit)
 _Handler = Callable[[Request], Awaitable[Response]]
 
 
@@ -339,12 +341,17 @@ async def _read_body(request: Request) -> bytes:
                          f"got {declared}.", "invalid_request_error")  # fmt: skip
     chunks: list[bytes] = []
     size = 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > MAX_REQUEST_BYTES:
-            raise _HttpError(413, f"request body must be at most {MAX_REQUEST_BYTES} bytes.",
-                             "invalid_request_error")  # fmt: skip
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(_BODY_TIMEOUT_S):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > MAX_REQUEST_BYTES:
+                    raise _HttpError(413, f"request body must be at most {MAX_REQUEST_BYTES} "
+                                     "bytes.", "invalid_request_error")  # fmt: skip
+                chunks.append(chunk)
+    except TimeoutError:
+        raise _HttpError(408, f"request body must arrive within {_BODY_TIMEOUT_S:g} s.",
+                         "invalid_request_error") from None  # fmt: skip
     return b"".join(chunks)
 
 
@@ -574,11 +581,14 @@ class _GuardedH11(H11Protocol):
     """uvicorn's h11 protocol, with the service's file descriptors bounded.
 
     uvicorn answers requests beyond ``limit_concurrency`` with 503 but keeps every connection
-    it accepts, and a fresh connection may stay silent forever: a flood of idle connections
-    would exhaust the process's descriptors (and with them the ledger's and the relay's). So
-    a connection beyond twice the limit is closed at once, and a fresh one must send its
-    request within the keep-alive timeout, as a kept-alive one must.
+    it accepts, and a connection may stay silent, or trickle a request's head, forever: a flood
+    of such connections would exhaust the process's descriptors (and with them the ledger's and
+    the relay's). So a connection beyond twice the limit is closed at once, and each request's
+    head must arrive whole within :data:`_HEAD_TIMEOUT_S` of the connection or of the previous
+    answer, or the connection is closed (as the relay's socket does with a trickled frame).
     """
+
+    _head_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
@@ -586,9 +596,33 @@ class _GuardedH11(H11Protocol):
         if limit is not None and len(self.connections) > 2 * limit:
             transport.close()
             return
-        self.timeout_keep_alive_task = self.loop.call_later(
-            self.timeout_keep_alive, self.timeout_keep_alive_handler
-        )
+        self._arm_head_deadline()
+
+    def data_received(self, data: bytes) -> None:
+        super().data_received(data)
+        if self.cycle is not None and not self.cycle.response_complete:  # a head arrived
+            self._disarm_head_deadline()
+
+    def on_response_complete(self) -> None:
+        super().on_response_complete()
+        self._arm_head_deadline()
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._disarm_head_deadline()
+        super().connection_lost(exc)
+
+    def _arm_head_deadline(self) -> None:
+        self._disarm_head_deadline()
+        self._head_deadline = self.loop.call_later(_HEAD_TIMEOUT_S, self._head_timed_out)
+
+    def _disarm_head_deadline(self) -> None:
+        if self._head_deadline is not None:
+            self._head_deadline.cancel()
+            self._head_deadline = None
+
+    def _head_timed_out(self) -> None:
+        if self.cycle is None or self.cycle.response_complete:
+            self.transport.close()
 
 
 def _listen(target: tuple[str, int] | Path, mode: int) -> socket.socket:

@@ -379,11 +379,15 @@ def test_a_flood_of_connections_is_bounded_and_the_service_keeps_serving(
     assert ask(endpoint.client(), PLAIN) != "\x00"
 
 
-def test_a_silent_connection_is_closed_after_the_keep_alive_timeout(endpoint: Endpoint) -> None:
+@pytest.mark.parametrize("sent", [b"", b"GET /hea"], ids=["silent", "trickled"])
+def test_a_connection_without_a_whole_request_head_is_closed(
+    endpoint: Endpoint, sent: bytes
+) -> None:
     host, port = endpoint.url.removeprefix("http://").rsplit(":", 1)
     with socket.create_connection((host, int(port)), timeout=30) as sock:
         started = time.monotonic()
-        assert sock.recv(64) == b""  # closed by the server, having said nothing
+        sock.sendall(sent)
+        assert sock.recv(64) == b""  # closed by the server, having answered nothing
     assert time.monotonic() - started < 20
 
 
