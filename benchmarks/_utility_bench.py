@@ -48,6 +48,7 @@ class Bench:
     majority: float  # share of the most frequent answer among the test queries
     shape: tuple[int, int]
     votes: dict  # vote sums shared by every C (votes do not depend on C)
+    chunk_activations: np.ndarray | None = None  # (m, L, H, D) of the pooled chunks, if kept
 
 
 def _queries(loaded: LoadedModel, records: list[Record]) -> QuerySet:
@@ -62,7 +63,7 @@ def _model(path: Path) -> LoadedModel:
     return _MODELS[path]
 
 
-def setup(args, model: Path, root: Path, task: str) -> Bench:
+def setup(args, model: Path, root: Path, task: str, *, per_chunk: bool = False) -> Bench:
     """Write the task's content-disjoint folders and compute everything public or oracle."""
     loaded = _model(model)
     shape = loaded.adapter.head_shape(loaded.model)
@@ -87,8 +88,15 @@ def setup(args, model: Path, root: Path, task: str) -> Bench:
     )
     all_heads = shape.all_heads()
     chunks = make_chunks(pooled, shots=args.shots, seed=1).chunks
-    unclipped = extract_clipped_sum(loaded, chunks, heads=all_heads, clip_norm=1e12, progress=False)
-    mtv_mean = unclipped.total / unclipped.num_chunks
+    chunk_activations = None
+    if per_chunk:  # one pass a chunk, kept: every later scope and draw reads it
+        chunk_activations = public_activations(loaded, chunks, progress=False).double().numpy()
+        mtv_mean = chunk_activations.mean(0).reshape(shape.num_layers * shape.num_heads, -1)
+    else:
+        unclipped = extract_clipped_sum(
+            loaded, chunks, heads=all_heads, clip_norm=1e12, progress=False
+        )
+        mtv_mean = unclipped.total / unclipped.num_chunks
     import torch
 
     oracle = select_heads_attribution(
@@ -119,6 +127,7 @@ def setup(args, model: Path, root: Path, task: str) -> Bench:
         majority=answers.most_common(1)[0][1] / len(test),
         shape=(shape.num_layers, shape.num_heads),
         votes={},
+        chunk_activations=chunk_activations,
     )
 
 
@@ -217,3 +226,17 @@ def dp_row(
     if selection is SelectionMode.PRIVATE:
         row["recall"] = statistics.mean(recall)
     return row
+
+
+def private_plan(bench: Bench, k: int):
+    """An eps = 1 private select-first plan with ``k`` picks at the task's public clip norm."""
+    return make_plan(
+        epsilon=1.0,
+        selection=SelectionMode.PRIVATE,
+        order=ReleaseOrder.SELECT_FIRST,
+        shots=bench.shots,
+        clip_norm=bench.clip_norm,
+        heads=k,
+        public_heads=None,
+        fingerprint=bench.loaded.fingerprint,
+    )

@@ -11,6 +11,7 @@ from client.evaluation.first_token import QuerySet
 from client.models import LoadedModel
 from client.release import LocalSums
 from dpmtv_common.heads import HeadSet
+from dpmtv_common.privacy.mechanisms import clip_per_layer
 from dpmtv_common.privacy.noise import NoiseSource
 from protocol import (
     PROTOCOL_VERSION,
@@ -130,3 +131,39 @@ def headline_ratios(*, zero: float, dp: float, own_selection: float, same_heads:
         "ratio": _gain_ratio(dp, zero, own_selection),
         "ratio_same_heads": _gain_ratio(dp, zero, same_heads),
     }
+
+
+@dataclass
+class PerChunkSums:
+    """Release sums from per-chunk activations taken once (any head scope, any clip norm).
+
+    Each chunk's last-token activations ``(m, L, H, D)`` come from the production hooks
+    (``client.public_selection.public_activations``, the extraction path); a scope's sum
+    clips every chunk's in-scope heads per layer with the production ``clip_per_layer``.
+    Votes are the production vote sum (``LocalSums.vote_sum``), computed once. One forward
+    pass a chunk serves every draw and head set: what makes a 270-head model affordable.
+    """
+
+    inner: LocalSums
+    clip_norm: float
+    chunk_activations: np.ndarray
+    votes: VoteSum | None = None
+    cache: dict[HeadSet, ActivationSum] = field(default_factory=dict)
+
+    def activation_sum(self, heads: HeadSet) -> ActivationSum:
+        if heads not in self.cache:
+            index = heads.to_array()
+            rows = self.chunk_activations[:, index[:, 0], index[:, 1], :]
+            total = sum(
+                clip_per_layer(chunk, row_layers=index[:, 0], clip_norm=self.clip_norm)
+                for chunk in rows
+            )
+            self.cache[heads] = ActivationSum(heads, np.asarray(total), len(rows))
+        return self.cache[heads]
+
+    def vote_sum(self, reference):
+        if reference is not None:  # scored against this draw's noisy vector: not cacheable
+            return self.inner.vote_sum(reference)
+        if self.votes is None:
+            self.votes = self.inner.vote_sum(None)
+        return self.votes

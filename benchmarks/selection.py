@@ -41,8 +41,8 @@ from dpmtv_common.thread_policy import apply_thread_policy
 
 apply_thread_policy()  # before torch loads: its thread pool must not spin on shared cores
 
-from _utility_bench import Bench, setup
-from _utility_lib import CachedSums, make_plan, score
+from _utility_bench import Bench, private_plan, setup
+from _utility_lib import CachedSums, score
 
 from client.chunking import make_chunks
 from client.data import load_dataset
@@ -53,7 +53,7 @@ from client.release import LocalSums
 from client.scoring import ScoreMethod
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.noise import secure_noise
-from protocol import ReleaseOrder, SelectionMode, plan_calibration
+from protocol import plan_calibration
 
 
 def log(message: str) -> None:
@@ -78,16 +78,7 @@ def measure(bench: Bench, sums, votes: np.ndarray, candidates: list[int], args) 
     """Noise-free and private recall, margin, and DP-MTV accuracy for one vote histogram."""
     heads_of = [(slot // bench.shape[1], slot % bench.shape[1]) for slot in candidates]
     oracle = set(bench.oracle_heads.heads)
-    plan = make_plan(
-        epsilon=1.0,
-        selection=SelectionMode.PRIVATE,
-        order=ReleaseOrder.SELECT_FIRST,
-        shots=bench.shots,
-        clip_norm=bench.clip_norm,
-        heads=args.heads,
-        public_heads=None,
-        fingerprint=bench.loaded.fingerprint,
-    )
+    plan = private_plan(bench, args.heads)
     gumbel = plan_calibration(plan).gumbel()
     scores = votes[candidates]
     order = np.argsort(-scores, kind="stable")
@@ -111,19 +102,8 @@ def measure(bench: Bench, sums, votes: np.ndarray, candidates: list[int], args) 
 
 def dp_accuracy(bench: Bench, sums, heads: HeadSet) -> float:
     """The Gaussian part of a select-first release on ``heads`` (the picks are given)."""
-    plan = make_plan(
-        epsilon=1.0,
-        selection=SelectionMode.PUBLIC,
-        order=ReleaseOrder.SELECT_FIRST,
-        shots=bench.shots,
-        clip_norm=bench.clip_norm,
-        heads=len(heads),
-        public_heads=heads,
-        fingerprint=bench.loaded.fingerprint,
-    )
-    # The Gaussian of a private plan: the same eps split (selection share), so z matches.
-    private = plan.model_copy(update={"selection": SelectionMode.PRIVATE, "public_heads": None})
-    z = plan_calibration(private).noise_multiplier
+    # The Gaussian of the private plan that picked ``heads``: its eps split fixes z.
+    z = plan_calibration(private_plan(bench, len(heads))).noise_multiplier
     summed = sums.activation_sum(heads)
     # sigma = z * 2C * sqrt(L_scope), one draw on the sum, as protocol.run_release draws it.
     std = z * 2 * bench.clip_norm * np.sqrt(heads.num_layers_in_scope)
@@ -140,16 +120,7 @@ def run_task(args, model: Path, root: Path, task: str, pooled: int) -> list[dict
         task,
     )
     chunks = make_chunks(bench.pooled, shots=bench.shots, seed=1).chunks
-    plan = make_plan(
-        epsilon=1.0,
-        selection=SelectionMode.PRIVATE,
-        order=ReleaseOrder.SELECT_FIRST,
-        shots=bench.shots,
-        clip_norm=bench.clip_norm,
-        heads=args.heads,
-        public_heads=None,
-        fingerprint=bench.loaded.fingerprint,
-    )
+    plan = private_plan(bench, args.heads)
     activations = CachedSums(LocalSums(bench.loaded, chunks, plan, progress=False))
     everything = list(range(bench.shape[0] * bench.shape[1]))
     restricted = public_candidates(bench, root / f"{task}-{pooled}" / "public", 2 * args.heads)

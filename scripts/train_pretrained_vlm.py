@@ -24,18 +24,21 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import shlex
 import sys
 import tempfile
 import time
 from pathlib import Path
 
-import numpy as np
-import torch
-
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+
+from dpmtv_common.thread_policy import apply_thread_policy
+
+apply_thread_policy(1)  # before torch loads; one thread also fixes the reduction order
+
+import torch
+from train_embedded_model import library_versions  # the same record of versions
 
 from client.models import Example, adapter_for
 from client.models.pretrained import (
@@ -149,20 +152,6 @@ def in_context_scores(model, processor, seed: int, queries: int) -> dict[str, di
     return scores
 
 
-def library_versions() -> dict[str, str]:
-    import tokenizers
-    import transformers
-
-    return {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "transformers": transformers.__version__,
-        "tokenizers": tokenizers.__version__,
-        "numpy": np.__version__,
-        "machine": platform.machine(),
-    }
-
-
 def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -174,7 +163,6 @@ def main() -> int:
     parser.add_argument("--bank", type=int, default=6000, help="pre-rendered training scenes")
     parser.add_argument("--queries", type=int, default=48, help="held-out queries per score")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--log-every", type=int, default=100)
     parser.add_argument("--gguf", type=Path, default=None, help="a local copy of the decoder")
     parser.add_argument("--out", type=Path, default=None, help="default: the shipped folder")
@@ -185,7 +173,6 @@ def main() -> int:
         args.out = args.out or Path(tempfile.mkdtemp(prefix="dpmtv-vision-"))
     args.out = args.out or PRETRAINED_PARTS_DIR
     torch.manual_seed(args.seed)
-    torch.set_num_threads(args.threads)
     torch.use_deterministic_algorithms(True)
     started = time.monotonic()
     cache = default_pretrained_model_dir().with_name("shapes-smollm2.download")
