@@ -10,7 +10,7 @@ three, so every row does the same work):
 - **batcher**: :class:`client.service.batching.Batcher`, every row patched with a stored
   release (all heads), fixed-shape passes of ``rows`` rows; the prompt is built in the
   client's thread, as the endpoint does.
-- **http**: the whole endpoint (:class:`client.service.http_api.HttpEndpoint`) on 127.0.0.1,
+- **http**: the whole endpoint (:class:`client.service.http_server.HttpEndpoint`) on 127.0.0.1,
   one ``httpx`` client a thread in a client process of its own (so the clients do not
   share the server's interpreter lock), the images as data URIs, the release as the model
   name.
@@ -51,9 +51,10 @@ from PIL import Image
 
 from client.hooks import PatchPolicy
 from client.models import Example, LoadedModel, Prompt, save_tiny_model
-from client.service.batching import Batcher, prepare_row
-from client.service.http_api import HttpEndpoint, HttpSettings
+from client.service.batching import Batcher
+from client.service.http_server import HttpEndpoint, HttpSettings
 from client.service.releases import ReleaseCatalogue
+from client.service.rows import prepare_row
 from client.settings import SiteSettings
 from client.site import Site
 from dpmtv_common.artifact import ReleaseDescription, write_artifact

@@ -1,7 +1,7 @@
 """The ``--http*`` options of ``dpmtv-site serve``: the OpenAI-compatible endpoint, off by default.
 
 Checked before the model loads (address, token file), started once the service holds its
-ledger (:class:`client.service.http_api.HttpEndpoint`).
+ledger (:class:`client.service.http_server.HttpEndpoint`).
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from client.cli._types import file_mode, positive_int
 from dpmtv_common.errors import ConfigError
 
 if TYPE_CHECKING:
-    from client.service.http_api import HttpEndpoint, HttpSettings
+    from client.service.http_server import HttpEndpoint, HttpSettings
     from client.site import Site
 
 __all__ = ["add_http_options", "check_http", "start_http"]
@@ -73,7 +73,7 @@ def check_http(args: argparse.Namespace) -> HttpSettings | None:
         if getattr(args, "http_token_file", None) is not None:
             raise ConfigError("--http-token-file must come with --http, got no --http.")
         return None
-    from client.service.http_api import HttpSettings, parse_address, read_token
+    from client.service.http_server import HttpSettings, parse_address, read_token
 
     if args.http_token_file is None:
         raise ConfigError(
@@ -98,7 +98,7 @@ def start_http(
     """Start the endpoint when ``settings`` is given; say where it listens on stderr."""
     if settings is None:
         return None
-    from client.service.http_api import HttpEndpoint
+    from client.service.http_server import HttpEndpoint
 
     endpoint = HttpEndpoint(site, model_lock, settings)
     where = endpoint.start()

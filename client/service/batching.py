@@ -20,18 +20,8 @@ so a row's tokens are bit-identical alone or batched, in whichever row it sits (
 Batching is dynamic, not continuous: rows join a pass when it starts; a row cannot join a
 pass under way, since its prompt would change the pass's shape mid-generation.
 
-**The patch is per row.** Each row carries its own release's heads and values (or none: the
-plain model), so one pass may mix releases. A forward pre-hook on every patched layer's
-``o_proj`` overwrites, in each patched row, that row's heads at the last position, with
-``torch.where`` (elementwise: a row's patch cannot touch another row). Under the
-``prompt-last-token`` policy (the default, what was measured) a row is patched in the
-prefill only, at its prompt's last token: the generated tokens then attend to the patched
-position through the KV cache, and each decoding step itself runs unpatched. Under
-``every-call`` (MTV's code) the row is patched at every step's position as well.
-
-**Sampling is per row.** A row with ``temperature > 0`` draws its tokens from its own
-``torch.Generator``, seeded by the request (or at random): its draws never depend on its
-batch-mates either. ``temperature == 0`` is greedy.
+The rows themselves, and the per-row controls of a pass (patch, sampling, stop), are in
+:mod:`client.service.rows`.
 """
 
 from __future__ import annotations
@@ -40,168 +30,32 @@ import collections
 import logging
 import threading
 import time
-from collections.abc import Iterator, Sequence
-from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
 
 import torch
-from torch import nn
-from transformers import (
-    LogitsProcessor,
-    LogitsProcessorList,
-    StoppingCriteria,
-    StoppingCriteriaList,
-)
+from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from client.fixed_shape import PAD_MULTIPLE
-from client.hooks import PatchPolicy, prompt_length_guard, registered_pre_hooks
-from client.models import LoadedModel, Prompt, check_prompt_length
+from client.hooks import prompt_length_guard
+from client.models import LoadedModel
+from client.service.rows import (
+    Row,
+    RowLimit,
+    RowSampler,
+    RowSink,
+    eos_ids,
+    row_patches,
+    stack_rows,
+)
 from dpmtv_common.errors import ConfigError, ServiceError
-from dpmtv_common.heads import HeadSet
 
-__all__ = [
-    "BatchStats",
-    "Batcher",
-    "OverloadedError",
-    "Row",
-    "RowPatch",
-    "RowSink",
-    "prepare_row",
-]
+__all__ = ["BatchStats", "Batcher", "OverloadedError"]
 
 _log = logging.getLogger(__name__)
-_Inputs = dict[str, torch.Tensor]
-_Signature = tuple[int, tuple[tuple[str, tuple[int, ...]], ...]]
 
 
 class OverloadedError(ServiceError):
     """The queue of waiting rows is full: the caller should retry later."""
-
-
-@dataclass(frozen=True)
-class RowPatch:
-    """One release's patch for one row.
-
-    Attributes:
-        release_id: The release whose verified artifact gave the values.
-        heads: The released heads; row ``i`` of ``values`` belongs to ``heads.heads[i]``.
-        values: float32 ``(len(heads), D)``, the released mean activations.
-        policy: When the row is patched (see the module docstring).
-    """
-
-    release_id: str
-    heads: HeadSet
-    values: torch.Tensor
-    policy: PatchPolicy = PatchPolicy.PROMPT_LAST_TOKEN
-
-
-@dataclass(frozen=True)
-class Row:
-    """One prepared query: its unpadded tensors and how to answer it.
-
-    Attributes:
-        inputs: The processor's tensors for this prompt alone (a batch of one).
-        prompt_tokens: Tokens of the unpadded prompt.
-        signature: Padded length and image-tensor shapes: rows share a pass only if equal.
-        patch: The release's patch, or None for the plain model.
-        max_new_tokens: Most tokens to generate.
-        temperature: 0 for greedy, else the sampling temperature.
-        seed: Seed of this row's own sampling generator.
-        image_crops: The crop cap its prompt was built under (rows share it in a pass).
-    """
-
-    inputs: _Inputs
-    prompt_tokens: int
-    signature: _Signature
-    patch: RowPatch | None
-    max_new_tokens: int
-    temperature: float
-    seed: int
-    image_crops: int | None = None
-
-
-class RowSink(Protocol):
-    """Receives one row's generation, from the worker thread (so: thread-safe)."""
-
-    def token(self, token_id: int) -> None:
-        """One generated token (an end-of-sequence token is never sent)."""
-
-    def finish(self, reason: str) -> None:
-        """The row is done: ``stop`` (end of sequence) or ``length`` (``max_new_tokens``)."""
-
-    def fail(self, error: Exception) -> None:
-        """The row's pass failed; no more calls follow."""
-
-
-def prepare_row(
-    loaded: LoadedModel,
-    prompt: Prompt,
-    *,
-    instruction: str | None,
-    patch: RowPatch | None,
-    max_new_tokens: int,
-    temperature: float,
-    seed: int,
-) -> Row:
-    """Tokenise one prompt and check it fits the model, padded, before it is queued.
-
-    Raises:
-        ConfigError: The prompt (padded, plus ``max_new_tokens``) exceeds the model's context,
-            or the processor returns something other than tensors.
-    """
-    built = loaded.adapter.build_batch_inputs(loaded.processor, [prompt], instruction=instruction)
-    inputs = {key: value for key, value in built.items() if isinstance(value, torch.Tensor)}
-    if len(inputs) != len(built):
-        raise ConfigError("processor outputs must all be tensors to be batched.")
-    signature = _signature(inputs)
-    check_prompt_length(loaded.model, signature[0] + max_new_tokens)
-    return Row(
-        inputs=inputs,
-        prompt_tokens=int(inputs["input_ids"].shape[1]),
-        signature=signature,
-        patch=patch,
-        max_new_tokens=max_new_tokens,
-        temperature=temperature,
-        seed=seed,
-        image_crops=loaded.max_image_crops,
-    )
-
-
-def _token_keys(inputs: _Inputs) -> list[str]:
-    length = inputs["input_ids"].shape[1]
-    return [k for k, v in inputs.items() if v.ndim == 2 and v.shape == (1, length)]
-
-
-def _signature(inputs: _Inputs) -> _Signature:
-    """Padded length (its own prompt's, rounded up) and the other tensors' shapes.
-
-    A prompt whose other tensors have a dimension as long as the prompt (a per-token tensor
-    we would not know how to pad) keeps its exact length: still a function of itself only.
-    """
-    length = int(inputs["input_ids"].shape[1])
-    tokens = set(_token_keys(inputs))
-    others = tuple(sorted((k, tuple(v.shape)) for k, v in inputs.items() if k not in tokens))
-    if any(length in shape[1:] for _, shape in others):
-        return length, others
-    return -(-length // PAD_MULTIPLE) * PAD_MULTIPLE, others
-
-
-def _stacked(rows: Sequence[Row], pad_id: int) -> _Inputs:
-    length = rows[0].signature[0]
-    tokens = set(_token_keys(rows[0].inputs))
-    out: _Inputs = {}
-    for key in rows[0].inputs:
-        values = [row.inputs[key] for row in rows]
-        if key in tokens:  # masked positions get exactly zero attention weight
-            fill = pad_id if key == "input_ids" else 0
-            values = [
-                torch.cat([torch.full((1, length - v.shape[1]), fill, dtype=v.dtype), v], dim=1)
-                for v in values
-            ]
-        out[key] = torch.cat(values, dim=0)
-    return out
 
 
 @dataclass
@@ -360,18 +214,18 @@ class Batcher:
         tokenizer = loaded.processor.tokenizer
         pad_id = getattr(tokenizer, "pad_token_id", None) or 0
         device = loaded.model.device
-        inputs = {k: v.to(device) for k, v in _stacked(filled, pad_id).items()}
+        inputs = {k: v.to(device) for k, v in stack_rows(filled, pad_id).items()}
         prompt_length = int(inputs["input_ids"].shape[1])
-        streamer = _RowStreamer(tickets, _eos_ids(loaded), self.stats)
+        streamer = _RowStreamer(tickets, eos_ids(loaded), self.stats)
         started = time.monotonic()
-        with self._model_lock, _row_patches(loaded, filled), prompt_length_guard(loaded.model):
+        with self._model_lock, row_patches(loaded, filled), prompt_length_guard(loaded.model):
             loaded.model.generate(  # type: ignore[operator]
                 **inputs,
                 max_new_tokens=max(row.max_new_tokens for row in rows),
                 do_sample=False,
                 pad_token_id=pad_id,
-                logits_processor=LogitsProcessorList([_RowSampler(filled)]),
-                stopping_criteria=StoppingCriteriaList([_RowLimit(filled, prompt_length)]),
+                logits_processor=LogitsProcessorList([RowSampler(filled)]),
+                stopping_criteria=StoppingCriteriaList([RowLimit(filled, prompt_length)]),
                 streamer=streamer,
             )
         self.stats.busy_seconds += time.monotonic() - started
@@ -379,15 +233,6 @@ class Batcher:
         self.stats.rows_served += len(rows)
         self.stats.rows_filled += self.rows - len(rows)
         streamer.finish_all()
-
-
-def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
-    eos = getattr(loaded.model.generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(loaded.processor.tokenizer, "eos_token_id", None)
-    if eos is None:
-        return frozenset()
-    return frozenset([eos] if isinstance(eos, int) else eos)
 
 
 @dataclass
@@ -429,83 +274,3 @@ class _RowStreamer(BaseStreamer):
     def finish_all(self) -> None:
         for ticket, reason in zip(self.tickets, self.reasons, strict=True):
             ticket.sink.finish(reason or "length")
-
-
-class _RowLimit(StoppingCriteria):
-    """Each row stops at its own ``max_new_tokens`` (end of sequence is generate()'s own)."""
-
-    def __init__(self, rows: Sequence[Row], prompt_length: int) -> None:
-        self._limits = torch.tensor([row.max_new_tokens for row in rows])
-        self._prompt_length = prompt_length
-
-    def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
-        made = input_ids.shape[1] - self._prompt_length
-        return (made >= self._limits).to(input_ids.device)
-
-
-class _RowSampler(LogitsProcessor):
-    """Sampling rows draw from their own generator; greedy rows are left as they are.
-
-    ``generate()`` runs greedy (argmax); a sampling row's scores become one-hot on its draw,
-    so the argmax picks the drawn token.
-    """
-
-    def __init__(self, rows: Sequence[Row]) -> None:
-        self._rows = list(rows)
-        self._generators: dict[int, torch.Generator] = {}
-        for index, row in enumerate(rows):
-            if row.temperature > 0:
-                self._generators[index] = torch.Generator().manual_seed(row.seed)
-
-    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
-        if not self._generators:
-            return scores
-        out = scores.clone()
-        for index, generator in self._generators.items():
-            logits = scores[index].detach().to(device="cpu", dtype=torch.float32)
-            probs = torch.softmax(logits / self._rows[index].temperature, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=generator))
-            out[index] = float("-inf")
-            out[index, token] = 0.0
-        return out
-
-
-@contextmanager
-def _row_patches(loaded: LoadedModel, rows: Sequence[Row]) -> Iterator[None]:
-    """Each patched row's heads overwritten at the last position, per its own policy."""
-    shape = loaded.adapter.head_shape(loaded.model)
-    batch = len(rows)
-    tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    every_call = torch.tensor(
-        [row.patch is not None and row.patch.policy is PatchPolicy.EVERY_CALL for row in rows]
-    )
-    for index, row in enumerate(rows):
-        if row.patch is None:
-            continue
-        for (layer, head), value in zip(row.patch.heads.heads, row.patch.values, strict=True):
-            if layer not in tables:
-                mask = torch.zeros(batch, shape.num_heads, dtype=torch.bool)
-                values = torch.zeros(batch, shape.num_heads, shape.head_dim)
-                tables[layer] = (mask, values)
-            tables[layer][0][index, head] = True
-            tables[layer][1][index, head] = value
-
-    def make_hook(mask: torch.Tensor, values: torch.Tensor) -> Any:
-        def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
-            hidden = args[0]
-            prefill = hidden.shape[1] > 1
-            active = mask & (every_call | prefill)[:, None]
-            if not bool(active.any()):
-                return None
-            patched = hidden.clone(memory_format=torch.contiguous_format)
-            per_head = patched.view(*hidden.shape[:2], shape.num_heads, shape.head_dim)
-            where = active.to(hidden.device)[..., None]
-            per_head[:, -1] = torch.where(where, values.to(hidden), per_head[:, -1])
-            return (patched, *args[1:])
-
-        return hook
-
-    projections = loaded.adapter.projections_by_layer(loaded.model)
-    hooks = [(projections[layer], make_hook(*tables[layer])) for layer in sorted(tables)]
-    with registered_pre_hooks(hooks):
-        yield

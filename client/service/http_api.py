@@ -1,29 +1,26 @@
-"""An OpenAI-compatible HTTP endpoint in the site service: answers only, behind a token.
+"""The OpenAI-compatible routes of the site service: answers only, behind a token.
 
-How this connects: ``dpmtv-site serve ... --http 127.0.0.1:8080 --http-token-file F`` starts
-:class:`HttpEndpoint` beside the relay's Unix socket, in the same process (the model is
-loaded once). Starlette routes the requests and uvicorn speaks HTTP (no parsing of ours);
-:mod:`client.service.chat_format` maps a chat request onto a prompt under the bounds of
-``dpmtv-site ask``; :mod:`client.service.releases` names the releases a request may use;
-:mod:`client.service.batching` runs the rows of concurrent requests together.
+How this connects: :mod:`client.service.http_server` serves :func:`build_app` beside the
+relay's Unix socket, in the same process (the model is loaded once). Starlette routes the
+requests (no HTTP parsing of ours); :mod:`client.service.chat_format` maps a chat request
+onto a prompt under the bounds of ``dpmtv-site ask``; :mod:`client.service.releases` names
+the releases a request may use; :mod:`client.service.batching` runs the rows of concurrent
+requests together.
 
-Routes: ``POST /v1/chat/completions`` (``stream`` as server-sent events), ``GET /v1/models``,
-``GET /metrics`` (Prometheus text format) and ``GET /health``. Every route but ``/health``
-(which says ``ok`` and nothing else) needs ``Authorization: Bearer <token>``, the token the
-site admin wrote in the token file, compared in constant time.
+Routes: ``POST /v1/chat/completions`` (``stream`` as server-sent events), ``GET /v1/models``
+(and ``/v1/models/{id}``), ``GET /metrics`` (Prometheus text format) and ``GET /health``.
+Every route but ``/health`` (which says ``ok`` and nothing else) needs
+``Authorization: Bearer <token>``, the token the site admin wrote in the token file,
+compared in constant time.
 
 Trust: whoever holds the token can query the model with inputs of its own; it reaches no
 data, ledger, key or path of the site. Answers, release ids and counters are all a reply
 ever carries: a failure whose text might name a path is logged and answered with its type.
-The endpoint binds to a loopback address or a Unix socket unless the admin passes
-``--http-allow-remote`` (then put TLS in front: the token travels in clear).
 
 Bounds: a body is read up to :data:`~client.service.inference.MAX_REQUEST_BYTES` (413
-beyond); every image is checked from its header before it is decoded (400); at most
-``max_queue`` requests are admitted (prepared, queued or running): one more gets 503 with
-``Retry-After``; uvicorn answers requests beyond ``max_connections`` open connections with
-503 too, connections beyond twice that are closed at once, a request's head must arrive
-within 10 s (:class:`_GuardedH11`) and its body within 120 s (408).
+beyond) within 120 s (408); every image is checked from its header before it is decoded
+(400); at most ``max_queue`` requests are admitted (prepared, queued or running): one more
+gets 503 with ``Retry-After``.
 """
 
 from __future__ import annotations
@@ -31,20 +28,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import ipaddress
 import json
 import logging
-import os
 import secrets
-import socket
-import stat
 import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from starlette.applications import Starlette
@@ -52,11 +44,10 @@ from starlette.concurrency import run_in_threadpool
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
-from uvicorn.protocols.http.h11_impl import H11Protocol
 
 from client.hooks import PatchPolicy
 from client.models import LoadedModel
-from client.service.batching import Batcher, OverloadedError, Row, prepare_row
+from client.service.batching import Batcher, OverloadedError
 from client.service.chat_format import (
     ChatRequest,
     ParsedChat,
@@ -66,96 +57,15 @@ from client.service.chat_format import (
 )
 from client.service.inference import MAX_REQUEST_BYTES
 from client.service.releases import ReleaseCatalogue, UnknownModelError
+from client.service.rows import Row, prepare_row
 from client.site import Site
-from dpmtv_common.errors import ConfigError, DataError, ServiceError
+from dpmtv_common.errors import ConfigError, DataError
 
-__all__ = ["HttpEndpoint", "HttpSettings", "build_app", "parse_address", "read_token"]
+__all__ = ["ChatApi", "build_app"]
 
 _log = logging.getLogger(__name__)
-_MIN_TOKEN_CHARS = 24
-_HEAD_TIMEOUT_S = 10.0  # a request's head must arrive whole within this
 _BODY_TIMEOUT_S = 120.0  # and its body within this (the relay socket's frame limit)
 _Handler = Callable[[Request], Awaitable[Response]]
-
-
-@dataclass(frozen=True)
-class HttpSettings:
-    """How the endpoint listens and how much it admits.
-
-    Attributes:
-        address: ``HOST:PORT`` (an IP literal or ``localhost``) or ``unix:PATH``.
-        token_file: The bearer token, written by the site admin, readable by its owner only.
-        allow_remote: Bind to a non-loopback address (put TLS in front of it).
-        max_queue: Requests admitted at once (being prepared, queued or generated).
-        max_connections: Open connections uvicorn serves; more get 503.
-        socket_mode: Permission bits of a Unix socket.
-    """
-
-    address: str
-    token_file: Path
-    allow_remote: bool = False
-    max_queue: int = 64
-    max_connections: int = 256
-    socket_mode: int = 0o660
-
-
-def parse_address(address: str, *, allow_remote: bool) -> tuple[str, int] | Path:
-    """``(host, port)`` for TCP, a ``Path`` for ``unix:PATH``.
-
-    Raises:
-        ConfigError: Not ``HOST:PORT`` or ``unix:PATH``, or a non-loopback host without
-            ``allow_remote``.
-    """
-    if address.startswith("unix:"):
-        path = Path(address[len("unix:") :])
-        if not path.is_absolute():
-            raise ConfigError(f"--http unix: path must be absolute, got {str(path)!r}.")
-        return path
-    host, sep, port_text = address.rpartition(":")
-    host = host.strip("[]")
-    if not sep or not host or not port_text.isdigit() or not 0 <= int(port_text) < 65536:
-        raise ConfigError(
-            f"--http must be HOST:PORT (e.g. 127.0.0.1:8080) or unix:PATH, got {address!r}."
-        )
-    if host == "localhost":
-        host = "127.0.0.1"
-    try:
-        ip = ipaddress.ip_address(host)
-    except ValueError:
-        raise ConfigError(
-            f"--http host must be an IP address or localhost, got {host!r}."
-        ) from None
-    if not ip.is_loopback and not allow_remote:
-        raise ConfigError(
-            f"--http host must be a loopback address, got {host!r}; pass --http-allow-remote "
-            "to serve other machines (and put TLS in front: the token travels in clear)."
-        )
-    return host, int(port_text)
-
-
-def read_token(path: Path) -> bytes:
-    """The bearer token in ``path``: one line, at least 24 characters, owner-only file.
-
-    Raises:
-        ConfigError: The file is missing, readable by group or others, or the token is short.
-    """
-    try:
-        info = path.stat()
-        text = path.read_text(encoding="utf-8").strip()
-    except (OSError, UnicodeDecodeError) as exc:
-        raise ConfigError(f"--http-token-file must be a readable text file: {exc}") from exc
-    if stat.S_IMODE(info.st_mode) & 0o077:
-        raise ConfigError(
-            f"--http-token-file must be readable by its owner only, got mode "
-            f"{stat.S_IMODE(info.st_mode):o}; run chmod 600 on it."
-        )
-    if len(text) < _MIN_TOKEN_CHARS or any(c.isspace() or not c.isprintable() for c in text):
-        raise ConfigError(
-            f"--http-token-file must hold one token of at least {_MIN_TOKEN_CHARS} printable "
-            f"characters without spaces, got {len(text)} characters; make one with: "
-            "python -c 'import secrets; print(secrets.token_urlsafe(32))'."
-        )
-    return text.encode()
 
 
 class _HttpError(Exception):
@@ -229,7 +139,7 @@ class _Metrics:
         return "\n".join(lines) + "\n"
 
 
-class _Api:
+class ChatApi:
     """The routes' shared state: the model, the releases, the batcher, the token."""
 
     def __init__(
@@ -246,6 +156,7 @@ class _Api:
         self._capped_models: dict[int | None, LoadedModel] = {}
 
     def authorised(self, request: Request) -> bool:
+        """Whether ``request`` carries the site's token (compared in constant time)."""
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer":
             return False
@@ -292,6 +203,7 @@ class _Api:
             return self._capped_models[crops]
 
     def decode(self, token_ids: list[int]) -> str:
+        """The text of generated tokens (special tokens dropped)."""
         tokenizer = self.site.model().processor.tokenizer
         return str(tokenizer.decode(token_ids, skip_special_tokens=True))
 
@@ -304,7 +216,7 @@ def _error_response(error: _HttpError) -> JSONResponse:
     return JSONResponse(body, status_code=error.status, headers=headers)
 
 
-def _route(api: _Api, name: str, handler: _Handler, *, auth: bool = True) -> _Handler:
+def _route(api: ChatApi, name: str, handler: _Handler, *, auth: bool = True) -> _Handler:
     """Authorise, turn typed errors into HTTP errors, count the answer."""
 
     async def wrapped(request: Request) -> Response:
@@ -355,7 +267,7 @@ async def _read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-def build_app(api: _Api) -> Starlette:
+def build_app(api: ChatApi) -> Starlette:
     """The routes, each authorised and counted."""
 
     async def health(request: Request) -> Response:
@@ -410,7 +322,7 @@ class _Completion:
     """One request's answer, as one JSON body or as server-sent events."""
 
     def __init__(
-        self, api: _Api, request: ChatRequest, row: Row, sink: _Sink, started: float
+        self, api: ChatApi, request: ChatRequest, row: Row, sink: _Sink, started: float
     ) -> None:
         self.api, self.request, self.row, self.sink = api, request, row, sink
         self.started = started
@@ -493,164 +405,3 @@ class _Completion:
                     "model": self.request.model, "choices": [], "usage": self._usage()}  # fmt: skip
             yield f"data: {json.dumps(body)}\n\n"
         yield "data: [DONE]\n\n"
-
-
-class HttpEndpoint:
-    """The endpoint's socket, its uvicorn server (own thread and event loop) and batcher.
-
-    Args:
-        site: The site whose model answers.
-        model_lock: The lock every use of the site's model takes.
-        settings: Address, token file and bounds.
-    """
-
-    def __init__(self, site: Site, model_lock: threading.Lock, settings: HttpSettings) -> None:
-        import uvicorn
-
-        if settings.max_queue < 1 or settings.max_connections < 1:
-            raise ConfigError(
-                "max_queue and max_connections must be >= 1, got "
-                f"{settings.max_queue} and {settings.max_connections}."
-            )
-        self.settings = settings
-        token = read_token(settings.token_file)
-        self._target = parse_address(settings.address, allow_remote=settings.allow_remote)
-        rows = site.settings.batch_size
-        self.batcher = Batcher(site.model(), model_lock, rows=rows, max_queue=settings.max_queue)
-        api = _Api(site, self.batcher, token, max_queue=settings.max_queue,
-                   plain_name=site.settings.name)  # fmt: skip
-        config = uvicorn.Config(
-            build_app(api),
-            lifespan="off",
-            log_config=None,
-            access_log=False,
-            server_header=False,
-            http=_GuardedH11,
-            ws="none",  # no websockets served (nor their library imported)
-            loop="asyncio",
-            limit_concurrency=settings.max_connections,
-            timeout_keep_alive=5,
-            timeout_graceful_shutdown=10,  # a stop waits this long for answers under way
-        )
-        self._server = uvicorn.Server(config)
-        self._listener: socket.socket | None = None
-        self._thread: threading.Thread | None = None
-
-    def start(self) -> str:
-        """Bind, start the batcher and the server thread; return where it listens."""
-        self._listener = _listen(self._target, self.settings.socket_mode)
-        self.batcher.start()
-        self._thread = threading.Thread(target=self._serve, name="dpmtv-http", daemon=True)
-        self._thread.start()
-        deadline = time.monotonic() + 30
-        while not self._server.started and self._thread.is_alive():
-            if time.monotonic() > deadline:
-                self.stop(timeout=5)
-                raise ServiceError("the HTTP endpoint must start within 30 s, got no start.")
-            time.sleep(0.02)
-        if not self._server.started:
-            self.stop(timeout=5)
-            raise ServiceError("the HTTP endpoint must start, got a failure (see the log).")
-        return self.where()
-
-    def where(self) -> str:
-        """``http://HOST:PORT`` or ``unix:PATH`` (the port chosen when 0 was asked)."""
-        if isinstance(self._target, Path):
-            return f"unix:{self._target}"
-        assert self._listener is not None  # noqa: S101 (typing only: set by start())
-        host, port = self._listener.getsockname()[:2]
-        return f"http://{host}:{port}" if ":" not in host else f"http://[{host}]:{port}"
-
-    def _serve(self) -> None:
-        assert self._listener is not None  # noqa: S101 (typing only: set by start())
-        asyncio.run(self._server.serve(sockets=[self._listener]))
-
-    def stop(self, timeout: float = 30.0) -> None:
-        """Stop taking connections, finish what runs, release the socket."""
-        self._server.should_exit = True
-        if self._thread is not None:
-            self._thread.join(timeout)
-        self.batcher.stop(timeout)
-        if self._listener is not None:
-            self._listener.close()
-        if isinstance(self._target, Path):
-            self._target.unlink(missing_ok=True)
-
-
-class _GuardedH11(H11Protocol):
-    """uvicorn's h11 protocol, with the service's file descriptors bounded.
-
-    uvicorn answers requests beyond ``limit_concurrency`` with 503 but keeps every connection
-    it accepts, and a connection may stay silent, or trickle a request's head, forever: a flood
-    of such connections would exhaust the process's descriptors (and with them the ledger's and
-    the relay's). So a connection beyond twice the limit is closed at once, and each request's
-    head must arrive whole within :data:`_HEAD_TIMEOUT_S` of the connection or of the previous
-    answer, or the connection is closed (as the relay's socket does with a trickled frame).
-    """
-
-    _head_deadline: asyncio.TimerHandle | None = None
-
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        limit = self.limit_concurrency
-        if limit is not None and len(self.connections) > 2 * limit:
-            transport.close()
-            return
-        self._arm_head_deadline()
-
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        if self.cycle is not None and not self.cycle.response_complete:  # a head arrived
-            self._disarm_head_deadline()
-
-    def on_response_complete(self) -> None:
-        super().on_response_complete()
-        self._arm_head_deadline()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm_head_deadline()
-        super().connection_lost(exc)
-
-    def _arm_head_deadline(self) -> None:
-        self._disarm_head_deadline()
-        self._head_deadline = self.loop.call_later(_HEAD_TIMEOUT_S, self._head_timed_out)
-
-    def _disarm_head_deadline(self) -> None:
-        if self._head_deadline is not None:
-            self._head_deadline.cancel()
-            self._head_deadline = None
-
-    def _head_timed_out(self) -> None:
-        if self.cycle is None or self.cycle.response_complete:
-            self.transport.close()
-
-
-def _listen(target: tuple[str, int] | Path, mode: int) -> socket.socket:
-    if isinstance(target, Path):
-        target.parent.mkdir(parents=True, exist_ok=True)
-        if target.exists() or target.is_symlink():
-            if not stat.S_ISSOCK(target.lstat().st_mode):
-                raise ServiceError(f"--http unix: path must be free, got a file at {target}.")
-            target.unlink()
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        previous = os.umask(0o777)  # nobody can connect before the mode is set
-        try:
-            sock.bind(str(target))
-        finally:
-            os.umask(previous)
-        os.chmod(target, mode)
-    else:
-        family = socket.AF_INET6 if ":" in target[0] else socket.AF_INET
-        # proto named: asyncio sets TCP_NODELAY on accepted sockets only when it reads
-        # IPPROTO_TCP, and without it each answer waits ~40 ms for a delayed ACK (Nagle).
-        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        try:
-            sock.bind(target)
-        except OSError as exc:
-            sock.close()
-            raise ServiceError(f"--http must name a free address, got {target}: {exc}") from exc
-    sock.listen(512)
-    sock.setblocking(False)
-    return sock

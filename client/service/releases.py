@@ -21,7 +21,7 @@ from pydantic import TypeAdapter, ValidationError
 
 from client.hooks import PatchPolicy
 from client.models import LoadedModel
-from client.service.batching import RowPatch
+from client.service.rows import RowPatch
 from client.site import Site
 from dpmtv_common.artifact import load_artifact
 from dpmtv_common.crypto import TrustedKeys

@@ -404,7 +404,7 @@ def test_a_unix_socket_endpoint_is_private_answers_and_is_removed_at_stop(
     world: World, tmp_path: Path
 ) -> None:
     # Arrange: the endpoint in this process, on a Unix socket of mode 600
-    from client.service.http_api import HttpEndpoint, HttpSettings
+    from client.service.http_server import HttpEndpoint, HttpSettings
     from client.settings import SiteSettings
     from client.site import Site
 

@@ -9,7 +9,8 @@ import torch
 
 from client.hooks import PatchPolicy, patch_heads
 from client.models import Example, LoadedModel, Prompt
-from client.service.batching import Batcher, OverloadedError, Row, RowPatch, prepare_row
+from client.service.batching import Batcher, OverloadedError
+from client.service.rows import Row, RowPatch, prepare_row
 from dpmtv_common.heads import HeadSet
 from tests.unit.client.conftest import draw
 

@@ -11,7 +11,7 @@ import pytest
 from PIL import Image
 
 from client.service.chat_format import ChatRequest, chat_request_from_json, parse_chat
-from client.service.http_api import parse_address, read_token
+from client.service.http_server import parse_address, read_token
 from dpmtv_common.errors import ConfigError, DataError
 
 
