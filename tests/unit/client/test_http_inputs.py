@@ -148,3 +148,27 @@ def test_settings_the_service_does_not_apply_are_refused(extra):
 
     with pytest.raises(ConfigError, match="chat-completions request"):
         chat_request_from_json(json.dumps(body).encode())
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--http", "127.0.0.1:8080"], "--http-token-file must be given with --http"),
+        (["--http", "0.0.0.0:8080", "--http-token-file", "TOKEN"], "loopback"),
+        (["--http-token-file", "TOKEN"], "must come with --http"),
+    ],
+)
+def test_serve_refuses_bad_http_flags_before_loading_anything(tmp_path, capsys, flags, message):
+    # Arrange
+    from client.cli.main import main
+
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    token.chmod(0o600)
+    argv = ["serve", "--model", str(tmp_path / "no-model"), "--state-dir", str(tmp_path)]
+    # Act
+    code = main(argv + [str(token) if flag == "TOKEN" else flag for flag in flags])
+    # Assert
+    assert code == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "ledger.sqlite").exists()
