@@ -222,7 +222,13 @@ def decode_image(data: bytes, index: int) -> Image.Image:
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
         raise DataError(f"image {index} must have fewer pixels: {exc}") from exc
     except (OSError, ValueError, SyntaxError) as exc:
-        raise DataError(f"image {index} must be a readable picture: {exc}") from exc
+        reason = _without_addresses(str(exc))
+        raise DataError(f"image {index} must be a readable picture: {reason}") from exc
+
+
+def _without_addresses(text: str) -> str:
+    """``text`` without object reprs such as ``<_io.BytesIO object at 0x7f...>``."""
+    return re.sub(r"\s*<[\w.]+ object at 0x[0-9a-fA-F]+>", "", text)
 
 
 def _text_only(message: ChatMessage, what: str) -> str:
@@ -269,7 +275,10 @@ def _check_bounds(questions: list[str], images: list[bytes]) -> None:
         request = InferRequest(release_id="http", questions=tuple(questions), images=tuple(images))
     except ValidationError as exc:
         raise ConfigError(f"request must stay within the inference limits: {_brief(exc)}") from exc
-    check_request(request)
+    try:
+        check_request(request)
+    except DataError as exc:  # PIL's text names its buffer's memory address: dropped
+        raise DataError(_without_addresses(str(exc))) from exc
 
 
 def _brief(exc: ValidationError) -> str:
