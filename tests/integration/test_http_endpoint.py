@@ -225,6 +225,23 @@ def test_streaming_sends_the_same_answer_in_pieces(endpoint: Endpoint) -> None:
     assert chunks[-1].usage is not None
 
 
+def test_a_client_that_leaves_mid_stream_costs_nothing_more(endpoint: Endpoint) -> None:
+    # Arrange
+    client = endpoint.client()
+    stream = client.chat.completions.create(
+        model="r2",
+        messages=[user("What colour is this?", data_uri("yellow"))],
+        max_tokens=64,
+        stream=True,
+    )
+    # Act: one chunk read, then the connection dropped
+    next(iter(stream))
+    stream.close()
+    # Assert: the service answers the next request, and logged no traceback
+    assert ask(client, PLAIN) != "\x00"
+    assert "Traceback" not in "".join(endpoint.lines)
+
+
 def test_an_answer_is_the_same_alone_or_among_concurrent_requests(endpoint: Endpoint) -> None:
     # Arrange
     client = endpoint.client()
