@@ -239,6 +239,7 @@ def recall_section(results: dict, out: Path) -> str:
 
 def _plot_recall(models: dict[str, tuple[int, list[float]]], path: Path) -> None:
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -256,6 +257,10 @@ def _plot_recall(models: dict[str, tuple[int, list[float]]], path: Path) -> None
                 fontsize=8,
             )
     axes.set_xscale("log")
+    ticks = sorted(heads for heads, _ in models.values())
+    axes.set_xticks(ticks, [str(t) for t in ticks])
+    axes.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+    axes.set_xlim(ticks[0] / 1.6, ticks[-1] * 2.5)
     axes.set_xlabel("heads in the model")
     axes.set_ylabel("recall of MTV's own heads")
     axes.set_ylim(-0.05, 1.05)
