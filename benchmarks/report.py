@@ -312,6 +312,15 @@ def main() -> int:
         "(SecAgg+ sums, timings) is measured by `benchmarks/secure_sum.py` "
         "([secure_sum.md](benchmarks/secure_sum.md)), not here.",
         "",
+        "Elsewhere: the pretrained-decoder model (270 heads) in "
+        "[pretrained.md](benchmarks/pretrained.md) (MTV with its own selection, DP-MTV, and "
+        "private selection's recall against the number of heads, with a plot) and "
+        "[pretrained-curve.md](benchmarks/pretrained-curve.md) (DP-MTV against the pooled "
+        "chunk count, i.e. the central-mode federation curve); what helps private selection "
+        "on many heads in [selection.md](benchmarks/selection.md); noise modes in "
+        "[distributed.md](benchmarks/distributed.md); consortium size in "
+        "[scale.md](benchmarks/scale.md); local serving in [serving.md](benchmarks/serving.md).",
+        "",
         "## Models",
         "",
         *_models_section(utility),
