@@ -31,6 +31,7 @@ __all__ = [
     "EMBEDDED_MODEL_DIR",
     "EMBEDDED_MODEL_DIRS",
     "build_embedded_model",
+    "clip_vision_config",
     "embedded_model_path",
 ]
 
@@ -90,6 +91,22 @@ def _image_token_id(tok: PreTrainedTokenizerFast) -> int:
     return token_id
 
 
+def clip_vision_config(
+    *, hidden: int, layers: int, heads: int, image_size: int, patch_size: int
+) -> dict[str, Any]:
+    """A small CLIP-style vision tower's config, as the models trained here use it."""
+    return {
+        "model_type": "clip_vision_model",
+        "hidden_size": hidden,
+        "intermediate_size": 2 * hidden,
+        "num_hidden_layers": layers,
+        "num_attention_heads": heads,
+        "image_size": image_size,
+        "patch_size": patch_size,
+        "projection_dim": hidden,
+    }
+
+
 def build_embedded_model(
     size: str = "small",
 ) -> tuple[tf.LlavaForConditionalGeneration, tf.LlavaProcessor]:
@@ -99,16 +116,13 @@ def build_embedded_model(
     tok = _tokenizer()
     arch = ARCHITECTURES[size]
     config = tf.LlavaConfig(
-        vision_config={
-            "model_type": "clip_vision_model",
-            "hidden_size": arch["vision_hidden"],
-            "intermediate_size": 2 * arch["vision_hidden"],
-            "num_hidden_layers": arch["vision_layers"],
-            "num_attention_heads": arch["vision_heads"],
-            "image_size": IMAGE_SIZE,
-            "patch_size": PATCH_SIZE,
-            "projection_dim": arch["vision_hidden"],
-        },
+        vision_config=clip_vision_config(
+            hidden=arch["vision_hidden"],
+            layers=arch["vision_layers"],
+            heads=arch["vision_heads"],
+            image_size=IMAGE_SIZE,
+            patch_size=PATCH_SIZE,
+        ),
         text_config={
             "model_type": "llama",
             "hidden_size": arch["text_hidden"],

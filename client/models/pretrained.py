@@ -38,6 +38,7 @@ import transformers as tf
 from safetensors.torch import load_file, save_file
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
+from client.models.embedded import clip_vision_config
 from dpmtv_common.errors import ConfigError, ModelError
 
 __all__ = [
@@ -178,16 +179,13 @@ def _tokenizer_with_image_token(base: Any) -> PreTrainedTokenizerFast:
 
 def _llava_config(text_config: dict[str, Any], image_token_id: int) -> tf.LlavaConfig:
     return tf.LlavaConfig(
-        vision_config={
-            "model_type": "clip_vision_model",
-            "hidden_size": VISION["hidden_size"],
-            "intermediate_size": 2 * VISION["hidden_size"],
-            "num_hidden_layers": VISION["layers"],
-            "num_attention_heads": VISION["heads"],
-            "image_size": IMAGE_SIZE,
-            "patch_size": PATCH_SIZE,
-            "projection_dim": VISION["hidden_size"],
-        },
+        vision_config=clip_vision_config(
+            hidden=VISION["hidden_size"],
+            layers=VISION["layers"],
+            heads=VISION["heads"],
+            image_size=IMAGE_SIZE,
+            patch_size=PATCH_SIZE,
+        ),
         text_config=text_config,
         image_token_index=image_token_id,
         vision_feature_layer=-1,
