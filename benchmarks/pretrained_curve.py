@@ -53,6 +53,9 @@ def main() -> int:
     parser.add_argument("--ms", nargs="+", type=int, default=[200, 400, 800])
     parser.add_argument("--epsilons", nargs="+", type=float, default=[1.0, 4.0, 16.0])
     parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument(
+        "--clip-factor", type=float, default=1.0, help="C = this x the public heads' median norm"
+    )
     parser.add_argument("--shots", type=int, default=4)
     parser.add_argument("--draws", type=int, default=3)
     parser.add_argument("--public", type=int, default=150)
@@ -75,7 +78,7 @@ def main() -> int:
         public = make_chunks(load_dataset(Path(tmp) / "public"), shots=args.shots, seed=0).chunks
         # C for the released scope, from public data (what select-heads suggests): the
         # all-heads layer median clips task heads whose norms sit far above the typical head.
-        clip = suggested_clip_norm(
+        clip = args.clip_factor * suggested_clip_norm(
             public_activations(bench.loaded, public, progress=False), bench.public_heads
         )
         bench.clip_norm = clip
@@ -93,7 +96,8 @@ def main() -> int:
                         f"{rows[-1]['predicted_SNR']:.2f})")  # fmt: skip
     results = {
         "command": " ".join([".venv/bin/python", "benchmarks/pretrained_curve.py", *sys.argv[1:]]),
-        "task": args.task, "zero": zero, "clip_norm": bench.clip_norm, "own_selection": own,
+        "task": args.task, "zero": zero, "clip_norm": bench.clip_norm,
+        "clip_factor": args.clip_factor, "own_selection": own,
         "public_mtv": public_mtv,
         "rows": rows, "seconds": time.monotonic() - started,
     }  # fmt: skip
@@ -132,8 +136,8 @@ def render(results: dict) -> str:
         "",
         "Central mode: a federation's release equals the single holder's on the pooled chunks, "
         "so m = sites x chunks a site. Public heads (k = 16), select-first, delta = 1e-5, "
-        f"C = {results.get('clip_norm', float('nan')):.3g} (the public heads' median layer "
-        "norm on public data, as select-heads suggests); "
+        f"C = {results.get('clip_norm', float('nan')):.3g} ({results.get('clip_factor', 1):g} x "
+        "the public heads' median layer norm on public data, which select-heads suggests); "
         "each setting with and without rescaling to the public head norm. Zero-shot "
         f"{results['zero']:.2f}; MTV with its own selection {results['own_selection']:.2f}; "
         "MTV on the public heads "
