@@ -316,7 +316,9 @@ def main() -> int:
         "[pretrained.md](benchmarks/pretrained.md) (MTV with its own selection, DP-MTV, and "
         "private selection's recall against the number of heads, with a plot) and "
         "[pretrained-curve.md](benchmarks/pretrained-curve.md) (DP-MTV against the pooled "
-        "chunk count, i.e. the central-mode federation curve); what helps private selection "
+        "chunk count, i.e. the central-mode federation curve, at the median C) and "
+        "[pretrained-curve-c4.md](benchmarks/pretrained-curve-c4.md) (at 4 x that C, where "
+        "DP-MTV keeps the task); what helps private selection "
         "on many heads in [selection.md](benchmarks/selection.md); noise modes in "
         "[distributed.md](benchmarks/distributed.md); consortium size in "
         "[scale.md](benchmarks/scale.md); local serving in [serving.md](benchmarks/serving.md).",
