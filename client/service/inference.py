@@ -18,7 +18,8 @@ from __future__ import annotations
 
 import io
 import warnings
-from typing import Annotated, Literal
+from pathlib import Path
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
@@ -32,6 +33,11 @@ from dpmtv_common.artifact import load_artifact
 from dpmtv_common.crypto import TrustedKeys
 from dpmtv_common.errors import ConfigError, DataError
 from protocol.plan import ReleaseId
+
+if TYPE_CHECKING:
+    import torch
+
+    from dpmtv_common.artifact import TaskVectorArtifact
 
 __all__ = [
     "MAX_IMAGES",
@@ -137,14 +143,25 @@ def answer_queries(site: Site, request: InferRequest) -> InferAnswers:
 
 
 def _patch(site: Site, request: InferRequest) -> tuple[TaskVectorPatch, int | None]:
-    import numpy as np
-    import torch
-
     folder = site.settings.artifacts_folder / request.release_id  # a checked token
     if not folder.is_dir():
         raise ConfigError(
             f"release_id must name an artifact this site stores, got {request.release_id!r}."
         )
+    artifact, values = verified_artifact(site, folder)
+    patch = TaskVectorPatch(artifact.heads, values, PatchPolicy(request.policy))
+    return patch, artifact.manifest.max_image_crops
+
+
+def verified_artifact(site: Site, folder: Path) -> tuple[TaskVectorArtifact, torch.Tensor]:
+    """The stored artifact in ``folder``, checked for this service's model, and its values.
+
+    Checks the signature against the site's trusted keys, the model fingerprint and the dtype
+    the vector was made in (the socket's ``ask`` and the HTTP endpoint both go through here).
+    """
+    import numpy as np
+    import torch
+
     loaded = site.model()
     artifact = load_artifact(
         folder,
@@ -157,9 +174,7 @@ def _patch(site: Site, request: InferRequest) -> tuple[TaskVectorPatch, int | No
             f"the service's model dtype must be the artifact's {made_in!r}, "
             f"got {loaded.dtype_name!r}."
         )
-    values = torch.tensor(np.asarray(artifact.values), dtype=torch.float32)
-    patch = TaskVectorPatch(artifact.heads, values, PatchPolicy(request.policy))
-    return patch, artifact.manifest.max_image_crops
+    return artifact, torch.tensor(np.asarray(artifact.values), dtype=torch.float32)
 
 
 def _header_size(data: bytes, index: int) -> tuple[int, int]:

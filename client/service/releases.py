@@ -15,16 +15,14 @@ import logging
 import threading
 from pathlib import Path
 
-import numpy as np
 import torch
 from pydantic import TypeAdapter, ValidationError
 
 from client.hooks import PatchPolicy
 from client.models import LoadedModel
+from client.service.inference import verified_artifact
 from client.service.rows import RowPatch
 from client.site import Site
-from dpmtv_common.artifact import load_artifact
-from dpmtv_common.crypto import TrustedKeys
 from dpmtv_common.errors import ConfigError, DpmtvError
 from protocol.plan import ReleaseId
 
@@ -120,20 +118,8 @@ def _stamp(folder: Path) -> _Stamp:
 
 
 def _load_patch(site: Site, folder: Path, release_id: str) -> tuple[RowPatch, int | None]:
-    loaded = site.model()
-    artifact = load_artifact(
-        folder,
-        trusted_keys=TrustedKeys.from_files(site.settings.trusted_keys),
-        expected_model_fingerprint=loaded.fingerprint,
-    )
-    made_in = artifact.manifest.model_dtype
-    if made_in is not None and made_in != loaded.dtype_name:
-        raise ConfigError(
-            f"the service's model dtype must be the artifact's {made_in!r}, "
-            f"got {loaded.dtype_name!r}."
-        )
-    values = torch.tensor(np.asarray(artifact.values), dtype=torch.float32)
-    _check_heads(loaded, artifact.heads.heads, values)
+    artifact, values = verified_artifact(site, folder)
+    _check_heads(site.model(), artifact.heads.heads, values)
     patch = RowPatch(release_id, artifact.heads, values, PatchPolicy.PROMPT_LAST_TOKEN)
     return patch, artifact.manifest.max_image_crops
 
