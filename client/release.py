@@ -25,7 +25,7 @@ import numpy as np
 
 from client.chunking import Chunk
 from client.extraction import extract_clipped_sum
-from client.models import LoadedModel
+from client.models import LoadedModel, prompt_template_digest
 from client.scoring import ScoreMethod, check_answer_vocabulary, chunk_head_votes
 from dpmtv_common.aliases import Float64Array
 from dpmtv_common.artifact import (
@@ -40,6 +40,7 @@ from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.ledger import PrivacyLedger
 from dpmtv_common.privacy.noise import NoiseSource
 from protocol import (
+    DPMTV_VERSION,
     ActivationSum,
     ReleaseOutcome,
     ReleasePlan,
@@ -218,7 +219,12 @@ def run_single_holder_release(
             output,
             heads=outcome.heads,
             values=np.asarray(outcome.values),
-            release=release_description(plan, outcome),
+            release=release_description(
+                plan,
+                outcome,
+                prompt_template_sha256=prompt_template_digest(loaded),
+                dpmtv_versions=[DPMTV_VERSION],
+            ),
             signing_key=signing_key,
             overwrite=overwrite,
         )

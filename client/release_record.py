@@ -62,6 +62,8 @@ class ReleaseRecord(BaseModel):
             convolution layers carry none); None: every layer (also in records written before
             hybrids were served). The site's "all heads" are the heads of these layers.
         model_dtype: The dtype the site extracts in (an artifact of another is refused).
+        prompt_template_sha256: Digest of the chat template the site renders prompts with
+            (an artifact of another is refused); None in records written before the field.
         sent: Secure-sum stages whose (masked) contribution left the site, in order.
         extract_heads: The heads of the activation sum the site contributed (None: all).
         reference_sha256: Hash of the noisy all-head vector received (release-first order).
@@ -83,6 +85,7 @@ class ReleaseRecord(BaseModel):
     head_dim: int
     head_layers: tuple[int, ...] | None = None
     model_dtype: str | None = None
+    prompt_template_sha256: str | None = None
     sent: tuple[str, ...] = ()
     extract_heads: tuple[LayerHead, ...] | None = None
     reference_sha256: str | None = None
@@ -116,10 +119,12 @@ class ReleaseRecord(BaseModel):
         layout: HeadLayout,
         head_dim: int,
         model_dtype: str | None = None,
+        prompt_template_sha256: str | None = None,
     ) -> ReleaseRecord:
         """The record of a plan just accepted, on a model of ``layout`` with ``head_dim``."""
         return cls(
             model_dtype=model_dtype,
+            prompt_template_sha256=prompt_template_sha256,
             release_id=plan.release_id,
             run_id=run_id,
             plan_json=plan.model_dump_json(),

@@ -34,7 +34,7 @@ import numpy as np
 
 from client.chunking import make_chunks, planned_num_chunks
 from client.data import SiteDataset, load_dataset
-from client.models import LoadedModel, default_fingerprint_cache_dir
+from client.models import LoadedModel, default_fingerprint_cache_dir, prompt_template_digest
 from client.release import LocalSums
 from client.release_record import ReleaseRecord, ReleaseRecordStore, SiteReleaseState
 from client.scoring import check_answer_vocabulary
@@ -65,6 +65,7 @@ from dpmtv_common.privacy.ledger import PrivacyLedger, ReleaseState
 from dpmtv_common.privacy.noise import require_cryptographic, secure_noise
 from dpmtv_common.rng import secret_seed
 from protocol import (
+    DPMTV_VERSION,
     AbortNotice,
     PlanAccept,
     ReleaseAck,
@@ -178,6 +179,7 @@ class Site:
         chunks = planned_num_chunks(dataset, plan.shots, plan.max_chunks_per_site)
         if chunks < 1:
             raise DataError(f"the site must hold at least one chunk of K+1={plan.shots + 1}.")
+        template_sha256 = prompt_template_digest(loaded)
         with self.ledger() as ledger:
             reserve_plan(ledger, plan)  # owned by this (long-lived) process
         self.records.create(
@@ -188,6 +190,7 @@ class Site:
                 layout=shape.layout,
                 head_dim=shape.head_dim,
                 model_dtype=loaded.dtype_name,
+                prompt_template_sha256=template_sha256,
             )
         )
         self.seeds[plan.release_id] = secret_seed()
@@ -209,6 +212,8 @@ class Site:
             head_dim=shape.head_dim,
             model_dtype=loaded.dtype_name,
             head_layers=shape.layout.head_layers,
+            prompt_template_sha256=template_sha256,
+            dpmtv_version=DPMTV_VERSION,
         )
 
     def contribution(

@@ -323,6 +323,9 @@ def check_artifact(
     _same("shots", manifest.shots, plan.shots)
     if manifest.model_dtype is not None:
         _same("model_dtype", manifest.model_dtype, record.model_dtype)
+    if record.prompt_template_sha256 is not None:  # None only in records older than the field
+        template = manifest.prompt_template_sha256  # a manifest without it is refused too
+        _same("prompt_template_sha256", template, record.prompt_template_sha256)
     parameters = manifest.accountant_parameters
     _same("privacy_unit", parameters.get("privacy_unit"), plan.privacy_unit.value)
     _same("neighbouring", parameters.get("neighbouring"), plan.neighbouring.value)

@@ -6,9 +6,12 @@ configs, ``chat_template.json``, safetensors index), the chat template files
 (``chat_template.jinja`` and ``additional_chat_templates/*.jinja``; the template inside
 ``tokenizer_config.json`` is covered with that file), the tokenizer's vocabulary files
 (``tokenizer.model``, ``*.tiktoken``, ``vocab.txt``, ``merges.txt``) and the full bytes of
-every weight file. Two sites whose prompts render differently therefore never share a
-fingerprint. Apart from ``additional_chat_templates/``, only the top level of the directory is
-walked, as ``from_pretrained`` does, so caches (``.cache/``) and extra copies (``original/``)
+every weight file. Two sites whose model files render prompts differently therefore never
+share a fingerprint. A directory that ships no chat template is rendered with a template from
+the code (a dpmtv adapter or a plugin), which no file here holds: sites pin that one by its
+digest (``prompt_template_sha256``, reported at plan time and recorded in the manifest).
+Apart from ``additional_chat_templates/``, only the top level of the directory is walked, as
+``from_pretrained`` does, so caches (``.cache/``) and extra copies (``original/``)
 that one site downloaded and another did not leave the fingerprint alone. Symbolic links are
 followed, so a Hugging Face cache snapshot (links into ``blobs/``) fingerprints like a plain
 copy.

@@ -67,13 +67,14 @@ from protocol.release import (
 from protocol.release_manifest import plan_release_event, release_description, reserve_plan
 from protocol.signal_estimate import SignalEstimate, predict_signal_to_noise
 from protocol.stages import ALLOWED_TRANSITIONS, Stage, StageTracker
-from protocol.version import PROTOCOL_VERSION, check_compatible
+from protocol.version import DPMTV_VERSION, PROTOCOL_VERSION, check_compatible
 
 __all__ = [
     "ALLOWED_TRANSITIONS",
     "AbortNotice",
     "ActivationSum",
     "AnyMessage",
+    "DPMTV_VERSION",
     "DistributedOutcome",
     "DistributedRelease",
     "ErrorCode",

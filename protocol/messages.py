@@ -10,7 +10,14 @@ from __future__ import annotations
 import re
 from typing import Annotated, Literal, NoReturn, Self, TypeAlias
 
-from pydantic import AfterValidator, BaseModel, ConfigDict, Field, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    model_validator,
+)
 
 from dpmtv_common.errors import (
     ConfigError,
@@ -105,9 +112,18 @@ def _dtype_name(value: str) -> str:
     return value
 
 
-def _sha256_hex(value: str) -> str:
+def _sha256_hex(value: str, info: ValidationInfo) -> str:
     if re.fullmatch(r"[0-9a-f]{64}", value) is None:
-        raise ValueError(f"artifact_sha256 must be 64 lowercase hex digits, got {value!r}.")
+        raise ValueError(f"{info.field_name} must be 64 lowercase hex digits, got {value!r}.")
+    return value
+
+
+def _package_version(value: str) -> str:
+    if re.fullmatch(r"[0-9A-Za-z.+!_-]{1,64}", value) is None:
+        raise ValueError(
+            f"dpmtv_version must be a package version of 1-64 characters "
+            f"[0-9A-Za-z.+!_-], got {value!r}."
+        )
     return value
 
 
@@ -138,6 +154,12 @@ class PlanAccept(WireMessage):
             ``[0, num_layers)``; None means every layer. A hybrid's linear-attention or
             convolution layers carry none. The coordinator refuses a consortium that
             disagrees, and "all heads" of the release are the heads of these layers.
+        prompt_template_sha256: SHA-256 hex of the chat template the site renders every
+            prompt with (``client.models.prompt_template_digest``): the processor's, which
+            the fingerprint covers, or the adapter's built-in one, which it does not. The
+            coordinator refuses a consortium that mixes them, and the manifest records it.
+        dpmtv_version: The dpmtv package version the site runs; recorded in the manifest,
+            never refused (the template digest already covers what it changes in a prompt).
     """
 
     kind: Literal["plan-accept"] = "plan-accept"
@@ -149,6 +171,8 @@ class PlanAccept(WireMessage):
     head_dim: Annotated[int, Field(ge=1)]
     model_dtype: Annotated[str, AfterValidator(_dtype_name)] | None = None
     head_layers: Annotated[tuple[int, ...], Field(max_length=MAX_HEADS)] | None = None
+    prompt_template_sha256: Annotated[str, AfterValidator(_sha256_hex)]
+    dpmtv_version: Annotated[str, AfterValidator(_package_version)]
 
     @model_validator(mode="after")
     def _check_head_layers(self) -> Self:

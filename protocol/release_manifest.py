@@ -8,6 +8,8 @@ ledger before any data is read.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 from dpmtv_common.artifact import ReleaseDescription
 from dpmtv_common.privacy.accounting import epsilon_bound
 from dpmtv_common.privacy.events import ReleaseEvent
@@ -22,12 +24,19 @@ __all__ = ["plan_release_event", "release_description", "reserve_plan"]
 
 
 def release_description(
-    plan: ReleasePlan, outcome: ReleaseOutcome, *, model_dtype: str | None = None
+    plan: ReleasePlan,
+    outcome: ReleaseOutcome,
+    *,
+    prompt_template_sha256: str,
+    dpmtv_versions: Iterable[str],
+    model_dtype: str | None = None,
 ) -> ReleaseDescription:
     """The manifest fields of a finished release: plan, privacy spent, m, K, C, σ, layout.
 
     Every manifest states its noise mode; a distributed one also t, the grid (γ, Δ̃), the
-    share's noise multiplier, the survivors and ε if every survivor is honest.
+    share's noise multiplier, the survivors and ε if every survivor is honest. Every one also
+    states the digest of the chat template all prompts were rendered with, and the dpmtv
+    versions that rendered them (``dpmtv_versions``: one per site, repeats allowed).
     """
     parameters = {
         **plan_release_event(plan).to_dict(),
@@ -56,6 +65,8 @@ def release_description(
         clip_norm=plan.clip_norm,
         noise_std=outcome.noise_std,
         model_dtype=model_dtype,
+        prompt_template_sha256=prompt_template_sha256,
+        dpmtv_versions=sorted(set(dpmtv_versions)),
     )
 
 

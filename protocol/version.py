@@ -9,12 +9,27 @@ not change what is on the wire.
 from __future__ import annotations
 
 import re
+from importlib import metadata
 
 from protocol.errors import VersionMismatchError
 
-__all__ = ["PROTOCOL_VERSION", "check_compatible"]
+__all__ = ["DPMTV_VERSION", "PROTOCOL_VERSION", "check_compatible"]
 
-PROTOCOL_VERSION = "3.0"
+PROTOCOL_VERSION = "4.0"
+
+
+def _installed_version() -> str:
+    try:
+        return metadata.version("dpmtv")
+    except metadata.PackageNotFoundError:  # a source tree on sys.path, never installed
+        return "unknown"
+
+
+DPMTV_VERSION = _installed_version()
+"""The installed dpmtv package version, reported by sites and recorded in manifests.
+
+Informational: two versions may interoperate when their protocol MAJOR agrees; what a
+version changes in a prompt is caught by the prompt template digest, not by this string."""
 
 _VERSION_PATTERN = re.compile(r"(\d+)\.(\d+)")
 

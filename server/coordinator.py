@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -166,6 +167,10 @@ class Coordinator:
         if len(dtypes) > 1:  # bfloat16 and float32 activations differ; never mix them silently
             raise ConfigError(f"sites must extract in one dtype, got {sorted(map(str, dtypes))}.")
         self.model_dtype = dtypes.pop() if dtypes else None
+        _check_one_prompt_template(self.accepted.values())
+        versions = sorted({a.dpmtv_version for a in self.accepted.values()})
+        if len(versions) > 1:  # recorded, not refused: the template digest covers the prompt
+            _log.info("accepting sites run dpmtv versions %s", versions)
         if len(self.accepted) < plan.min_sites:
             raise InsufficientSharesError(
                 f"accepting sites must number at least min-sites={plan.min_sites}, got "
@@ -208,7 +213,14 @@ class Coordinator:
             self.settings.artifacts_dir / plan.release_id,
             heads=outcome.heads,
             values=np.asarray(outcome.values),
-            release=release_description(plan, outcome, model_dtype=self.model_dtype),
+            release=release_description(
+                plan,
+                outcome,
+                model_dtype=self.model_dtype,
+                # one digest: plan_stage refused any other
+                prompt_template_sha256=next(iter(self.accepted.values())).prompt_template_sha256,
+                dpmtv_versions=[a.dpmtv_version for a in self.accepted.values()],
+            ),
             signing_key=SigningKey.load(self.settings.signing_key),
         )
         request = ReleaseRequest(
@@ -294,3 +306,22 @@ def _finish_failed(
             coordinator.abort_stage(plan, f"{type(exc).__name__}: {exc}")
         except Exception:  # the original failure matters more than a lost notice
             _log.exception("abort notice could not be sent for %s", plan.release_id)
+
+
+def _check_one_prompt_template(accepts: Iterable[PlanAccept]) -> None:
+    """Refuse sites that render prompts with different chat templates.
+
+    The fingerprint covers a template shipped in the model directory, not one an adapter
+    (dpmtv's or a plugin's) supplies; under two templates the same chunk is another prompt,
+    and the sites' activations would not add up to one task vector.
+    """
+    sites: dict[str, list[str]] = {}
+    for accept in accepts:
+        sites.setdefault(accept.prompt_template_sha256, []).append(accept.site_name)
+    if len(sites) > 1:
+        by_digest = {digest: sorted(names) for digest, names in sorted(sites.items())}
+        raise ConfigError(
+            f"sites must render prompts with one chat template, got prompt_template_sha256 "
+            f"values {by_digest}; ship one chat_template.jinja with every site's model, or "
+            "run one dpmtv version and adapter plugin at every site."
+        )

@@ -9,7 +9,7 @@ import torch
 
 from client.hooks import PatchPolicy
 from client.inference import TaskVectorPatch, rescale_heads
-from client.models import LoadedModel
+from client.models import LoadedModel, prompt_template_digest
 from dpmtv_common.artifact import load_artifact
 from dpmtv_common.crypto import TrustedKeys
 from dpmtv_common.errors import ConfigError
@@ -51,7 +51,7 @@ def artifact_patch(
     policy: PatchPolicy,
     rescale_norm: float | None = None,
 ) -> TaskVectorPatch:
-    """Verify the artifact (signature, integrity, model fingerprint) and make its patch.
+    """Verify the artifact (signature, integrity, model, dtype, chat template); make its patch.
 
     ``rescale_norm`` sets every head's vector to that L2 norm (a typical norm measured on
     public data; post-processing, no privacy cost).
@@ -63,6 +63,13 @@ def artifact_patch(
             f"--dtype must match the artifact's extraction dtype {made_in!r} (its heads were "
             f"read in that precision), got a model loaded in {loaded.dtype_name!r}; pass "
             f"--dtype {made_in}."
+        )
+    rendered_with = artifact.manifest.prompt_template_sha256
+    if rendered_with is not None and rendered_with != prompt_template_digest(loaded):
+        raise ConfigError(
+            f"the model's chat template must be the one the artifact's prompts were rendered "
+            f"with (sha256 {rendered_with}), got sha256 {prompt_template_digest(loaded)}; use "
+            "the model directory and dpmtv version (or adapter plugin) the release used."
         )
     values = np.array(artifact.values, dtype=np.float64)
     if rescale_norm is not None:

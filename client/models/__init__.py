@@ -25,6 +25,7 @@ from client.models.loading import (
     default_fingerprint_cache_dir,
     ensure_processor_shim,
     load_model,
+    prompt_template_digest,
     resolve_device,
     resolve_dtype,
 )
@@ -63,6 +64,7 @@ __all__ = [
     "get_adapter",
     "load_adapter_plugins",
     "load_model",
+    "prompt_template_digest",
     "prompt_to_messages",
     "register_adapter",
     "resolve_device",

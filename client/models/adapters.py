@@ -88,7 +88,8 @@ class ModelAdapter:
         model_types: The ``config.model_type`` values this adapter serves.
         layers_path: Dotted attribute path from the model to its decoder ``ModuleList``.
         chat_template: Jinja template of the architecture's documented chat format, used
-            when the processor has none.
+            when the processor has none (:meth:`prompt_template`); outside the model
+            directory, so outside its fingerprint: sites compare its digest instead.
         projection_paths: Dotted paths from a decoder layer to its attention output
             projection, whose input holds the per-head outputs; the first that exists in a
             layer is used (Mllama: ``self_attn.o_proj``, then ``cross_attn.o_proj``).
@@ -179,6 +180,28 @@ class ModelAdapter:
         num_layers = len(self.decoder_layers(model))
         return HeadShape(num_layers, num_heads, int(head_dim), tuple(projections))
 
+    def prompt_template(self, processor: ProcessorMixin) -> str:
+        """Return the chat template every prompt is rendered with: the processor's, else ours.
+
+        The one place that chooses it, so the rendering and its digest (a site reports it at
+        plan time, the manifest records it) can never disagree. A processor's template lies
+        in the model directory, under the fingerprint; the adapter's own does not, so only
+        the digest ties it to a release. Named templates (a dict) render their ``"default"``,
+        as ``transformers`` does.
+
+        Raises:
+            ModelError: The processor holds named templates without a ``"default"``.
+        """
+        shipped: str | dict[str, str] | None = getattr(processor, "chat_template", None)
+        if isinstance(shipped, dict):
+            if "default" not in shipped:
+                raise ModelError(
+                    f"a processor's named chat templates must include 'default', got "
+                    f"{sorted(shipped)}."
+                )
+            shipped = shipped["default"]
+        return shipped or self.chat_template
+
     def build_inputs(
         self,
         processor: ProcessorMixin,
@@ -212,7 +235,7 @@ class ModelAdapter:
             raise ConfigError("prompts must hold at least one prompt, got [].")
         tokenizer = processor.tokenizer
         ensure_pad_token(processor)
-        template = getattr(processor, "chat_template", None) or self.chat_template
+        template = self.prompt_template(processor)
         # The tokenizer renders the template: some processors' own apply_chat_template
         # (SmolVLM's) insists on a video processor, which an image-only install lacks.
         texts: list[str] = tokenizer.apply_chat_template(

@@ -6,6 +6,7 @@ Nothing here touches the network: every ``from_pretrained`` call sets
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import logging
 import os
@@ -39,6 +40,7 @@ __all__ = [
     "default_fingerprint_cache_dir",
     "ensure_processor_shim",
     "load_model",
+    "prompt_template_digest",
     "resolve_device",
     "resolve_dtype",
 ]
@@ -105,6 +107,18 @@ class LoadedModel:
     def dtype_name(self) -> str:
         """The weights' dtype as a name (``"float32"``, ``"bfloat16"``...), for artifacts."""
         return str(self.model.dtype).removeprefix("torch.")
+
+
+def prompt_template_digest(loaded: LoadedModel) -> str:
+    """Return the SHA-256 hex of the chat template ``loaded`` renders every prompt with.
+
+    The text is the adapter's choice (:meth:`ModelAdapter.prompt_template`), the one the
+    prompts are built with, whether the processor shipped it or the adapter supplies it. Sites
+    report the digest at plan time and the manifest records it: the fingerprint alone misses
+    a template that lives in dpmtv or a plugin rather than in the model directory.
+    """
+    template = loaded.adapter.prompt_template(loaded.processor)
+    return hashlib.sha256(template.encode("utf-8")).hexdigest()
 
 
 class _AbsentSubprocessor(PushToHubMixin):

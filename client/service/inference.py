@@ -27,7 +27,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from client.data import to_rgb
 from client.hooks import PatchPolicy
 from client.inference import TaskVectorPatch, generate_answers
-from client.models import Example, Prompt
+from client.models import Example, Prompt, prompt_template_digest
 from client.site import Site
 from dpmtv_common.artifact import load_artifact
 from dpmtv_common.crypto import TrustedKeys
@@ -156,8 +156,9 @@ def _patch(site: Site, request: InferRequest) -> tuple[TaskVectorPatch, int | No
 def verified_artifact(site: Site, folder: Path) -> tuple[TaskVectorArtifact, torch.Tensor]:
     """The stored artifact in ``folder``, checked for this service's model, and its values.
 
-    Checks the signature against the site's trusted keys, the model fingerprint and the dtype
-    the vector was made in (the socket's ``ask`` and the HTTP endpoint both go through here).
+    Checks the signature against the site's trusted keys, the model fingerprint, the dtype the
+    vector was made in and the chat template its prompts were rendered with (the socket's
+    ``ask`` and the HTTP endpoint both go through here).
     """
     import numpy as np
     import torch
@@ -173,6 +174,12 @@ def verified_artifact(site: Site, folder: Path) -> tuple[TaskVectorArtifact, tor
         raise ConfigError(
             f"the service's model dtype must be the artifact's {made_in!r}, "
             f"got {loaded.dtype_name!r}."
+        )
+    rendered_with = artifact.manifest.prompt_template_sha256
+    if rendered_with is not None and rendered_with != prompt_template_digest(loaded):
+        raise ConfigError(
+            f"the service's chat template must be the artifact's (sha256 {rendered_with}), "
+            f"got sha256 {prompt_template_digest(loaded)}: its chunks were prompted otherwise."
         )
     return artifact, torch.tensor(np.asarray(artifact.values), dtype=torch.float32)
 

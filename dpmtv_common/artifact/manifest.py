@@ -42,6 +42,9 @@ FORMAT_VERSION = 1
 _MODEL_DTYPES = ("bfloat16", "float16", "float32")
 """Values of ``ReleaseDescription.model_dtype`` (torch dtype names without ``torch.``)."""
 
+_OPTIONAL_FIELDS = ("model_dtype", "max_image_crops", "prompt_template_sha256", "dpmtv_versions")
+"""Fields added after the first artifacts were signed: left out of the signed bytes when None."""
+
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
 _KEY_ID_HEX = re.compile(rf"[0-9a-f]{{{KEY_ID_HEX_CHARS}}}")
 
@@ -105,6 +108,12 @@ class ReleaseDescription(BaseModel):
             ``plan["max_image_crops"]`` when not given), or None for the processor as shipped
             (also every artifact made before the field existed). Queries must be prompted
             under the same cap as the chunks were.
+        prompt_template_sha256: SHA-256 hex of the chat template every prompt of the release
+            was rendered with (the sites agreed on it), or None in artifacts made before the
+            field existed. The fingerprint covers a template shipped with the model, not one
+            a dpmtv adapter or plugin supplies; a site refuses an artifact of another digest.
+        dpmtv_versions: The distinct dpmtv versions the contributing sites ran, sorted, or
+            None in artifacts made before the field existed. Recorded, never refused.
     """
 
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
@@ -125,6 +134,24 @@ class ReleaseDescription(BaseModel):
     noise_std: float
     model_dtype: str | None = None
     max_image_crops: int | None = None
+    prompt_template_sha256: str | None = None
+    dpmtv_versions: list[str] | None = None
+
+    @field_validator("prompt_template_sha256")
+    @classmethod
+    def _template_digest(cls, value: str | None) -> str | None:
+        valid = value is None or _SHA256_HEX.fullmatch(value) is not None
+        _require(valid, "prompt_template_sha256", "be 64 lowercase hex digits or None", value)
+        return value
+
+    @field_validator("dpmtv_versions")
+    @classmethod
+    def _versions(cls, value: list[str] | None) -> list[str] | None:
+        valid = value is None or (
+            bool(value) and all(v.strip() for v in value) and value == sorted(set(value))
+        )
+        _require(valid, "dpmtv_versions", "be distinct non-empty strings, sorted, or None", value)
+        return value
 
     @field_validator("model_dtype")
     @classmethod
@@ -258,11 +285,12 @@ class ArtifactManifest(ReleaseDescription):
 def manifest_to_canonical_bytes(manifest: ArtifactManifest) -> bytes:
     """Return the bytes the signature covers: the manifest as canonical, ASCII JSON.
 
-    An unset ``model_dtype`` or ``max_image_crops`` is left out, so artifacts signed before
-    the field existed still verify (their signed bytes never held the key).
+    An unset optional field (``model_dtype``, ``max_image_crops``, ``prompt_template_sha256``,
+    ``dpmtv_versions``) is left out, so artifacts signed before the field existed still
+    verify (their signed bytes never held the key).
     """
     document = manifest.model_dump(mode="json")
-    for optional in ("model_dtype", "max_image_crops"):
+    for optional in _OPTIONAL_FIELDS:
         if document.get(optional) is None:
             document.pop(optional, None)
     return _canonical_json(document)

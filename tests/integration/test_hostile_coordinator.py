@@ -13,6 +13,7 @@ import os
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # read when flwr is first imported
 
+import functools
 import json
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -24,7 +25,7 @@ import numpy as np
 import pytest
 from flwr.app import Message, RecordDict
 
-from client.models import save_tiny_model
+from client.models import load_model, prompt_template_digest, save_tiny_model
 from client.release_record import SiteReleaseState
 from client.service.inprocess import open_in_process_sites
 from client.service.server import SiteService
@@ -222,6 +223,12 @@ def extract_request(release_id: str = "r1", **overrides: Any) -> SecureSumReques
     return SecureSumRequest(**fields)
 
 
+@functools.cache
+def sites_template_sha256(model: Path) -> str:
+    """The prompt template digest every site reports for ``model``, as a coordinator records it."""
+    return prompt_template_digest(load_model(model, device="cpu"))
+
+
 def signed_request(
     world: World,
     tmp: Path,
@@ -233,9 +240,13 @@ def signed_request(
     key: SigningKey | None = None,
     release_id: str | None = None,
     model_dtype: str | None = None,
+    prompt_template_sha256: str | None = "",
     values: np.ndarray | None = None,
 ) -> ReleaseRequest:
-    """An artifact as a coordinator would sign it; fields may be forged."""
+    """An artifact as a coordinator would sign it; fields may be forged.
+
+    ``prompt_template_sha256`` left empty is the sites' own digest; None leaves it out.
+    """
     from dpmtv_common.artifact import ReleaseDescription
 
     calibration = plan_calibration(plan)
@@ -261,6 +272,11 @@ def signed_request(
         clip_norm=plan.clip_norm,
         noise_std=noise_std or sigma,
         model_dtype=model_dtype,
+        prompt_template_sha256=(
+            sites_template_sha256(world.model)
+            if prompt_template_sha256 == ""
+            else prompt_template_sha256
+        ),
     )
     path = write_artifact(
         tmp / f"artifact-{len(list(tmp.glob('artifact-*')))}",
@@ -470,7 +486,16 @@ def contributed(consortium: Consortium) -> ReleasePlan:
 
 @pytest.mark.parametrize(
     "forgery",
-    ["epsilon", "noise_std", "other-plan", "untrusted-key", "heads", "dtype"],
+    [
+        "epsilon",
+        "noise_std",
+        "other-plan",
+        "untrusted-key",
+        "heads",
+        "dtype",
+        "prompt-template",
+        "no-prompt-template",
+    ],
 )
 def test_an_artifact_unlike_the_plan_is_refused_and_nothing_is_stored(
     consortium: Consortium, forgery: str
@@ -488,6 +513,10 @@ def test_an_artifact_unlike_the_plan_is_refused_and_nothing_is_stored(
         "untrusted-key": lambda: signed_request(world, tmp, plan, key=SigningKey.generate()),
         "heads": lambda: signed_request(world, tmp, plan, heads=HeadSet.of([(0, 0)])),
         "dtype": lambda: signed_request(world, tmp, plan, model_dtype="bfloat16"),
+        "prompt-template": lambda: signed_request(
+            world, tmp, plan, prompt_template_sha256="0" * 64
+        ),
+        "no-prompt-template": lambda: signed_request(world, tmp, plan, prompt_template_sha256=None),
     }[forgery]()
     # Act
     reply = consortium.ask(0, "query.release", forged)

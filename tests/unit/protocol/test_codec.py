@@ -59,7 +59,14 @@ ABORT = AbortNotice(release_id="r1", reason="too few sites", noisy_output=False)
 EXAMPLES: list[WireMessage] = [
     PlanRequest(plan=PLAN),
     PlanAccept(
-        release_id="r1", site_name="site-a", num_chunks=120, num_layers=2, num_heads=4, head_dim=16
+        release_id="r1",
+        site_name="site-a",
+        num_chunks=120,
+        num_layers=2,
+        num_heads=4,
+        head_dim=16,
+        prompt_template_sha256="a" * 64,
+        dpmtv_version="0.1.0",
     ),
     ErrorReply(code=ErrorCode.REFUSED, reason="not today"),
     SELECT_REQUEST,
@@ -151,7 +158,7 @@ def test_body_kind_must_match_envelope_kind() -> None:
         message_from_record(_tampered(ABORT, kind="error"))
 
 
-@pytest.mark.parametrize("version", ["2.0", "4.0", "0.9", "one", ""])
+@pytest.mark.parametrize("version", ["3.0", "5.0", "0.9", "one", ""])
 def test_other_major_version_is_refused_before_the_body_is_read(version: str) -> None:
     record = _tampered(ABORT, protocol_version=version, body="{not json")
 
@@ -160,12 +167,12 @@ def test_other_major_version_is_refused_before_the_body_is_read(version: str) ->
 
 
 def test_same_major_other_minor_is_accepted() -> None:
-    assert message_from_record(_tampered(ABORT, protocol_version="3.7")) == ABORT
+    assert message_from_record(_tampered(ABORT, protocol_version="4.7")) == ABORT
 
 
 def test_check_compatible_message_shows_both_versions() -> None:
-    with pytest.raises(VersionMismatchError, match=r"got '4\.1' \(local version '3\.0'\)"):
-        check_compatible("4.1")
+    with pytest.raises(VersionMismatchError, match=r"got '5\.1' \(local version '4\.0'\)"):
+        check_compatible("5.1")
 
 
 def test_record_without_envelope_is_a_decode_error() -> None:
@@ -231,7 +238,7 @@ def test_fitins_config_with_another_message_is_refused() -> None:
 
 
 def test_fitins_config_from_another_major_version_is_refused() -> None:
-    config = {**secure_sum_request_to_config(SELECT_REQUEST), "protocol-version": "4.1"}
+    config = {**secure_sum_request_to_config(SELECT_REQUEST), "protocol-version": "5.1"}
 
     with pytest.raises(VersionMismatchError):
         secure_sum_request_from_config(config)

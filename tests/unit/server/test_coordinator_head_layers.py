@@ -44,6 +44,8 @@ def accept(site: int, head_layers: tuple[int, ...] | None) -> PlanAccept:
         num_heads=4,
         head_dim=16,
         head_layers=head_layers,
+        prompt_template_sha256="a" * 64,
+        dpmtv_version="0.1.0",
     )
 
 

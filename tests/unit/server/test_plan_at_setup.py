@@ -147,6 +147,8 @@ def accept_for(release_id: str, site: int) -> PlanAccept:
         num_layers=2,
         num_heads=4,
         head_dim=16,
+        prompt_template_sha256="a" * 64,
+        dpmtv_version="0.1.0",
     )
 
 

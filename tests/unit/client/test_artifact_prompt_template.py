@@ -1,0 +1,92 @@
+"""Inference applies an artifact only under the chat template its prompts were rendered with."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import client.site
+from client.cli._artifact import artifact_patch
+from client.hooks import PatchPolicy
+from client.models import LoadedModel, build_tiny_model, get_adapter, prompt_template_digest
+from client.service.inference import verified_artifact
+from client.settings import SiteSettings
+from client.site import Site
+from dpmtv_common.artifact import ReleaseDescription, write_artifact
+from dpmtv_common.crypto import SigningKey, TrustedKeys
+from dpmtv_common.errors import ConfigError
+from dpmtv_common.heads import HeadSet
+
+KEY = SigningKey.generate()
+
+
+@pytest.fixture(scope="module")
+def tiny_llava() -> LoadedModel:
+    model, processor = build_tiny_model("llava", seed=0)
+    return LoadedModel(model, processor, get_adapter("llava"), "sha256:test-llava")
+
+
+def write(folder: Path, loaded: LoadedModel, template_sha256: str | None) -> Path:
+    release = ReleaseDescription(
+        protocol_version="4.0",
+        release_id="r-template",
+        model_fingerprint=loaded.fingerprint,
+        task="shapes",
+        plan={"shots": 2},
+        epsilon=1.0,
+        delta=1e-5,
+        accountant="rdp",
+        accountant_parameters={},
+        num_chunks=4,
+        shots=2,
+        clip_norm=1.0,
+        noise_std=1.0,
+        prompt_template_sha256=template_sha256,
+    )
+    return write_artifact(
+        folder / "r-template",
+        heads=HeadSet.of([(0, 1), (1, 2)]),
+        values=np.full((2, 16), 0.1, dtype=np.float32),
+        release=release,
+        signing_key=KEY,
+    )
+
+
+def apply_with_cli(path: Path, loaded: LoadedModel, tmp_path: Path, monkeypatch) -> object:
+    return artifact_patch(
+        path,
+        loaded=loaded,
+        keys=TrustedKeys([KEY.verify_key]),
+        policy=PatchPolicy.PROMPT_LAST_TOKEN,
+    )
+
+
+def apply_with_service(path: Path, loaded: LoadedModel, tmp_path: Path, monkeypatch) -> object:
+    KEY.verify_key.save(tmp_path / "site.pub", overwrite=True)
+    monkeypatch.setattr(client.site, "cached_model", lambda settings: loaded)
+    site = Site(SiteSettings(state_dir=tmp_path / "state", trusted_keys=(tmp_path / "site.pub",)))
+    return verified_artifact(site, path)
+
+
+APPLY = {"cli": apply_with_cli, "service": apply_with_service}
+
+
+@pytest.mark.parametrize("entry", sorted(APPLY))
+def test_an_artifact_of_another_template_is_refused(tiny_llava, tmp_path, monkeypatch, entry):
+    path = write(tmp_path, tiny_llava, "0" * 64)
+
+    with pytest.raises(ConfigError, match=r"chat template must be .*sha256 0{64}"):
+        APPLY[entry](path, tiny_llava, tmp_path, monkeypatch)
+
+
+@pytest.mark.parametrize("entry", sorted(APPLY))
+@pytest.mark.parametrize("recorded", ["own", None], ids=["own-digest", "made-before-the-field"])
+def test_an_artifact_of_the_model_s_template_or_of_none_applies(
+    tiny_llava, tmp_path, monkeypatch, entry, recorded
+):
+    digest = prompt_template_digest(tiny_llava) if recorded == "own" else None
+    path = write(tmp_path, tiny_llava, digest)
+
+    assert APPLY[entry](path, tiny_llava, tmp_path, monkeypatch) is not None
