@@ -1,18 +1,18 @@
-"""Benchmark the SecAgg+ secure sum and a whole in-process federated release.
+"""Benchmark the secure sum and a whole in-process federated release.
 
-Part 1 times ``server.secagg.secure_sum`` (Flower SecAgg+ with ChaCha20 mask expansion on
-both sides) over 3, 10 and 30 in-process sites at 1e4 and 1e5 float64 coordinates, and
-compares the result with the plain float64 sum of the same inputs. Part 2 runs whole
-releases (3 sites, tiny random LLaVA, production noise) in selection mode ``all`` and
-``private`` select-first, and splits the wall time by stage (``ReleaseReport.stage_seconds``).
+Part 1 times one secure sum of the protocol (``protocol.secure_sum``: roster-signed keys,
+Shamir-shared self-mask seeds in sealed boxes, ChaCha20 masks, every survivor signing the
+survivor set, unmasking) over 3, 10, 30 and 100 in-process sites at 1e4 and 1e5 float64
+coordinates: the sites' :class:`client.secure_sum.SiteSumSession` and the coordinator's
+``server.secure_sum.unmask.unmask_total``, driven directly (no messages, no transport:
+the protocol's own CPU), and compares the result with the plain float64 sum of the same
+inputs. Part 2 runs whole releases (3 sites, tiny random LLaVA, production noise) in
+selection mode ``all`` and ``private`` select-first, and splits the wall time by stage
+(``ReleaseReport.stage_seconds``).
 
-SecAgg+ parameters. Up to 10 sites everyone is everyone's neighbour (``num_shares=1.0``,
-classic SecAgg) with Flower's default threshold of 2/3 of the shares. For 30 sites each site
-has a neighbourhood of 15 (itself and 14 others: about 3·log2(30), the O(log n) degree of
-SecAgg+, Bell et al. CCS 2020; Flower needs an odd size) and a reconstruction threshold of 10
-(2/3 of 15, over half: a majority of a neighbourhood must help to unmask, and 5 lost
-neighbours are tolerated). Site inputs are uniform in ±64, as a site's sum of 64 chunks
-clipped to C = 1.
+Neighbourhoods are ``protocol.sum_graph.neighbourhood(n)``: a complete graph with a
+majority threshold up to 10 sites, SecAgg+'s sparse graph beyond (Bell et al. 2020). Site
+inputs are uniform in ±64, as a site's sum of 64 chunks clipped to C = 1.
 
 Usage (from the repository root; about 2-3 minutes on 2 cores)::
 
@@ -43,41 +43,39 @@ from importlib.metadata import version
 from pathlib import Path
 
 import numpy as np
-from flwr.app import Context, Message
-from flwr.client.mod import secaggplus_mod
-from flwr.clientapp import ClientApp
 
 from client.models import save_tiny_model
-from client.secagg import install_secure_mask_prg as install_site_mask_prg
-from client.secagg import secaggplus_clipping_range, secure_sum_reply
+from client.secure_sum import SiteSumSession
 from client.service.inprocess import in_process_sites, site_settings_for_partition
 from client.synthetic import write_task_datasets
 from dpmtv_common.crypto import SigningKey
 from dpmtv_common.fingerprint import fingerprint_model_dir
 from dpmtv_common.privacy.noise import require_cryptographic, secure_noise
+from dpmtv_common.roster import Roster
+from protocol.secure_sum import (
+    AddressedBox,
+    NodeBytes,
+    SumRanges,
+    SurvivorsRequest,
+    UnmaskRequest,
+    dequantise,
+    key_transcript,
+    ranges_for,
+)
+from protocol.sum_graph import neighbourhood, neighbours, ring_order
 from server.coordinator import ReleaseReport, run_coordinated_release
-from server.secagg import SecureSumSettings, install_secure_mask_prg, secure_sum
+from server.secure_sum.unmask import unmask_total
 from server.settings import CoordinatorSettings, RunConfig
 from server.simulation import InProcessGrid, make_server_context
 
 REPO = Path(__file__).resolve().parents[1]
-SITE_COUNTS = (3, 10, 30)
+SITE_COUNTS = (3, 10, 30, 100)
 DIMENSIONS = (10_000, 100_000)
 SITE_BOUND = 64.0  # |coordinate| of a site's input: its sum of 64 chunks clipped to C = 1
 RELEASE_SITES = 3
 RELEASE_RECORDS = 60  # per site: 12 chunks at K = 4
 RELEASE_SHOTS = 4
 COMMAND = ".venv/bin/python -m benchmarks.secure_sum"
-
-# What each stub site sends in the current secure sum, by node id.
-_INPUTS: dict[int, np.ndarray] = {}
-stub_app = ClientApp()
-
-
-@stub_app.train(mods=[secaggplus_mod])
-def _stub_contribution(msg: Message, context: Context) -> Message:
-    bound = secaggplus_clipping_range(context)
-    return secure_sum_reply(msg, [_INPUTS[context.node_id]], clipping_range=bound)
 
 
 @dataclass(frozen=True)
@@ -110,54 +108,78 @@ class ReleaseResult:
     signal_to_noise: float
 
 
-def share_parameters(sites: int) -> tuple[int | float, int | float]:
-    """Neighbourhood size and threshold (see the module docstring)."""
-    if sites <= 10:
-        return 1.0, 0.67
-    return 15, 10
-
-
 def time_secure_sum(sites: int, dimension: int, repeats: int) -> SumResult:
-    num_shares, threshold = share_parameters(sites)
-    settings = SecureSumSettings.for_plan(
-        max_abs_coordinate=SITE_BOUND,
-        max_sites=sites,
-        timeout=120.0,
-        num_shares=num_shares,
-        reconstruction_threshold=threshold,
-    )
+    ranges = ranges_for(SITE_BOUND, sites)
     seconds, errors = [], []
+    size, threshold = neighbourhood(sites)
     for repeat in range(repeats):
-        grid = InProcessGrid(stub_app, num_nodes=sites)
-        _INPUTS.clear()
-        for node_id in grid.get_node_ids():
-            rng = np.random.default_rng([node_id, repeat, dimension])
-            _INPUTS[node_id] = rng.uniform(-SITE_BOUND, SITE_BOUND, size=dimension)
-        expected = np.sum([_INPUTS[n] for n in grid.get_node_ids()], axis=0, dtype=np.float64)
+        inputs = {
+            node: np.random.default_rng([node, repeat, dimension]).uniform(
+                -SITE_BOUND, SITE_BOUND, size=dimension
+            )
+            for node in range(1, sites + 1)
+        }
         started = time.perf_counter()
-        result = secure_sum(
-            grid,
-            make_server_context(),
-            grid.get_node_ids(),
-            {},
-            round_id=repeat + 1,
-            settings=settings,
-            min_sites=2,
-        )
+        total, survivors = _one_sum(inputs, ranges)
         seconds.append(time.perf_counter() - started)
-        if result is None or result.num_sites != sites:
-            raise RuntimeError(f"secure sum over {sites} sites lost sites: {result!r}")
-        errors.append(float(np.max(np.abs(result.arrays[0] - expected))))
+        expected = np.sum([inputs[n] for n in survivors], axis=0, dtype=np.float64)
+        errors.append(float(np.max(np.abs(total - expected))))
     return SumResult(
         sites=sites,
         dimension=dimension,
-        num_shares=str(num_shares),
+        num_shares=str(size),
         threshold=str(threshold),
         median_s=statistics.median(seconds),
         min_s=min(seconds),
         max_abs_error=max(errors),
-        error_bound=settings.quantization_error_bound(sites),
+        error_bound=sites * ranges.clipping_range / ranges.quantization_range,
     )
+
+
+def _one_sum(inputs: dict[int, np.ndarray], ranges: SumRanges) -> tuple[np.ndarray, list[int]]:
+    """Every stage of one sum: keys, shares, masking, signed survivors, unmasking."""
+    identities = {node: SigningKey.generate() for node in inputs}
+    roster = Roster("bench", {f"s{node}": key.verify_key for node, key in identities.items()})
+    sessions = {
+        node: SiteSumSession("bench", node, f"s{node}", roster, key, 1, 2, 0.5)
+        for node, key in identities.items()
+    }
+    adverts = [session.advertise() for session in sessions.values()]
+    boxes = {}
+    for node, session in sessions.items():
+        session.join(adverts)
+        session.begin_sum(0)
+        boxes[node] = session.seal_shares()
+    masked = {node: s.mask(inputs[node], ranges) for node, s in sessions.items()}
+    survivors = sorted(masked)
+    signatures = []
+    for node in survivors:
+        inbox = [
+            AddressedBox(node_id=sender, box=box.box)
+            for sender, sent in boxes.items()
+            for box in sent
+            if box.node_id == node
+        ]
+        request = SurvivorsRequest(
+            release_id="bench", sum_index=0, survivors=survivors, boxes=inbox
+        )
+        signed = sessions[node].sign_survivors(request)
+        signatures.append(NodeBytes(node_id=node, value=signed.signature))
+    unmask = UnmaskRequest(
+        release_id="bench", sum_index=0, survivors=survivors, signatures=signatures
+    )
+    replies = {node: sessions[node].reveal(unmask) for node in survivors}
+    size, threshold = neighbourhood(len(inputs))
+    ring = ring_order(survivors, key_transcript(adverts))
+    total = unmask_total(
+        masked=masked,
+        replies=replies,
+        participants=survivors,
+        neighbours={node: neighbours(ring, node, size) for node in survivors},
+        threshold=threshold,
+        modulus=ranges.modulus_range,
+    )
+    return dequantise(total, ranges, len(survivors)), survivors
 
 
 def prepare_release_world(work: Path) -> str:
@@ -279,14 +301,14 @@ def render(
         "",
         *facts,
         "",
-        "## SecAgg+ secure sum (in-process sites, ChaCha20 masks)",
+        "## One secure sum (in-process sites, the protocol's own work)",
         "",
-        f"Median and fastest wall time of {repeats} runs of `server.secagg.secure_sum` "
-        "(all four SecAgg+ round trips, key agreement, Shamir shares, masking, unmasking; "
-        "messages are deep-copied as on a wire, but nothing is serialised or sent). Site "
+        f"Median and fastest wall time of {repeats} runs of every stage of one sum "
+        "(roster-signed keys and their checks, X25519 agreements, Shamir shares in sealed "
+        "boxes, ChaCha20 masks, survivor signatures and their checks, unmasking), all sites "
+        "and the coordinator in one process, messages neither serialised nor sent. Site "
         f"inputs uniform in ±{SITE_BOUND:g}; the error is the largest |secure - float64 sum| "
-        "over all runs and coordinates; the bound is "
-        "`SecureSumSettings.quantization_error_bound(n)` = n·2c/Q.",
+        "over all runs and coordinates; the bound is n·c/Q (rounding to nearest).",
         "",
         "| sites | floats | num_shares | threshold | median (s) | min (s) "
         "| max abs error | error bound |",
@@ -339,11 +361,9 @@ def render(
 
 def share_note() -> str:
     return (
-        "Up to 10 sites everyone is everyone's neighbour (`num_shares=1.0`, classic "
-        "SecAgg; threshold 0.67 of the shares). At 30 sites a neighbourhood holds 15 "
-        "sites (a site and 14 others, about 3·log2 30, the O(log n) degree of SecAgg+, "
-        "Bell et al. 2020; Flower needs it odd) and 10 shares rebuild a secret (2/3, "
-        "over half of a neighbourhood; 5 lost neighbours tolerated)."
+        "num_shares is the neighbourhood (the site included) and threshold the shares that "
+        "rebuild a self-mask seed: everyone is everyone's neighbour up to 10 sites (a "
+        "majority rebuilds), SecAgg+'s sparse graph beyond (`protocol.sum_graph`)."
     )
 
 
@@ -358,10 +378,8 @@ def parse_args() -> argparse.Namespace:
 
 def main() -> int:
     args = parse_args()
-    logging.getLogger("flwr").setLevel(logging.WARNING)  # SecAgg+ logs every stage
+    logging.getLogger("flwr").setLevel(logging.WARNING)
     facts = machine_facts()
-    install_secure_mask_prg()
-    install_site_mask_prg()
     time_secure_sum(3, 1_000, 1)  # warm-up: imports and first-call costs
     sums = []
     for sites in SITE_COUNTS:

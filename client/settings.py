@@ -50,6 +50,8 @@ _PATH_FIELDS = frozenset(
         "ledger_path",
         "signing_key",
         "trusted_keys",
+        "roster",
+        "identity_key",
         "artifacts_dir",
         "socket_path",
         "cache_dir",
@@ -76,6 +78,12 @@ class SiteSettings(BaseSettings):
         budget_delta: δ at which the ledger composes releases.
         signing_key: Ed25519 private key (PEM) for single-holder releases.
         trusted_keys: Public keys (PEM) whose artifacts this site accepts.
+        roster: The consortium roster (TOML, ``dpmtv-site roster make``) the site admin
+            installed after comparing its fingerprint out of band. Without one the site
+            takes part in no secure sum: it could not tell real sites from made-up ones.
+        identity_key: This member's Ed25519 identity key (PEM, ``dpmtv-site keygen``); its
+            public half is the roster's entry for ``name``. It signs the site's secure-sum
+            keys and survivor sets.
         artifacts_dir: Where received or made artifacts are stored (default under ``state_dir``).
         socket_path: The site service's Unix socket (default under ``state_dir``).
         socket_mode: Permission bits of the socket; the SuperNode's user needs write access
@@ -122,6 +130,8 @@ class SiteSettings(BaseSettings):
     budget_delta: float = Field(default=1e-5, gt=0, lt=1)
     signing_key: Path | None = None
     trusted_keys: Annotated[tuple[Path, ...], NoDecode] = ()
+    roster: Path | None = None
+    identity_key: Path | None = None
     artifacts_dir: Path | None = None
     socket_path: Path | None = None
     socket_mode: int = Field(default=0o660, ge=0o600, le=0o777)
@@ -228,6 +238,7 @@ class SiteSettings(BaseSettings):
             "artifacts_dir",
             "socket_path",
             "state_dir",
+            "identity_key",
         )
         for field in fields:
             value = getattr(self, field)

@@ -38,7 +38,6 @@ from client.models import LoadedModel, default_fingerprint_cache_dir, prompt_tem
 from client.release import LocalSums
 from client.release_record import ReleaseRecord, ReleaseRecordStore, SiteReleaseState
 from client.scoring import check_answer_vocabulary
-from client.secagg import SecAggRanges
 from client.settings import SiteSettings
 from client.shared_model import shared_model
 from client.site_policy import (
@@ -75,6 +74,7 @@ from protocol import (
     StageOrderError,
     reserve_plan,
 )
+from protocol.secure_sum import SumRanges
 
 __all__ = ["Site", "cached_model"]
 
@@ -217,7 +217,7 @@ class Site:
         )
 
     def contribution(
-        self, request: SecureSumRequest, *, run_id: int, ranges: SecAggRanges | None = None
+        self, request: SecureSumRequest, *, run_id: int, ranges: SumRanges | None = None
     ) -> list[np.ndarray]:
         """[flattened sum, [m_i]] for one secure sum of the accepted plan, exactly once.
 

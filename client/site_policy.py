@@ -27,7 +27,6 @@ from dataclasses import dataclass
 import numpy as np
 
 from client.release_record import ReleaseRecord
-from client.secagg import SecAggRanges
 from client.settings import SiteSettings
 from dpmtv_common.aliases import Float64Array, LayerHead
 from dpmtv_common.artifact import TaskVectorArtifact
@@ -48,6 +47,7 @@ from protocol import (
     check_plan_scope,
     plan_calibration,
 )
+from protocol.secure_sum import SumRanges
 
 __all__ = [
     "ModelShape",
@@ -118,15 +118,15 @@ def _check_distributed(plan: ReleasePlan, settings: SiteSettings, shape: ModelSh
 
 
 def distributed_grid(
-    record: ReleaseRecord, request: SecureSumRequest, ranges: SecAggRanges | None
+    record: ReleaseRecord, request: SecureSumRequest, ranges: SumRanges | None
 ) -> DistributedNoise | None:
-    """The grid of a distributed plan's secure sum, checked against the SecAgg+ setup.
+    """The grid of a distributed plan's secure sum, checked against the sum's ranges.
 
     None in central mode. The site recomputes the grid from the plan and its model shape;
-    other SecAgg+ ranges would change the quantisation its noise share was sized for.
+    other ranges would change the quantisation its noise share was sized for.
 
     Raises:
-        PlanMismatchError: The coordinator set up other SecAgg+ ranges (c, Q, M).
+        PlanMismatchError: The coordinator sent other ranges (c, Q, M).
         StageOrderError: A vote sum in a plan without one.
     """
     plan = record.plan
@@ -142,11 +142,14 @@ def distributed_grid(
     if grid is None:  # a select sum without private selection: check_secure_sum refuses
         raise StageOrderError("this plan has no vote sum.")
     expected = (grid.clipping_range, grid.quantization_range, grid.modulus_range)
-    got = None if ranges is None else tuple(vars(ranges).values())
+    got = (
+        None
+        if ranges is None
+        else (ranges.clipping_range, ranges.quantization_range, ranges.modulus_range)
+    )
     if got != expected:
         raise PlanMismatchError(
-            f"SecAgg+ ranges (c, Q, M) of a distributed sum must be the plan's {expected}, "
-            f"got {got}."
+            f"the ranges (c, Q, M) of a distributed sum must be the plan's {expected}, got {got}."
         )
     return grid
 

@@ -1,15 +1,14 @@
 """Messages to Flower records and back: the only module that knows wire keys.
 
-How this connects: the server and client apps build a message model (``protocol.messages``),
-call :func:`message_to_record` and put the ``RecordDict`` in a Flower ``Message``; the
-receiver calls :func:`expect` (or :func:`message_from_record`) on the content. A SecAgg+
-round cannot carry our records (``secaggplus_mod`` owns the ``train`` content), so its
-:class:`~protocol.messages.SecureSumRequest` travels flattened in the legacy FitIns config
-through :func:`secure_sum_request_to_config`. Arrays never go through JSON: the one array a
-coordinator sends (the noisy vector of a release-first select sum) travels in that round's
-FitIns parameters (``client.secagg.sent_reference``); artifacts travel as signed bytes.
+How this connects: the server and client apps build a message model (``protocol.messages``,
+``protocol.secure_sum``), call :func:`message_to_record` and put the ``RecordDict`` in a
+Flower ``Message``; the receiver calls :func:`expect` (or :func:`message_from_record`) on
+the content. Arrays never go through JSON: a secure sum's masked vector and the noisy vector
+a release-first select sum carries travel beside the message in an ``ArrayRecord``
+(:func:`with_array`, :func:`array_from_record`: numpy's format, header checked first, never a
+pickle); artifacts travel as signed bytes.
 
-Envelope, the same in a ``ConfigRecord`` and in a FitIns config::
+Envelope, in a ``ConfigRecord``::
 
     {"kind": <message kind>, "protocol-version": PROTOCOL_VERSION, "body": <model JSON>}
 
@@ -22,25 +21,28 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any, TypeVar
 
-from flwr.app import ConfigRecord, RecordDict
+import numpy as np
+from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from pydantic import TypeAdapter, ValidationError
 
+from dpmtv_common.aliases import Float64Array, Int64Array
 from protocol.errors import MessageDecodeError
-from protocol.messages import AnyMessage, ErrorReply, SecureSumRequest, WireMessage
+from protocol.messages import AnyMessage, ErrorReply, WireMessage
+from protocol.secure_sum import SUM_MESSAGE_KINDS, AnySumMessage
 from protocol.version import PROTOCOL_VERSION, check_compatible
 
 __all__ = [
     "MESSAGE_RECORD_KEY",
+    "array_from_record",
+    "with_array",
     "expect",
     "message_from_record",
     "message_to_record",
-    "secure_sum_request_from_config",
-    "secure_sum_request_to_config",
 ]
 
 _M = TypeVar("_M", bound=WireMessage)
 
-# Record keys. None of the envelope keys may be "stage": SecAgg+ reads that key.
+# Record keys.
 MESSAGE_RECORD_KEY = "dpmtv"
 _MESSAGE_KEY = MESSAGE_RECORD_KEY
 _KIND = "kind"
@@ -48,6 +50,8 @@ _VERSION = "protocol-version"
 _BODY = "body"
 
 _ANY_MESSAGE: TypeAdapter[AnyMessage] = TypeAdapter(AnyMessage)
+_SUM_MESSAGE: TypeAdapter[AnySumMessage] = TypeAdapter(AnySumMessage)
+_ARRAY_DTYPES = {"int64": np.int64, "float64": np.float64}
 
 
 def _envelope(msg: WireMessage) -> dict[str, str]:
@@ -64,11 +68,12 @@ def _text(envelope: Mapping[str, Any], key: str) -> str:
     return value
 
 
-def _message_from_envelope(envelope: Mapping[str, Any]) -> AnyMessage:
+def _message_from_envelope(envelope: Mapping[str, Any]) -> AnyMessage | AnySumMessage:
     check_compatible(_text(envelope, _VERSION))
     kind = _text(envelope, _KIND)
+    adapter: TypeAdapter[Any] = _SUM_MESSAGE if kind in SUM_MESSAGE_KINDS else _ANY_MESSAGE
     try:
-        msg = _ANY_MESSAGE.validate_json(_text(envelope, _BODY))
+        msg: AnyMessage | AnySumMessage = adapter.validate_json(_text(envelope, _BODY))
     except ValidationError as exc:
         raise MessageDecodeError(f"message body of kind {kind!r} is invalid: {exc}") from exc
     if msg.kind != kind:
@@ -84,7 +89,7 @@ def message_to_record(msg: WireMessage) -> RecordDict:
     return RecordDict({_MESSAGE_KEY: envelope})
 
 
-def message_from_record(record: RecordDict) -> AnyMessage:
+def message_from_record(record: RecordDict) -> AnyMessage | AnySumMessage:
     """Decode the message in a record.
 
     Raises:
@@ -117,21 +122,37 @@ def expect(record: RecordDict, message_type: type[_M]) -> _M:
     )
 
 
-def secure_sum_request_to_config(req: SecureSumRequest) -> dict[str, str | int | float | bool]:
-    """Flatten a request into scalar entries for a legacy FitIns config."""
-    return dict(_envelope(req))
+def with_array(record: RecordDict, key: str, values: Int64Array | Float64Array) -> RecordDict:
+    """``record`` with one 1-d int64 or float64 array beside its message (numpy's format)."""
+    array = np.ascontiguousarray(values)
+    if array.ndim != 1 or array.dtype.name not in _ARRAY_DTYPES:
+        raise TypeError(f"values must be 1-d int64 or float64, got {array.dtype}{array.shape}.")
+    record[key] = ArrayRecord({key: Array(array)})
+    return record
 
 
-def secure_sum_request_from_config(cfg: Mapping[str, Any]) -> SecureSumRequest:
-    """Read a request back from a FitIns config; keys that are not ours are ignored.
+def array_from_record(
+    record: RecordDict, key: str, *, dtype: str, length: int | None = None
+) -> Int64Array | Float64Array:
+    """The one array under ``key``, checked against its header before it is decoded.
 
     Raises:
-        MessageDecodeError: The config holds no valid ``SecureSumRequest``.
-        VersionMismatchError: The sender speaks another MAJOR protocol version.
+        MessageDecodeError: No such array, another dtype or shape, or undecodable bytes.
     """
-    msg = _message_from_envelope(cfg)
-    if not isinstance(msg, SecureSumRequest):
+    arrays = record.array_records.get(key)
+    if arrays is None or list(arrays) != [key]:
+        raise MessageDecodeError(f"record must carry one array {key!r}, got {sorted(record)!r}.")
+    array = arrays[key]
+    if array.dtype != dtype or len(array.shape) != 1:
         raise MessageDecodeError(
-            f"FitIns config must hold a SecureSumRequest, got a {type(msg).__name__}."
+            f"array {key!r} must be 1-d {dtype}, got {array.dtype}{tuple(array.shape)}."
         )
-    return msg
+    if length is not None and array.shape[0] != length:
+        raise MessageDecodeError(f"array {key!r} must hold {length} values, got {array.shape[0]}.")
+    try:
+        values = array.numpy()  # numpy's own format, loaded without pickles
+    except (TypeError, ValueError, EOFError, OSError) as exc:
+        raise MessageDecodeError(f"array {key!r} must decode: {exc}") from exc
+    if values.dtype != _ARRAY_DTYPES[dtype] or values.shape != tuple(array.shape):
+        raise MessageDecodeError(f"array {key!r} must match its header, got another array.")
+    return np.asarray(values)

@@ -45,6 +45,7 @@ from protocol.plan import (
     ReleaseId,
     ReleasePlan,
 )
+from protocol.sum_keys import KeyAdvert
 
 __all__ = [
     "AbortNotice",
@@ -160,6 +161,9 @@ class PlanAccept(WireMessage):
             coordinator refuses a consortium that mixes them, and the manifest records it.
         dpmtv_version: The dpmtv package version the site runs; recorded in the manifest,
             never refused (the template digest already covers what it changes in a prompt).
+        keys: The site's X25519 key for this release's secure sums, signed with its roster
+            identity (``protocol.sum_keys``); the site service always sends it, and the
+            coordinator keeps no site without it.
     """
 
     kind: Literal["plan-accept"] = "plan-accept"
@@ -173,6 +177,7 @@ class PlanAccept(WireMessage):
     head_layers: Annotated[tuple[int, ...], Field(max_length=MAX_HEADS)] | None = None
     prompt_template_sha256: Annotated[str, AfterValidator(_sha256_hex)]
     dpmtv_version: Annotated[str, AfterValidator(_package_version)]
+    keys: KeyAdvert | None = None
 
     @model_validator(mode="after")
     def _check_head_layers(self) -> Self:

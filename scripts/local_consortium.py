@@ -255,6 +255,8 @@ class SiteFiles:
     ledger_path: Path
     artifacts_dir: Path
     trusted_keys: Path
+    roster: Path
+    identity_key: Path
     min_sites: int = 2
     noise_mode: str = "central"
 
@@ -277,6 +279,8 @@ class SiteFiles:
             "--ledger", str(self.ledger_path),
             "--artifacts-dir", str(self.artifacts_dir),
             "--trusted-key", str(self.trusted_keys),
+            "--roster", str(self.roster),
+            "--identity-key", str(self.identity_key),
             "--socket", str(self.socket_path),
             "--socket-mode", "600",
             "--min-sites", str(self.min_sites),
@@ -352,6 +356,7 @@ def prepare_consortium(
     key = SigningKey.generate()
     key.save(root / "coordinator" / "signing.key")
     key.verify_key.save(root / "coordinator" / "signing.pub")
+    roster = _write_roster(root, [f"site-{i}" for i in range(sites)])
     site_files = tuple(
         SiteFiles(
             name=f"site-{i}",
@@ -360,6 +365,8 @@ def prepare_consortium(
             ledger_path=root / f"site-{i}" / "ledger.sqlite",
             artifacts_dir=root / f"site-{i}" / "artifacts",
             trusted_keys=root / "coordinator" / "signing.pub",
+            roster=roster,
+            identity_key=root / f"site-{i}" / "identity.key",
             noise_mode=noise_mode,
         )
         for i in range(sites)
@@ -374,6 +381,26 @@ def prepare_consortium(
         verify_key=root / "coordinator" / "signing.pub",
         sites=site_files,
     )
+
+
+def _write_roster(root: Path, names: list[str]) -> Path:
+    """Each site's identity key under ``root/NAME/identity.key`` and the roster naming them.
+
+    A real consortium makes the keys at each member (``dpmtv-site keygen``) and the roster
+    from the public halves (``dpmtv-site roster make``); here one process plays every member.
+    """
+    from dpmtv_common.crypto import SigningKey
+    from dpmtv_common.roster import Roster
+
+    keys = {}
+    for name in names:
+        (root / name).mkdir(parents=True, exist_ok=True)
+        key = SigningKey.generate()
+        key.save(root / name / "identity.key")
+        keys[name] = key.verify_key
+    roster = root / "roster.toml"
+    roster.write_text(Roster("local-consortium", keys).to_toml())
+    return roster
 
 
 # ---------------------------------------------------------------- processes

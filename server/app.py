@@ -27,14 +27,12 @@ from dpmtv_common.privacy.ledger import PrivacyLedger
 from dpmtv_common.privacy.noise import require_cryptographic, secure_noise
 from server.coordinator import ReleaseReport, run_coordinated_release
 from server.prompt_grid import PromptGrid, StragglerPolicy
-from server.secagg import install_secure_mask_prg
 from server.settings import CoordinatorSettings, RunConfig
 
 __all__ = ["app", "journal_path"]
 
 _log = logging.getLogger(__name__)
 
-install_secure_mask_prg()  # ChaCha20 mask expansion; the sites refuse any other
 app = ServerApp()
 
 _SITES_RESOLVE = (

@@ -43,10 +43,8 @@ from protocol import (
     run_release,
 )
 from server.federated_sums import FederatedSums
-from server.messaging import Exchange
-from server.plan_at_setup import plan_folds_into_setup, send_plan_at_setup
+from server.messaging import Exchange, Replies
 from server.prompt_grid import site_label
-from server.secagg import SecureSumRound
 from server.settings import CoordinatorSettings, RunConfig
 
 __all__ = ["Coordinator", "ReleaseReport", "build_plan"]
@@ -118,7 +116,6 @@ class Coordinator:
     seconds: dict[str, float] = field(default_factory=dict)
     model_dtype: str | None = None
     sums: FederatedSums | None = None
-    pending: SecureSumRound | None = None
     planned: list[int] = field(default_factory=list)
 
     def wait_for_sites(self) -> list[int]:
@@ -138,19 +135,14 @@ class Coordinator:
     def plan_stage(self, plan: ReleasePlan, nodes: list[int]) -> None:
         """Send the plan; keep the sites that accept (each reserved its own budget).
 
-        Where the plan sizes the first secure sum by itself, it rides on that sum's SecAgg+
-        setup message (``server.plan_at_setup``): no round trip of its own.
+        Each acceptance carries the site's signed key for the release's secure sums (one key
+        agreement a release, ``server.secure_sum``): no key round trip of its own.
         """
         self.planned = list(nodes)
-        if plan_folds_into_setup(plan):
-            replies, self.pending = send_plan_at_setup(
-                self.grid, self.context, plan, nodes, self.run.stage_timeout
-            )
-        else:
-            replies = self._exchange().broadcast(
-                "plan", PlanRequest(plan=plan), nodes, PlanAccept, f"{plan.release_id}-plan"
-            )
-        self.accepted = {n: a for n, a in replies.answers.items() if isinstance(a, PlanAccept)}
+        replies = self._exchange().broadcast(
+            "plan", PlanRequest(plan=plan), nodes, PlanAccept, f"{plan.release_id}-plan"
+        )
+        self.accepted = _with_keys(replies, plan.release_id)
         for node, reason in replies.failures.items():
             _log.warning(
                 "site %s refused or failed the plan: %s", site_label(self.grid, node), reason
@@ -182,14 +174,12 @@ class Coordinator:
         first = next(iter(self.accepted.values()))
         layout = first.layout()  # the sites agree on it (plan_stage)
         sums = FederatedSums(
-            self.grid,
-            self.context,
+            self._exchange(),
             plan,
             {node: accept.num_chunks for node, accept in self.accepted.items()},
+            {node: accept.keys for node, accept in self.accepted.items() if accept.keys},
             first.head_dim,
             layout,
-            self.run.stage_timeout,
-            pending=self.pending,
         )
 
         def on_first_noise() -> None:
@@ -306,6 +296,20 @@ def _finish_failed(
             coordinator.abort_stage(plan, f"{type(exc).__name__}: {exc}")
         except Exception:  # the original failure matters more than a lost notice
             _log.exception("abort notice could not be sent for %s", plan.release_id)
+
+
+def _with_keys(replies: Replies, release_id: str) -> dict[int, PlanAccept]:
+    """The acceptances that carry this release's key, advertised for the node that sent it."""
+    accepted: dict[int, PlanAccept] = {}
+    for node, answer in replies.answers.items():
+        if not isinstance(answer, PlanAccept):
+            continue
+        keys = answer.keys
+        if keys is None or keys.node_id != node or keys.release_id != release_id:
+            replies.failures[node] = "accepted without this release's secure-sum key for its node"
+            continue
+        accepted[node] = answer
+    return accepted
 
 
 def _check_one_prompt_template(accepts: Iterable[PlanAccept]) -> None:

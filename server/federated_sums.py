@@ -1,12 +1,13 @@
-"""The coordinator's :class:`protocol.ReleaseSums`: SecAgg+ secure sums over the sites.
+"""The coordinator's :class:`protocol.ReleaseSums`: secure sums over the sites.
 
-Every site returns ``[flattened sum, [m_i]]``; the secure sum gives the coordinator only the
-totals over the surviving sites, including the public chunk count m = Σ m_i. A site lost in
-one secure sum is left out of the later ones; fewer survivors than the plan's minimum raise
-``InsufficientSharesError`` and the release aborts.
+Every site returns ``[flattened sum, [m_i]]`` (concatenated, quantised and masked); the
+secure sum gives the coordinator only the totals over the surviving sites, including the
+public chunk count m = Σ m_i. A site lost in one secure sum is left out of the later ones;
+fewer survivors than the plan's minimum raise ``InsufficientSharesError`` and the release
+aborts. All sums of a release share one key agreement (``server.secure_sum``).
 
 In distributed noise mode each site's sum is already its encoded noisy share on an integer
-grid (:mod:`protocol.distributed`): the SecAgg+ ranges are the plan's (the sites refuse
+grid (:mod:`protocol.distributed`): the sum's ranges are the plan's (the sites refuse
 others), and the total is decoded here; the coordinator never holds an un-noised sum.
 """
 
@@ -15,11 +16,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 import numpy as np
-from flwr.app import Context
-from flwr.serverapp import Grid
 
 from dpmtv_common.aliases import Float64Array
-from dpmtv_common.errors import InsufficientSharesError
 from dpmtv_common.heads import HeadLayout, HeadSet
 from dpmtv_common.privacy.distributed import DistributedNoise, decode_noisy_sum
 from protocol import (
@@ -29,17 +27,13 @@ from protocol import (
     ReleasePlan,
     SecureSumRequest,
     VoteSum,
-    secure_sum_request_to_config,
 )
-from server.secagg import (
-    SecureSumRound,
-    SecureSumSettings,
-    install_secure_mask_prg,
-    secure_sum,
-)
-from server.secagg_neighbourhood import neighbourhood
+from protocol.secure_sum import SumInstructions, SumRanges, ranges_for
+from protocol.sum_keys import KeyAdvert
+from server.messaging import Exchange
+from server.secure_sum import SecureSumSession
 
-__all__ = ["FederatedSums", "neighbourhood"]
+__all__ = ["FederatedSums"]
 
 
 @dataclass
@@ -47,27 +41,24 @@ class FederatedSums:
     """Secure sums over the sites that accepted the plan.
 
     Attributes:
+        exchange: The coordinator's messages to the sites.
+        plan: The release plan.
         sites: node id -> m_i, of the sites still in the release.
+        adverts: node id -> the signed key it sent with its acceptance.
         head_dim: D of the consortium's model.
         layout: the consortium model's head layout; its carried heads (``all_heads``) are
             the scope of ``heads=None``, its dense ``L * H`` the vote histogram's length.
-        pending: The release's first secure sum, already set up with the plan riding on it
-            (``server.plan_at_setup``); the first sum asked for finishes it.
     """
 
-    grid: Grid
-    context: Context
+    exchange: Exchange
     plan: ReleasePlan
     sites: dict[int, int]
+    adverts: dict[int, KeyAdvert]
     head_dim: int
     layout: HeadLayout
-    stage_timeout: float
     rounds: int = 0
     log: list[str] = field(default_factory=list)
-    pending: SecureSumRound | None = None
-
-    def __post_init__(self) -> None:
-        install_secure_mask_prg()  # idempotent; the sites refuse any other mask expansion
+    session: SecureSumSession | None = None
 
     @property
     def all_heads(self) -> HeadSet:
@@ -81,63 +72,40 @@ class FederatedSums:
             return None
         return DistributedRelease(self.plan, self.layout.dense_size, self.head_dim)
 
-    def _settings(self, grid: DistributedNoise | None) -> SecureSumSettings:
-        shares, threshold = neighbourhood(len(self.sites))
+    def _ranges(self, grid: DistributedNoise | None) -> SumRanges:
         if grid is not None:  # the plan's integer grid: sites refuse any other
-            return SecureSumSettings(
-                clipping_range=grid.clipping_range,
+            return SumRanges(
+                clipping_range=float(grid.clipping_range),
                 quantization_range=grid.quantization_range,
                 modulus_range=grid.modulus_range,
-                timeout=self.stage_timeout,
-                max_sites=grid.max_sites,
-                num_shares=shares,
-                reconstruction_threshold=threshold,
             )
         # A site's sum of m_i clipped chunks reaches m_i * C per coordinate; votes and the
-        # count reach m_i. The range covers both, so SecAgg+ never clips silently.
+        # count reach m_i. The range covers both, so no coordinate is ever refused.
         m_max = max(self.sites.values())
-        return SecureSumSettings.for_plan(
-            max_abs_coordinate=float(m_max) * max(self.plan.clip_norm, 1.0),
-            max_sites=len(self.sites),
-            timeout=self.stage_timeout,
-            num_shares=shares,
-            reconstruction_threshold=threshold,
-        )
+        return ranges_for(float(m_max) * max(self.plan.clip_norm, 1.0), len(self.adverts))
 
     def _secure_sum(
         self,
         request: SecureSumRequest,
         grid: DistributedNoise | None,
-        broadcast: tuple[Float64Array, ...] = (),
+        reference: Float64Array | None = None,
     ) -> tuple[list[Float64Array], int, int]:
+        if self.session is None:
+            self.session = SecureSumSession(
+                self.exchange, self.plan.release_id, dict(self.adverts), self.plan.min_sites
+            )
+        instructions = SumInstructions(
+            sum_index=self.rounds, request=request, ranges=self._ranges(grid)
+        )
         self.rounds += 1
-        config = secure_sum_request_to_config(request)
-        if self.pending is not None:  # set up with the plan (central mode only): finish it
-            opened, self.pending = self.pending, None
-            result = opened.finish(config, broadcast)
-        else:
-            result = secure_sum(
-                self.grid,
-                self.context,
-                sorted(self.sites),
-                config,
-                round_id=self.rounds,
-                settings=self._settings(grid),
-                min_sites=self.plan.min_sites,
-                broadcast=broadcast,
-            )
-        if result is None:
-            raise InsufficientSharesError(
-                f"secure sum {self.rounds} ({request.stage}) produced no result: too few sites "
-                "stayed to rebuild the masks. The release is aborted."
-            )
-        self.sites = {node: self.sites[node] for node in result.site_ids}
-        self.log.append(f"{request.stage}: {result.num_sites} sites")
-        count = round(float(result.arrays[1][0]))
-        total = result.arrays[0]
+        result = self.session.run_sum(instructions, reference)
+        self.sites = {node: self.sites[node] for node in result.survivors}
+        self.log.append(f"{request.stage}: {len(result.survivors)} sites")
+        count = round(float(result.total[-1]))
+        total = result.total[:-1]
         if grid is not None:  # the sum of the sites' noisy shares, back to real units
-            total = decode_noisy_sum(total, params=grid, num_sites=result.num_sites)
-        return [total, *result.arrays[1:]], count, result.num_sites
+            total = decode_noisy_sum(total, params=grid, num_sites=len(result.survivors))
+        return [total, result.total[-1:]], count, len(result.survivors)
 
     def activation_sum(self, heads: HeadSet) -> ActivationSum:
         """Σ over surviving sites of their clipped activation sums over ``heads``."""
@@ -157,9 +125,9 @@ class FederatedSums:
     def vote_sum(self, reference: Float64Array | None) -> VoteSum:
         """Σ over surviving sites of top-r votes (against ``reference`` when given).
 
-        The noisy all-head ``reference`` travels in the select request itself (the FitIns
-        parameters of SecAgg+'s collect stage), not in a message of its own: one round
-        trip fewer, and a site votes only against the vector it holds.
+        The noisy all-head ``reference`` travels beside the select sum's collect request
+        (flattened float64), not in a message of its own: one round trip fewer, and a site
+        votes only against the vector it holds.
         """
         request = SecureSumRequest(
             release_id=self.plan.release_id,
@@ -171,6 +139,6 @@ class FederatedSums:
         )
         release = self.distributed
         grid = release.votes() if release is not None else None
-        sent = () if reference is None else (np.asarray(reference, dtype=np.float64),)
+        sent = None if reference is None else np.asarray(reference, dtype=np.float64).ravel()
         arrays, count, _ = self._secure_sum(request, grid, sent)
         return VoteSum(np.asarray(arrays[0], dtype=np.float64), count)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
@@ -24,10 +24,11 @@ _log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class Replies:
-    """What came back: decoded answers, and why the other sites gave none."""
+    """What came back: decoded answers (and their records), and why the others gave none."""
 
     answers: dict[int, WireMessage]
     failures: dict[int, str]
+    records: dict[int, RecordDict] = field(default_factory=dict)
 
 
 @dataclass
@@ -54,6 +55,7 @@ class Exchange:
         # SuperLink's own node id: name the site by the message it answers instead.
         sent_to = {m.metadata.message_id: m.metadata.dst_node_id for m in messages}
         answers: dict[int, WireMessage] = {}
+        records: dict[int, RecordDict] = {}
         failures = {node_id: "no reply before the timeout" for node_id in contents}
         for reply in replies:
             node_id = reply.metadata.src_node_id
@@ -68,7 +70,8 @@ class Exchange:
                 )
             else:
                 answers[node_id] = outcome
-        return Replies(answers, failures)
+                records[node_id] = reply.content
+        return Replies(answers, failures, records)
 
     def broadcast(
         self,

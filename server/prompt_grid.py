@@ -3,8 +3,8 @@
 How this connects
 -----------------
 ``server.app`` wraps the grid Flower hands the ServerApp in :class:`PromptGrid` and passes
-the wrapper to everything: the coordinator's plain exchanges (``server.messaging``) and the
-SecAgg+ workflow (``server.secagg``), whose four round trips per secure sum all go through
+the wrapper to everything: the coordinator's exchanges (``server.messaging``), through which
+the secure sums' round trips go too (``server.secure_sum``), all reach
 :meth:`PromptGrid.send_and_receive`. Flower 1.42's deployed grid (``HttpGrid``) sleeps 3 s
 between pulls in ``send_and_receive`` (``flwr/superlink/grid/http_grid.py``), so every round
 trip cost up to 3 s of waiting after the last reply had arrived; this wrapper pulls with
@@ -19,7 +19,7 @@ the SuperLink answers its messages with a ``NODE_UNAVAILABLE`` error reply. To l
 rather than that minute, :class:`StragglerPolicy` stops waiting for the missing sites once
 at least one site has answered and the silence since the last reply exceeds
 ``max(min_grace, factor x time the answering sites took)``. A live site dropped this way is
-only left out of the release (SecAgg+ rebuilds its masks; it resolves its own reservation by
+only left out of the release (the secure sum cancels its masks; it resolves its own reservation by
 its state machine), never counted twice; the factor leaves slow sites with proportionally
 more time.
 """

@@ -50,9 +50,8 @@ class RunConfig(BaseModel):
     score_top_r: int = 0
     min_sites: int = Field(default=2, ge=2)  # a secure sum of one site is that site's vector
     expected_sites: int = 3
-    # Most chunks a site contributes; it also sizes the first secure sum, so the plan can ride
-    # on that sum's SecAgg+ setup (server.plan_at_setup). 0 = no cap: the plan then costs a
-    # round trip of its own.
+    # Most chunks a site contributes (its count is public, so the cap bounds what one site
+    # weighs in the sum). 0 = no cap.
     max_chunks_per_site: int = Field(default=10_000, ge=0)
     max_image_crops: int = Field(default=0, ge=0)  # 0 = each processor as shipped
     noise_mode: str = "central"

@@ -5,16 +5,16 @@ sockets or SuperLink (notes/flower.md §2.7): the simulated consortium of the de
 benchmarks and the integration tests. Each node may have its own ``ClientApp`` (a site's relay
 bound to that site's service). It behaves like the wire where it matters:
 
-* every message and reply is copied record by record (the SecAgg+ workflow sends one
-  ``RecordDict`` object to all nodes in stage 0 and ``secaggplus_mod`` pops keys from it):
-  each side gets its own records and lists, while the immutable values (bytes, numbers,
-  ``Array`` payloads) are shared rather than deep-copied, which cost more than the
-  protocol's own work once consortia reached a hundred sites;
+* every message and reply is copied record by record (the coordinator sends one
+  ``RecordDict`` object to many nodes): each side gets its own records and lists, while
+  the immutable values (bytes, numbers, ``Array`` payloads) are shared rather than
+  deep-copied, which cost more than the protocol's own work once consortia reached a
+  hundred sites;
 * each node has its own ``Context``, committed only when its ``ClientApp`` returns (as a
   SuperNode keeps its state when a ClientApp raises), copied the same way;
 * an exception in the ``ClientApp`` becomes an error reply with Flower's reason format;
-* ``drops`` silences a node at chosen stages (a SecAgg+ stage name, or the message type for
-  other traffic): the message gets no reply, as when a site times out.
+* ``drops`` silences a node at chosen message types (``query.sum_shares``...): the message
+  gets no reply, as when a site times out.
 
 Every reply is kept in ``replies`` as ``(node_id, stage, reply)`` for inspection.
 """
@@ -37,7 +37,6 @@ from flwr.app import (
 )
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode
-from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
 from flwr.serverapp import Grid
 from flwr.supercore.run import Run
 from flwr.supercore.task_identity import TaskIdentity
@@ -209,9 +208,6 @@ def _copy_context(context: Context) -> Context:
 
 
 def _stage_of(message: Message) -> str:
-    configs = message.content.config_records.get(RECORD_KEY_CONFIGS)
-    if configs is not None and Key.STAGE in configs:
-        return str(configs[Key.STAGE])
     return message.metadata.message_type
 
 

@@ -48,6 +48,8 @@ _OPTIONS = {
     "budget_delta": "--budget-delta",
     "signing_key": "--signing-key",
     "trusted_keys": "--trusted-key",
+    "roster": "--roster",
+    "identity_key": "--identity-key",
     "batch_size": "--batch-size",
     "device": "--device",
     "dtype": "--dtype",

@@ -17,6 +17,7 @@ from client.cli import (
     evaluate_command,
     infer_command,
     release_command,
+    roster_command,
     select_command,
     serve_command,
 )
@@ -200,4 +201,5 @@ REGISTRY: tuple[Callable[[Subparsers], None], ...] = (
     serve_command.register,
     data_command.register,
     audit_command.register,
+    roster_command.register,
 )

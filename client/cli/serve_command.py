@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import base64
 import json
+import logging
 import signal
 import socket
 from pathlib import Path
@@ -33,6 +34,8 @@ no access to the data, the ledger or the keys. One service serves one ledger: a 
 refused. SIGTERM or Ctrl-C stops it cleanly (open releases are resolved from the site's own
 record: nothing sent -> refund; anything sent -> counted).
 """
+
+_log = logging.getLogger(__name__)
 
 
 def register(sub: Any) -> None:
@@ -60,6 +63,16 @@ def register(sub: Any) -> None:
         type=Path,
         action="append",
         help="coordinator public key whose artifacts are accepted (repeat)",
+    )
+    parser.add_argument(
+        "--roster",
+        type=Path,
+        help="the consortium roster (TOML) whose members may share a secure sum with this site",
+    )
+    parser.add_argument(
+        "--identity-key",
+        type=Path,
+        help="this member's roster identity key (PEM private key from 'dpmtv-site keygen')",
     )
     parser.add_argument("--budget-epsilon", type=positive_float, help="total ε of this data")
     parser.add_argument("--budget-delta", type=open_unit_float, help="δ of the ledger")
@@ -122,9 +135,15 @@ def run_serve(args: argparse.Namespace) -> int:
     """Start the service and block until SIGTERM/SIGINT."""
     settings = settings_from(args)  # the thread policy (--threads) is set by main()
     http = check_http(args)  # a bad address or token file stops here, before the model
-    from client.service.server import SiteService  # loads torch: only here
+    from client.secure_sum.site_stages import load_membership  # loads torch: only here
+    from client.service.server import SiteService
 
     check_site_model(settings)  # refused in one line, before weights, data or socket
+    if load_membership(settings) is None:  # a wrong roster or key is refused here, too
+        _log.warning(
+            "no --roster and --identity-key: this site refuses every federated release "
+            "(it cannot tell real sites from made-up ones) and serves local inference only."
+        )
     service = SiteService(settings)
     service.site.model()  # load once, before the first relay waits on it
     # Every record decoded and the answers checked now, before any plan: from here on a

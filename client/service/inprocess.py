@@ -8,9 +8,11 @@ machine and policy are exactly what a deployed site runs.
 
 from __future__ import annotations
 
+import tempfile
 from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from flwr.app import Context
@@ -18,12 +20,16 @@ from flwr.app import Context
 from client.relay import RelayApp
 from client.service.server import SiteService
 from client.settings import SiteSettings
+from dpmtv_common.crypto import SigningKey
+from dpmtv_common.errors import ConfigError
+from dpmtv_common.roster import Roster
 
 __all__ = [
     "InProcessSites",
     "in_process_sites",
     "open_in_process_sites",
     "site_settings_for_partition",
+    "with_consortium_roster",
 ]
 
 
@@ -42,10 +48,46 @@ def site_settings_for_partition(
     return SiteSettings.from_node_config({"partition-id": partition, **(extra or {})})
 
 
+def with_consortium_roster(
+    settings: Sequence[SiteSettings], folder: Path | None = None
+) -> list[SiteSettings]:
+    """The sites' settings with one roster naming them all and an identity key each.
+
+    For in-process consortia, whose operator holds every site anyway: sites that already
+    name a roster and identity key are kept as they are; otherwise every site gets a fresh
+    key under ``folder`` (a new private temporary folder by default) and the one roster.
+
+    Raises:
+        ConfigError: Some sites name a roster and others do not, or two share a name.
+    """
+    named = [s.roster is not None and s.identity_key is not None for s in settings]
+    if all(named):
+        return list(settings)
+    if any(named):
+        raise ConfigError("in-process sites must all name a roster and identity key, or none.")
+    names = [site.name for site in settings]
+    if len(set(names)) != len(names):
+        raise ConfigError(f"in-process sites must have distinct names for a roster, got {names}.")
+    folder = folder or Path(tempfile.mkdtemp(prefix="dpmtv-roster-"))
+    keys = {name: SigningKey.generate() for name in names}
+    roster_file = folder / "roster.toml"
+    roster_file.write_text(
+        Roster("in-process", {name: key.verify_key for name, key in keys.items()}).to_toml()
+    )
+    updated = []
+    for site in settings:
+        identity = keys[site.name].save(folder / f"{site.name}.identity.key")
+        updated.append(site.model_copy(update={"roster": roster_file, "identity_key": identity}))
+    return updated
+
+
 def open_in_process_sites(settings: Sequence[SiteSettings]) -> InProcessSites:
-    """One service per site (opened, left-open releases resolved) and its relay."""
+    """One service per site (opened, left-open releases resolved) and its relay.
+
+    Sites without a roster get one naming them all (:func:`with_consortium_roster`).
+    """
     services = []
-    for site_settings in settings:
+    for site_settings in with_consortium_roster(settings):
         service = SiteService(site_settings)
         service.acquire(exclusive=False)
         services.append(service)

@@ -50,8 +50,8 @@ from protocol import (
     message_from_record,
     plan_calibration,
     plan_hash,
-    secure_sum_request_from_config,
 )
+from protocol.secure_sum import SumCollectRequest, SumSharesRequest
 from server.coordinator import ReleaseReport, build_plan, run_coordinated_release
 from server.settings import CoordinatorSettings, RunConfig
 from server.simulation import FIRST_NODE_ID, InProcessGrid, make_server_context
@@ -328,12 +328,11 @@ def test_every_mode_releases_one_verified_artifact_to_every_site(
 @pytest.mark.parametrize(
     ("stage", "counted"),
     [
-        ("setup", [0, 1, 2]),
-        ("share_keys", [0, 1, 2]),
-        ("collect_masked_vectors", [0, 1, 2]),
+        ("query.plan", [0, 1, 2]),
+        ("query.sum_shares", [0, 1, 2]),
         # Lost at unmask, its masked vector is already in the sum; neighbours' shares
-        # rebuild its private mask, so its chunks count.
-        ("unmask", [0, 1, 2, 3]),
+        # rebuild its self mask, so its chunks count.
+        ("query.sum_unmask", [0, 1, 2, 3]),
     ],
 )
 def test_a_site_lost_in_the_activation_sum_leaves_the_others_to_release(
@@ -348,15 +347,15 @@ def test_a_site_lost_in_the_activation_sum_leaves_the_others_to_release(
     assert report.outcome.num_chunks == signed.manifest.num_chunks == chunks(counted)
 
 
-def test_every_site_lost_at_setup_aborts_with_too_few_sites(world: World, paths: Paths) -> None:
-    # Arrange: regression, the SecAgg+ workflow used to run on with no site left and crash
-    # at unmask with an IndexError instead of halting. No chunk cap: the plan goes alone
-    # first, so the sites have reserved when their setup is lost.
-    release_id = "all-lost-at-setup"
+def test_every_site_lost_at_the_first_sum_aborts_with_too_few_sites(
+    world: World, paths: Paths
+) -> None:
+    # Arrange: the sites reserved at the plan; then no masked input arrives.
+    release_id = "all-lost-at-shares"
     config = run_config(world, release_id, 3, selection="all", max_chunks_per_site=0)
-    lost = {node(p): {"setup"} for p in range(3)}
+    lost = {node(p): {"query.sum_shares"} for p in range(3)}
     # Act
-    with pytest.raises(InsufficientSharesError, match="produced no result"):
+    with pytest.raises(InsufficientSharesError, match="masked input arrived must number"):
         release(world, paths, config, drops=lost)
     # Assert
     assert states(paths.consortium_ledger) == {release_id: ReleaseState.ABORTED}
@@ -365,13 +364,11 @@ def test_every_site_lost_at_setup_aborts_with_too_few_sites(world: World, paths:
     assert_no_artifact(paths, release_id, range(3))
 
 
-def test_a_plan_riding_on_a_setup_that_no_site_gets_reserves_nothing(
-    world: World, paths: Paths
-) -> None:
-    # Arrange: the default chunk cap folds the plan into the first SecAgg+ setup message.
-    release_id = "plan-lost-at-setup"
+def test_a_plan_that_no_site_gets_reserves_nothing(world: World, paths: Paths) -> None:
+    # Arrange
+    release_id = "plan-lost"
     config = run_config(world, release_id, 3, selection="all")
-    lost = {node(p): {"setup"} for p in range(3)}
+    lost = {node(p): {"query.plan"} for p in range(3)}
     grid = InProcessGrid(site_relays(3), num_nodes=3, run_config=config, drops=lost)
     # Act
     with pytest.raises(InsufficientSharesError, match="accepting sites must number"):
@@ -394,7 +391,7 @@ def test_too_few_sites_in_the_first_sum_refunds_only_where_nothing_left(
     # it, so it counts the release whatever the coordinator's notice says (fail closed).
     release_id = "lost-before-noise"
     config = run_config(world, release_id, 3, selection="private", order="select-first")
-    lost = {node(1): {"collect_masked_vectors"}, node(2): {"collect_masked_vectors"}}
+    lost = {node(1): {"query.sum_shares"}, node(2): {"query.sum_shares"}}
     grid = InProcessGrid(site_relays(3), num_nodes=3, run_config=config, drops=lost)
     # Act
     with pytest.raises(InsufficientSharesError):
@@ -426,10 +423,13 @@ class ExtractSumLossGrid(InProcessGrid):
         return super().send_and_receive(kept, timeout=timeout)
 
     def _lost_in_extract(self, msg: Message) -> bool:
-        config = msg.content.config_records.get(FITINS_CONFIG)
-        if msg.metadata.dst_node_id not in self.lost or config is None:
+        if msg.metadata.dst_node_id not in self.lost:
             return False
-        return secure_sum_request_from_config(config).stage == "extract"
+        if msg.metadata.message_type not in ("query.sum_shares", "query.sum_collect"):
+            return False
+        request = message_from_record(msg.content)
+        assert isinstance(request, SumSharesRequest | SumCollectRequest)
+        return request.instructions.request.stage == "extract"
 
 
 def test_too_few_sites_after_the_gumbel_picks_aborts_but_counts_everywhere(
@@ -590,3 +590,27 @@ def test_release_first_broadcasts_the_noisy_vector_never_the_clean_mean(
     for values in sent:
         residual = (values.ravel() - mean) / (report.outcome.noise_std / report.outcome.num_chunks)
         assert 0.7 < float(np.std(residual)) < 1.3
+
+
+@pytest.mark.parametrize(
+    ("selection", "order", "expected"),
+    [
+        # plan, sum_shares, sum_survivors, sum_unmask, release
+        ("all", "select-first", 5),
+        # ... and a second sum: sum_collect, sum_survivors, sum_unmask
+        ("private", "release-first", 8),
+        ("private", "select-first", 8),
+    ],
+)
+def test_a_release_costs_each_site_the_messages_of_one_key_agreement(
+    world: World, paths: Paths, selection: str, order: str, expected: int
+) -> None:
+    # Arrange: every sum of a release reuses the one key each site signed at the plan.
+    config = run_config(world, f"messages-{selection}-{order}", 3, selection=selection, order=order)
+    grid = InProcessGrid(site_relays(3), num_nodes=3, run_config=config)
+    # Act
+    release(world, paths, config, grid=grid)
+    # Assert
+    for partition in range(3):
+        received = [stage for node_id, stage, _ in grid.replies if node_id == node(partition)]
+        assert len(received) == expected, received

@@ -1,0 +1,424 @@
+"""A site's side of a release's secure sums, stage by stage (``protocol.secure_sum``).
+
+One :class:`SiteSumSession` lives in the site service's memory from the plan to the last
+unmask (a restarted service has lost its keys and seeds, and resolves the release instead).
+Its methods run in protocol order and each refuses what it cannot check:
+
+1. :meth:`SiteSumSession.advertise` — a fresh X25519 key for this release, signed with the
+   site's roster identity.
+2. :meth:`~SiteSumSession.join` — every advertisement: signed by a distinct member of the
+   site's own roster, for this release and roster, this site's own unchanged; at least the
+   site's minimum of them. The ring, the neighbours and t follow from them alone.
+3. :meth:`~SiteSumSession.seal_shares` — a fresh self-mask seed per planned sum, Shamir-shared
+   with the neighbours, each share sealed for its receiver.
+4. :meth:`~SiteSumSession.mask` — the quantised input plus every mask of the sum.
+5. :meth:`~SiteSumSession.sign_survivors` — the boxes addressed to this site open; U is a
+   large enough subset of the sum's participants holding this site; one U signed per sum.
+6. :meth:`~SiteSumSession.reveal` — every member of U signed that very U: shares of the
+   survivors' seeds, pair seeds of the neighbours that dropped out.
+
+Refusals raise :class:`~dpmtv_common.errors.PolicyError` or
+:class:`~protocol.StageOrderError` and reveal nothing.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from dpmtv_common.aliases import Int64Array
+from dpmtv_common.crypto import SigningKey, mask_prg, shamir
+from dpmtv_common.crypto import key_agreement as ka
+from dpmtv_common.errors import IntegrityError, PolicyError
+from dpmtv_common.roster import Roster
+from protocol import StageOrderError
+from protocol.secure_sum import (
+    AddressedBox,
+    NodeBytes,
+    SumRanges,
+    SurvivorsRequest,
+    SurvivorsSigned,
+    UnmaskReply,
+    UnmaskRequest,
+    key_transcript,
+    quantise,
+    survivors_signed_bytes,
+)
+from protocol.sum_graph import neighbourhood, neighbours, ring_order
+from protocol.sum_keys import KeyAdvert, advert_signed_bytes
+
+__all__ = ["SiteSumSession"]
+
+_SEED_BYTES = 32
+
+
+@dataclass
+class _Agreement:
+    """What the advertisements fixed: who takes part, the ring, the thresholds."""
+
+    transcript: bytes
+    members: dict[int, str]
+    neighbours: tuple[int, ...]
+    threshold: int
+    box_keys: dict[int, bytes]
+    pair_secrets: dict[int, bytes]
+
+
+@dataclass
+class SiteSumSession:
+    """This site's keys, seeds and progress through one release's secure sums.
+
+    Attributes:
+        release_id: The release.
+        node_id: This site's node id in the run (from the message envelope).
+        member: This site's roster name.
+        roster: The roster the site admin installed.
+        identity: This member's roster identity key.
+        num_sums: Secure sums the accepted plan runs.
+        required_sites: The fewest participants the site allows in any sum, after dropouts.
+        min_threshold_fraction: t must exceed this fraction of the neighbourhood.
+    """
+
+    release_id: str
+    node_id: int
+    member: str
+    roster: Roster
+    identity: SigningKey
+    num_sums: int
+    required_sites: int
+    min_threshold_fraction: float
+    key: ka.AgreementKey = field(default_factory=ka.AgreementKey.generate)
+    agreement: _Agreement | None = None
+    seeds: list[bytes] = field(default_factory=list)
+    own_shares: list[bytes] = field(default_factory=list)
+    held: dict[int, list[bytes]] = field(default_factory=dict)
+    participants: tuple[int, ...] = ()
+    current: int = -1
+    step: str = "open"  # in the current sum: open -> masked -> signed -> revealed
+    signed: tuple[int, ...] | None = None
+
+    def advertise(self) -> KeyAdvert:
+        """This release's public key, signed by this member (stage 1)."""
+        if self.roster.identity(self.member) != self.identity.verify_key:
+            raise PolicyError(
+                f"this site's identity key must be the roster's key for {self.member!r}, got "
+                f"key {self.identity.key_id}: install the right key or roster."
+            )
+        fields = {
+            "member": self.member,
+            "node_id": self.node_id,
+            "release_id": self.release_id,
+            "roster_sha256": self.roster.fingerprint,
+            "public_key": self.key.public_bytes,
+        }
+        signature = self.identity.sign(advert_signed_bytes(**fields))  # type: ignore[arg-type]
+        return KeyAdvert(**fields, signature=signature)  # type: ignore[arg-type]
+
+    def join(self, adverts: list[KeyAdvert]) -> None:
+        """Check every advertisement and fix the neighbourhood (stage 2).
+
+        Raises:
+            StageOrderError: Called twice.
+            PolicyError: An advertisement is not this release's, not this roster's, not a
+                distinct member's, does not verify; this site's own is missing or altered;
+                fewer participants than the site requires; a threshold below policy.
+        """
+        if self.agreement is not None:
+            raise StageOrderError("the key advertisements must arrive once a release.")
+        members = self._verified_members(adverts)
+        mine = [a for a in adverts if a.node_id == self.node_id]
+        if len(mine) != 1 or mine[0].public_key != self.key.public_bytes:
+            raise PolicyError("the advertisements must hold this site's own, unchanged.")
+        self._require_enough(len(members), "the secure sum's participants")
+        transcript = key_transcript(adverts)
+        size, threshold = neighbourhood(len(members))
+        if threshold <= int(size * self.min_threshold_fraction) or threshold > size:
+            raise PolicyError(
+                f"the reconstruction threshold must exceed {self.min_threshold_fraction} of "
+                f"the neighbourhood of {size}, got {threshold}."
+            )
+        ring = ring_order(sorted(members), transcript)
+        near = neighbours(ring, self.node_id, size)
+        publics = {a.node_id: a.public_key for a in adverts}
+        secrets = {node: self.key.shared_secret(publics[node]) for node in near}
+        self.agreement = _Agreement(
+            transcript=transcript,
+            members=members,
+            neighbours=near,
+            threshold=threshold,
+            box_keys={
+                node: ka.share_box_key(secret, release_id=self.release_id)
+                for node, secret in secrets.items()
+            },
+            pair_secrets=secrets,
+        )
+        self.participants = tuple(sorted(members))
+
+    def seal_shares(self) -> list[AddressedBox]:
+        """Fresh self-mask seeds, one per sum, shared with the neighbours (stage 3)."""
+        agreement = self._agreement()
+        if self.seeds:
+            raise StageOrderError("the self-mask seeds must be shared once a release.")
+        holders = sorted((*agreement.neighbours, self.node_id))
+        self.seeds = [_fresh_seed() for _ in range(self.num_sums)]
+        per_seed = [
+            shamir.create_shares(seed, agreement.threshold, len(holders)) for seed in self.seeds
+        ]
+        boxes: list[AddressedBox] = []
+        for index, holder in enumerate(holders):
+            shares = [shares_of_seed[index] for shares_of_seed in per_seed]
+            if holder == self.node_id:
+                self.own_shares = shares
+                continue
+            plaintext = _pack(shares)
+            box = ka.seal_box(
+                agreement.box_keys[holder],
+                plaintext,
+                associated=self._box_context(self.node_id, holder),
+            )
+            boxes.append(AddressedBox(node_id=holder, box=box))
+        return boxes
+
+    def begin_sum(self, sum_index: int) -> None:
+        """Enter sum ``sum_index``: the next one, after the previous one's unmask.
+
+        Raises:
+            StageOrderError: Out of order, or more sums than the plan has.
+        """
+        previous_done = self.current < 0 or self.step == "revealed"
+        if sum_index != self.current + 1 or sum_index >= self.num_sums or not previous_done:
+            raise StageOrderError(
+                f"secure sum {sum_index} must come next, got it after sum {self.current} of "
+                f"{self.num_sums} (previous one unmasked: {previous_done})."
+            )
+        self._require_enough(len(self.participants), f"secure sum {sum_index}'s participants")
+        self.current, self.step, self.signed = sum_index, "open", None
+
+    def mask(self, vector: np.ndarray, ranges: SumRanges) -> Int64Array:
+        """The current sum's masked input: quantised vector + self mask ± pair masks (mod M).
+
+        Raises:
+            ConfigError: A coordinate lies beyond ±c (refused, never clipped).
+            PolicyError: The grid could wrap for this sum's participants.
+        """
+        agreement = self._agreement()
+        if self.step != "open" or self.current < 0 or not self.seeds:
+            raise StageOrderError("a secure sum's input must be masked once, after sharing.")
+        try:
+            ranges.check_no_wrap(len(self.participants))
+        except Exception as exc:
+            raise PolicyError(str(exc)) from exc
+        modulus, size = ranges.modulus_range, int(np.asarray(vector).size)
+        total = quantise(vector, ranges)
+        total = (total + _expand(self.seeds[self.current], modulus, size)) % modulus
+        for node in agreement.neighbours:
+            if node not in self.participants:
+                continue
+            pair = self._pair_mask(node, modulus, size)
+            total = (total + pair if self.node_id < node else total - pair) % modulus
+        self.step = "masked"
+        return total
+
+    def sign_survivors(self, request: SurvivorsRequest) -> SurvivorsSigned:
+        """Sign U once for the current sum, after the boxes addressed here open (stage 5).
+
+        Raises:
+            PolicyError: U is not a subset of the sum's participants holding this site, is
+                smaller than the site's minimum, leaves fewer than t - 1 neighbours, or a
+                box does not open (forged, replayed, from a non-neighbour); another U was
+                signed for this sum already.
+        """
+        agreement = self._agreement()
+        if request.sum_index != self.current or self.step not in ("masked", "signed"):
+            raise StageOrderError(f"survivors must follow this site's input to sum {self.current}.")
+        survivors = tuple(sorted(set(request.survivors)))
+        if self.signed is not None and self.signed != survivors:
+            raise PolicyError("a site signs one survivor set a sum, got a second, different one.")
+        self._check_survivors(survivors, agreement)
+        if request.sum_index == 0:
+            self._open_boxes(request.boxes, survivors, agreement)
+        elif request.boxes:
+            raise PolicyError("share boxes travel with the first sum only, got more later.")
+        self.signed, self.step = survivors, "signed"
+        statement = survivors_signed_bytes(
+            release_id=self.release_id,
+            sum_index=self.current,
+            transcript=agreement.transcript,
+            survivors=survivors,
+        )
+        return SurvivorsSigned(
+            release_id=self.release_id,
+            sum_index=self.current,
+            signature=self.identity.sign(statement),
+        )
+
+    def reveal(self, request: UnmaskRequest) -> UnmaskReply:
+        """Shares and pair seeds for the signed U, once all of U signed it (stage 6).
+
+        Raises:
+            PolicyError: U differs from the one this site signed, or a member of U has no
+                valid roster signature over it.
+        """
+        agreement = self._agreement()
+        survivors = tuple(sorted(set(request.survivors)))
+        if request.sum_index != self.current or self.step != "signed" or self.signed is None:
+            raise StageOrderError(f"unmask must follow the survivors of sum {self.current}.")
+        if survivors != self.signed:
+            raise PolicyError("unmask must name the survivor set this site signed, got another.")
+        self._check_signatures(request.signatures, survivors, agreement)
+        owners = [node for node in (*agreement.neighbours, self.node_id) if node in survivors]
+        shares = [NodeBytes(node_id=owner, value=self._share_of(owner)) for owner in sorted(owners)]
+        dropped = [
+            node
+            for node in agreement.neighbours
+            if node in self.participants and node not in survivors
+        ]
+        seeds = [NodeBytes(node_id=node, value=self._pair_seed(node)) for node in dropped]
+        self.participants, self.step = survivors, "revealed"
+        return UnmaskReply(
+            release_id=self.release_id,
+            sum_index=self.current,
+            seed_shares=shares,
+            pair_seeds=seeds,
+        )
+
+    # ------------------------------------------------------------------ checks
+
+    def _verified_members(self, adverts: list[KeyAdvert]) -> dict[int, str]:
+        members: dict[int, str] = {}
+        for advert in adverts:
+            if advert.release_id != self.release_id:
+                raise PolicyError("an advertisement must be for this release, got another.")
+            if advert.roster_sha256 != self.roster.fingerprint:
+                raise PolicyError(
+                    f"every participant must hold this site's roster {self.roster.fingerprint}, "
+                    f"got {advert.roster_sha256} from {advert.member!r}: install one roster."
+                )
+            self.roster.verify(advert.member, advert.signed_bytes(), advert.signature)
+            if advert.node_id in members or advert.member in members.values():
+                raise PolicyError(
+                    f"participants must be distinct roster members on distinct nodes, got "
+                    f"{advert.member!r} (node {advert.node_id}) twice."
+                )
+            members[advert.node_id] = advert.member
+        return members
+
+    def _check_survivors(self, survivors: tuple[int, ...], agreement: _Agreement) -> None:
+        if self.node_id not in survivors or not set(survivors) <= set(self.participants):
+            raise PolicyError(
+                "survivors must be participants of this sum, this site among them, got others."
+            )
+        self._require_enough(len(survivors), f"secure sum {self.current}'s survivors")
+        alive = [node for node in agreement.neighbours if node in survivors]
+        if len(alive) + 1 < agreement.threshold:
+            raise PolicyError(
+                f"a site needs t - 1 = {agreement.threshold - 1} surviving neighbours to take "
+                f"part in an unmask, got {len(alive)}."
+            )
+
+    def _open_boxes(
+        self, boxes: list[AddressedBox], survivors: tuple[int, ...], agreement: _Agreement
+    ) -> None:
+        expected = {node for node in agreement.neighbours if node in survivors}
+        senders = [box.node_id for box in boxes]
+        if len(set(senders)) != len(senders) or set(senders) != expected:
+            raise PolicyError(
+                f"share boxes must come once from each surviving neighbour ({len(expected)}), "
+                f"got {len(senders)} from others or twice."
+            )
+        for box in boxes:
+            try:
+                plaintext = ka.open_box(
+                    agreement.box_keys[box.node_id],
+                    box.box,
+                    associated=self._box_context(box.node_id, self.node_id),
+                )
+                shares = _unpack(plaintext, self.num_sums)
+            except IntegrityError as exc:
+                raise PolicyError(
+                    f"the share box from node {box.node_id} must open: {exc}"
+                ) from exc
+            self.held[box.node_id] = shares
+
+    def _check_signatures(
+        self, signatures: list[NodeBytes], survivors: tuple[int, ...], agreement: _Agreement
+    ) -> None:
+        by_node = {entry.node_id: entry.value for entry in signatures}
+        if len(by_node) != len(signatures) or set(by_node) != set(survivors):
+            raise PolicyError(
+                f"unmask needs one signature from every survivor ({len(survivors)}), got "
+                f"{len(signatures)} from {len(by_node)} nodes."
+            )
+        statement = survivors_signed_bytes(
+            release_id=self.release_id,
+            sum_index=self.current,
+            transcript=agreement.transcript,
+            survivors=survivors,
+        )
+        for node, signature in by_node.items():
+            self.roster.verify(agreement.members[node], statement, signature)
+
+    def _require_enough(self, count: int, what: str) -> None:
+        if count < self.required_sites:
+            raise PolicyError(
+                f"{what} must number at least this site's minimum of {self.required_sites} "
+                f"roster members, got {count}."
+            )
+
+    # ------------------------------------------------------------------ secrets
+
+    def _agreement(self) -> _Agreement:
+        if self.agreement is None:
+            raise StageOrderError("the key advertisements must arrive before any sum.")
+        return self.agreement
+
+    def _share_of(self, owner: int) -> bytes:
+        shares = self.own_shares if owner == self.node_id else self.held.get(owner)
+        if shares is None:
+            raise PolicyError(f"this site holds no share of node {owner}'s seed.")
+        return shares[self.current]
+
+    def _pair_seed(self, node: int) -> bytes:
+        return ka.pair_mask_seed(
+            self._agreement().pair_secrets[node],
+            release_id=self.release_id,
+            sum_index=self.current,
+            nodes=(self.node_id, node),
+        )
+
+    def _pair_mask(self, node: int, modulus: int, size: int) -> Int64Array:
+        return _expand(self._pair_seed(node), modulus, size)
+
+    def _box_context(self, sender: int, receiver: int) -> bytes:
+        return b"|".join(
+            (self.release_id.encode(), sender.to_bytes(8, "big"), receiver.to_bytes(8, "big"))
+        )
+
+
+def _fresh_seed() -> bytes:
+    """A one-time self-mask seed from the OS CSPRNG."""
+    return os.urandom(_SEED_BYTES)
+
+
+def _expand(seed: bytes, modulus: int, size: int) -> Int64Array:
+    return mask_prg.expand_mask(seed, modulus, [(size,)])[0]
+
+
+def _pack(shares: list[bytes]) -> bytes:
+    return b"".join(len(share).to_bytes(2, "big") + share for share in shares)
+
+
+def _unpack(plaintext: bytes, count: int) -> list[bytes]:
+    shares, offset = [], 0
+    for _ in range(count):
+        size = int.from_bytes(plaintext[offset : offset + 2], "big")
+        share = plaintext[offset + 2 : offset + 2 + size]
+        if size == 0 or len(share) != size:
+            raise IntegrityError("a share box must hold one share per sum, got fewer bytes.")
+        shares.append(share)
+        offset += 2 + size
+    if offset != len(plaintext):
+        raise IntegrityError("a share box must hold one share per sum, got extra bytes.")
+    return shares
