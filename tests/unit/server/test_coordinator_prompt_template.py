@@ -12,6 +12,7 @@ from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadLayout
 from dpmtv_common.privacy.testing import SeededNoise
 from protocol import PlanAccept, ReleasePlan, run_release
+from protocol.sum_keys import KeyAdvert
 from server.coordinator import Coordinator, build_plan
 from server.messaging import Replies
 from server.settings import CoordinatorSettings, RunConfig
@@ -38,7 +39,25 @@ class FixedExchange:
         self.accepts = accepts
 
     def broadcast(self, *args: Any) -> Replies:
-        return Replies(answers=dict(enumerate(self.accepts, start=1)), failures={})
+        message = args[1]  # ("plan", PlanRequest, nodes, ...) or ("release", ReleaseRequest, ...)
+        release_id = message.plan.release_id if hasattr(message, "plan") else message.release_id
+        answers = {
+            node: accept.model_copy(update={"keys": unsigned_keys(node, release_id)})
+            for node, accept in enumerate(self.accepts, start=1)
+        }
+        return Replies(answers=dict(answers), failures={})
+
+
+def unsigned_keys(node: int, release_id: str) -> KeyAdvert:
+    """A key advertisement of the right shape (the coordinator does not verify it)."""
+    return KeyAdvert(
+        member=f"site-{node}",
+        node_id=node,
+        release_id=release_id,
+        roster_sha256="0" * 64,
+        public_key=bytes(32),
+        signature=bytes(64),
+    )
 
 
 def accept(site: int, template: str, version: str = "0.1.0") -> PlanAccept:
