@@ -61,11 +61,11 @@ class Roster:
     members: Mapping[str, VerifyKey]
 
     def __post_init__(self) -> None:
-        if not isinstance(self.consortium, str) or not _NAME.match(self.consortium):
+        if not isinstance(self.consortium, str) or not _NAME.fullmatch(self.consortium):
             raise ConfigError(
                 f"a roster's consortium must match {MEMBER_NAME_PATTERN}, got {self.consortium!r}."
             )
-        bad = [name for name in self.members if not _NAME.match(name)]
+        bad = [name for name in self.members if not _NAME.fullmatch(name)]
         if bad:
             raise ConfigError(f"roster member names must match {MEMBER_NAME_PATTERN}, got {bad}.")
         if len(self.members) < _MIN_MEMBERS:

@@ -284,7 +284,12 @@ def ranges_for(max_abs_coordinate: float, sites: int) -> SumRanges:
     if not isinstance(sites, int) or not 2 <= sites <= MAX_SUM_SITES:
         raise ConfigError(f"sites must be an int in [2, {MAX_SUM_SITES}], got {sites!r}.")
     mantissa, exponent = math.frexp(max_abs_coordinate)
-    clipping = math.ldexp(1.0, exponent - 1 if mantissa == 0.5 else exponent)
+    try:
+        clipping = math.ldexp(1.0, exponent - 1 if mantissa == 0.5 else exponent)
+    except OverflowError as exc:
+        raise ConfigError(
+            f"max_abs_coordinate must be at most 2^1023, got {max_abs_coordinate!r}."
+        ) from exc
     grid = MAX_QUANTIZATION_RANGE
     while sites * grid >= MAX_MODULUS_RANGE:
         grid //= 2

@@ -88,6 +88,7 @@ class FederatedSums:
         self,
         request: SecureSumRequest,
         grid: DistributedNoise | None,
+        length: int,
         reference: Float64Array | None = None,
     ) -> tuple[list[Float64Array], int, int]:
         if self.session is None:
@@ -98,7 +99,7 @@ class FederatedSums:
             sum_index=self.rounds, request=request, ranges=self._ranges(grid)
         )
         self.rounds += 1
-        result = self.session.run_sum(instructions, reference)
+        result = self.session.run_sum(instructions, reference, length=length)
         self.sites = {node: self.sites[node] for node in result.survivors}
         self.log.append(f"{request.stage}: {len(result.survivors)} sites")
         count = round(float(result.total[-1]))
@@ -118,7 +119,7 @@ class FederatedSums:
         )
         release = self.distributed
         grid = release.activations(heads) if release is not None else None
-        arrays, count, num_sites = self._secure_sum(request, grid)
+        arrays, count, num_sites = self._secure_sum(request, grid, len(heads) * self.head_dim + 1)
         total = np.asarray(arrays[0], dtype=np.float64).reshape(len(heads), self.head_dim)
         return ActivationSum(heads, total, count, num_sites)
 
@@ -140,5 +141,5 @@ class FederatedSums:
         release = self.distributed
         grid = release.votes() if release is not None else None
         sent = None if reference is None else np.asarray(reference, dtype=np.float64).ravel()
-        arrays, count, _ = self._secure_sum(request, grid, sent)
+        arrays, count, _ = self._secure_sum(request, grid, self.layout.dense_size + 1, sent)
         return VoteSum(np.asarray(arrays[0], dtype=np.float64), count)

@@ -113,15 +113,12 @@ class SiteSums:
         return answer, masked
 
     def survivors(self, request: SurvivorsRequest, *, run_id: int) -> SurvivorsSigned:
-        """Sign the sum's survivor set (once a sum)."""
-        self.site.touch(run_id)
+        """Sign the sum's survivor set (once a sum; the service renews the run if accepted)."""
         return self._session(request.release_id).sign_survivors(request)
 
     def unmask(self, request: UnmaskRequest, *, run_id: int) -> UnmaskReply:
         """Reveal shares and pair seeds for a survivor set every survivor signed."""
-        self.site.touch(run_id)
-        reply = self._session(request.release_id).reveal(request)
-        return reply
+        return self._session(request.release_id).reveal(request)
 
     def forget(self, release_id: str) -> None:
         """Drop a finished or aborted release's keys and seeds."""
@@ -137,6 +134,11 @@ class SiteSums:
         run_id: int,
     ) -> Int64Array:
         request, ranges = instructions.request, instructions.ranges
+        if request.release_id != session.release_id:  # else another release's data, this sum
+            raise PlanMismatchError(
+                f"a secure sum of release {session.release_id!r} must ask for that release's "
+                f"contribution, got instructions for {request.release_id!r}."
+            )
         record = self.site.records.require(request.release_id)
         if request.reference_heads is not None:
             if reference is None:

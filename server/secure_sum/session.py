@@ -95,9 +95,16 @@ class SecureSumSession:
         self.participants = tuple(nodes)
 
     def run_sum(
-        self, instructions: SumInstructions, reference: Float64Array | None = None
+        self,
+        instructions: SumInstructions,
+        reference: Float64Array | None = None,
+        *,
+        length: int | None = None,
     ) -> SumResult:
         """Collect, have the survivors sign, unmask; return the total over the survivors.
+
+        ``length``: the values each site's input must hold (its vector and its count);
+        inputs of another length leave the sum before anything is revealed.
 
         Raises:
             InsufficientSharesError: Fewer survivors than ``min_sites``, a survivor did not
@@ -106,6 +113,7 @@ class SecureSumSession:
         if instructions.sum_index != self.next_sum:
             raise ValueError(f"sum {self.next_sum} comes next, got {instructions.sum_index}.")
         masked, failures = self._collect(instructions, reference)
+        masked = _of_one_length(masked, failures, length)
         survivors = tuple(sorted(masked))
         self._require(len(survivors), "sites whose masked input arrived", failures)
         signatures = self._signatures(instructions.sum_index, survivors)
@@ -220,6 +228,25 @@ class SecureSumSession:
                 f"{what} must number at least min-sites={self.min_sites}, got {count}; "
                 f"nothing was unmasked. Failures: {dict(failures)}"
             )
+
+
+def _of_one_length(
+    masked: dict[int, Int64Array], failures: dict[int, str], length: int | None
+) -> dict[int, Int64Array]:
+    """Drop, before anything is revealed, inputs whose length is not the sum's.
+
+    ``length`` when the caller knows it, else the length most sites sent: a site that sends
+    a vector of another length leaves the sum instead of failing it after the unmask.
+    """
+    if not masked:
+        return masked
+    if length is None:
+        sizes = [int(vector.size) for vector in masked.values()]
+        length = max(set(sizes), key=sizes.count)
+    kept = {node: vector for node, vector in masked.items() if vector.size == length}
+    for node in set(masked) - set(kept):
+        failures[node] = f"sent a masked input of {masked[node].size} values, not {length}"
+    return kept
 
 
 def _reasons(replies: Replies, nodes: list[int]) -> str:

@@ -1,8 +1,8 @@
 """Distributed noise end to end: each site adds its own share; nobody holds a clean sum.
 
-Real site services behind relays (in process), real SecAgg+ (ChaCha20 masks), the real
-coordinator; tiny random LLaVA (L = 2, H = 4, D = 16), three sites of 15 records, K = 2
-(m_i = 5 chunks each).
+Real site services behind relays (in process), the real secure sum (ChaCha20 masks, a roster
+the in-process sites share), the real coordinator; tiny random LLaVA (L = 2, H = 4, D = 16),
+three sites of 15 records, K = 2 (m_i = 5 chunks each).
 """
 
 from __future__ import annotations
@@ -19,38 +19,69 @@ from typing import Any
 import numpy as np
 import pytest
 
-import server.secagg
+from client.models import save_tiny_model
 from client.service.inprocess import open_in_process_sites
 from client.settings import SiteSettings
 from client.site import Site
+from client.synthetic import write_task_datasets
 from dpmtv_common.artifact import load_artifact
-from dpmtv_common.crypto import TrustedKeys
+from dpmtv_common.crypto import SigningKey, TrustedKeys
+from dpmtv_common.errors import InsufficientSharesError
+from dpmtv_common.fingerprint import fingerprint_model_dir
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.accounting import epsilon_bound
 from dpmtv_common.privacy.ledger import PrivacyLedger, ReleaseState
 from dpmtv_common.privacy.testing import SeededNoise
-from protocol import DistributedRelease, plan_release_event
-from server.coordinator import ReleaseReport, run_coordinated_release
+from protocol import (
+    DistributedRelease,
+    ErrorCode,
+    ErrorReply,
+    PlanAccept,
+    PlanRequest,
+    ReleasePlan,
+    SecureSumRequest,
+    SumInstructions,
+    message_from_record,
+    message_to_record,
+    plan_release_event,
+    ranges_for,
+)
+from server.coordinator import ReleaseReport, build_plan, run_coordinated_release
+from server.messaging import Exchange
+from server.secure_sum import SecureSumSession, SumResult
 from server.settings import CoordinatorSettings, RunConfig
 from server.simulation import InProcessGrid, make_server_context
 from tests.flower_harness import flower_process_state
-from tests.integration.test_hostile_coordinator import (  # the same world: 3 sites of 15
-    HEAD_DIM,
-    M_I,
-    NUM_HEADS,
-    NUM_LAYERS,
-    SHOTS,
-    SITES,
-    World,
-    make_world,
-)
 
 pytestmark = pytest.mark.integration
+
+SHOTS, RECORDS, SITES = 2, 15, 3
+NUM_LAYERS, NUM_HEADS, HEAD_DIM = 2, 4, 16
+M_I = RECORDS // (SHOTS + 1)
+
+
+@dataclass(frozen=True)
+class World:
+    root: Path
+    model: Path
+    fingerprint: str
+    verify_key: Path
 
 
 @pytest.fixture(scope="module")
 def world(tmp_path_factory: pytest.TempPathFactory) -> World:
-    return make_world(tmp_path_factory.mktemp("distributed"))
+    """Three sites of 15 records, a tiny random LLaVA and the coordinator's key pair."""
+    root = tmp_path_factory.mktemp("distributed")
+    write_task_datasets(
+        root / "data", task="colour", sites=SITES, per_site=RECORDS, public=0, test=0, seed=0
+    )
+    save_tiny_model("llava", root / "model", seed=0)
+    key = SigningKey.generate()
+    key.save(root / "coordinator.key")
+    key.verify_key.save(root / "coordinator.pub")
+    return World(
+        root, root / "model", fingerprint_model_dir(root / "model"), root / "coordinator.pub"
+    )
 
 
 def site_settings(world: World, tmp: Path, index: int, **overrides: Any) -> SiteSettings:
@@ -99,12 +130,12 @@ def spies(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[list[Any], list[Any
     """Record what the coordinator's secure sums return, and each site's un-noised sum."""
     raw: list[Any] = []
     clean: list[Any] = []
-    real_sum = server.secagg.secure_sum
+    real_sum = SecureSumSession.run_sum
     real_compute = Site._compute
 
-    def secure_sum(*args: Any, **kwargs: Any) -> Any:
-        result = real_sum(*args, **kwargs)
-        raw.append(None if result is None else np.array(result.arrays[0]))
+    def run_sum(self: SecureSumSession, *args: Any, **kwargs: Any) -> SumResult:
+        result = real_sum(self, *args, **kwargs)
+        raw.append(np.array(result.total[:-1]))  # the last coordinate is the count m
         return result
 
     def compute(self: Site, *args: Any) -> list[np.ndarray]:
@@ -112,7 +143,7 @@ def spies(monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[list[Any], list[Any
         clean.append(np.array(arrays[0]))
         return arrays
 
-    monkeypatch.setattr("server.federated_sums.secure_sum", secure_sum)
+    monkeypatch.setattr(SecureSumSession, "run_sum", run_sum)
     monkeypatch.setattr(Site, "_compute", compute)
     with flower_process_state():
         yield raw, clean
@@ -183,9 +214,10 @@ def test_the_coordinator_only_ever_holds_noisy_sums(
 ) -> None:
     # Arrange / Act: one activation sum over all heads (selection all).
     run = release(world, tmp_path, spies, "dist-noisy", selection="all")
-    # Assert: what SecAgg+ handed the coordinator is the clean sum (on the grid) plus noise of
-    # the stated size: (raw - γ·clean)/(σ_site·√n) has unit std. 128 coordinates estimate a
-    # std to ±6 % (one sd); the band [0.7, 1.3] is 5 sd wide each way: false failure < 1e-6.
+    # Assert: what the secure sum handed the coordinator is the clean sum (on the grid) plus
+    # noise of the stated size: (raw - γ·clean)/(σ_site·√n) has unit std. 128 coordinates
+    # estimate a std to ±6 % (one sd); the band [0.7, 1.3] is 5 sd wide each way: false
+    # failure < 1e-6.
     (raw,) = run.raw_sums
     clean = np.sum(run.clean_sums[0], axis=0)
     all_heads = HeadSet.all_heads(num_layers=NUM_LAYERS, num_heads=NUM_HEADS)
@@ -197,37 +229,11 @@ def test_the_coordinator_only_ever_holds_noisy_sums(
     assert abs(float(np.mean(residual))) < 5 / np.sqrt(residual.size)
 
 
-def test_a_central_site_refuses_a_distributed_plan_and_a_distributed_site_a_central_one(
-    world: World, tmp_path: Path, spies: Any
-) -> None:
-    from protocol import ErrorCode, ErrorReply, PlanRequest, message_from_record, message_to_record
-    from server.coordinator import build_plan
-
-    central = site_settings(world, tmp_path, 0, noise_mode="central", state_dir=tmp_path / "c")
-    distributed = site_settings(world, tmp_path, 1, state_dir=tmp_path / "d")
-    sites = open_in_process_sites([central, distributed])
-    grid = InProcessGrid(sites.relays, num_nodes=2)
-    plans = {
-        "distributed": build_plan(RunConfig.from_context(run_config(world, "p-d"))),
-        "central": build_plan(
-            RunConfig.from_context(run_config(world, "p-c", noise_mode="central"))
-        ),
-    }
-    refused = []
-    for node, mode in ((0, "distributed"), (1, "central")):
-        record = message_to_record(PlanRequest(plan=plans[mode]))
-        message = grid.create_message(record, "query.plan", grid.node_ids[node], "g")
-        (reply,) = grid.send_and_receive([message])
-        answer = message_from_record(reply.content)
-        refused.append(isinstance(answer, ErrorReply) and answer.code is ErrorCode.POLICY)
-    assert refused == [True, True]
-
-
-def _plan_and_ask(grid: InProcessGrid, plan: Any) -> list[Any]:
-    from protocol import PlanRequest, message_from_record, message_to_record
-
+def plan_and_ask(
+    grid: InProcessGrid, plan: ReleasePlan, nodes: list[int] | None = None
+) -> list[Any]:
     answers = []
-    for node in grid.node_ids:
+    for node in nodes if nodes is not None else grid.node_ids:
         message = grid.create_message(
             message_to_record(PlanRequest(plan=plan)), "query.plan", node, "g"
         )
@@ -236,44 +242,67 @@ def _plan_and_ask(grid: InProcessGrid, plan: Any) -> list[Any]:
     return answers
 
 
+def test_a_central_site_refuses_a_distributed_plan_and_a_distributed_site_a_central_one(
+    world: World, tmp_path: Path, spies: Any
+) -> None:
+    # Arrange
+    central = site_settings(world, tmp_path, 0, noise_mode="central", state_dir=tmp_path / "c")
+    distributed = site_settings(world, tmp_path, 1, state_dir=tmp_path / "d")
+    grid = InProcessGrid(open_in_process_sites([central, distributed]).relays, num_nodes=2)
+    distributed_plan = build_plan(RunConfig.from_context(run_config(world, "p-d")))
+    central_plan = build_plan(
+        RunConfig.from_context(run_config(world, "p-c", noise_mode="central"))
+    )
+    # Act
+    (to_central,) = plan_and_ask(grid, distributed_plan, [grid.node_ids[0]])
+    (to_distributed,) = plan_and_ask(grid, central_plan, [grid.node_ids[1]])
+    # Assert
+    for answer in (to_central, to_distributed):
+        assert isinstance(answer, ErrorReply)
+        assert answer.code is ErrorCode.POLICY
+
+
 def test_a_site_refuses_shares_sized_for_more_honest_sites_than_it_assumes(
     world: World, tmp_path: Path, spies: Any
 ) -> None:
-    from protocol import ErrorReply
-    from server.coordinator import build_plan
-
-    sites = open_in_process_sites([site_settings(world, tmp_path, 0, min_honest=2)])
-    grid = InProcessGrid(sites.relays, num_nodes=1)
+    # Arrange: a roster needs two members; both sites assume at most 2 honest shares.
+    settings = [site_settings(world, tmp_path, i, min_honest=2) for i in range(2)]
+    grid = InProcessGrid(open_in_process_sites(settings).relays, num_nodes=2)
     plan = build_plan(RunConfig.from_context(run_config(world, "t3", min_honest=3, min_sites=3)))
-    (answer,) = _plan_and_ask(grid, plan)
-    assert isinstance(answer, ErrorReply)
-    assert answer.error_type == "ConfigError"
+    # Act
+    answers = plan_and_ask(grid, plan)
+    # Assert
+    assert all(isinstance(answer, ErrorReply) for answer in answers)
+    assert {answer.error_type for answer in answers} == {"ConfigError"}
 
 
-def test_a_distributed_sum_with_other_secagg_ranges_gets_nothing(
+def test_a_distributed_sum_on_other_ranges_than_the_plan_s_gets_nothing(
     world: World, tmp_path: Path, spies: Any
 ) -> None:
-    # Arrange: three distributed sites accept; the coordinator then sets up SecAgg+ with the
-    # central ranges instead of the plan's integer grid.
-    from protocol import PlanAccept, SecureSumRequest, secure_sum_request_to_config
-    from server.coordinator import build_plan
-    from server.secagg import SecureSumSettings, install_secure_mask_prg, secure_sum
-
-    install_secure_mask_prg()  # as the ServerApp does (restored by flower_process_state)
+    # Arrange: three distributed sites accept; the coordinator then asks for a sum on the
+    # central mode's ranges instead of the plan's integer grid.
     settings = [site_settings(world, tmp_path, i) for i in range(SITES)]
     grid = InProcessGrid(open_in_process_sites(settings).relays, num_nodes=SITES)
     plan = build_plan(RunConfig.from_context(run_config(world, "ranges", selection="all")))
-    assert all(isinstance(a, PlanAccept) for a in _plan_and_ask(grid, plan))
+    accepts = plan_and_ask(grid, plan)
+    assert all(isinstance(a, PlanAccept) and a.keys is not None for a in accepts)
+    adverts = {node: a.keys for node, a in zip(grid.node_ids, accepts, strict=True)}
+    session = SecureSumSession(Exchange(grid, timeout=60.0), "ranges", adverts, 2)
     request = SecureSumRequest(
         release_id="ranges", stage="extract", heads=None, clip_norm=1.0, score_top_r=None
     )
-    central = SecureSumSettings.for_plan(max_abs_coordinate=64.0, max_sites=SITES, timeout=30.0)
+    central = SumInstructions(sum_index=0, request=request, ranges=ranges_for(64.0, SITES))
     # Act
-    result = secure_sum(
-        grid, make_server_context(), grid.node_ids, secure_sum_request_to_config(request),
-        round_id=1, settings=central, min_sites=2,
-    )  # fmt: skip
+    with pytest.raises(InsufficientSharesError, match="masked input arrived"):
+        session.run_sum(central)
     # Assert: every site refused before anything of its data left it.
-    assert result is None
+    answers = [
+        message_from_record(reply.content)
+        for _, stage, reply in grid.replies
+        if stage == "query.sum_shares"
+    ]
+    refusals = [answer for answer in answers if isinstance(answer, ErrorReply)]
+    assert len(refusals) == len(answers) == SITES
+    assert {answer.error_type for answer in refusals} == {"PlanMismatchError"}
     for site in settings:
         assert ledger_states(site) == {"ranges": ReleaseState.RESERVED}

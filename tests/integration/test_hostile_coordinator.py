@@ -5,6 +5,9 @@ sent through ``InProcessGrid`` to real relays and real site services (tiny rando
 L = 2, H = 4, D = 16; three sites of 15 records, K = 2, so m_i = 5) — and checks that the
 site refuses with a typed, fixed-text error and loses nothing: no budget refunded after its
 data left, nothing stored or deleted outside its own folder, no second contribution.
+Secure sums run the coordinator's own ``server.secure_sum.SecureSumSession`` over the key
+advertisements the sites sent with their plan acceptances (the in-process sites share one
+generated roster); ``test_roster_secure_sum`` forges the secure sum's own messages.
 """
 
 from __future__ import annotations
@@ -15,15 +18,17 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # read when flwr is first 
 
 import functools
 import json
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
-from flwr.app import Message, RecordDict
+from flwr.app import ArrayRecord, Message, RecordDict
+from flwr.common import Array
 
 from client.models import load_model, prompt_template_digest, save_tiny_model
 from client.release_record import SiteReleaseState
@@ -33,12 +38,13 @@ from client.settings import SiteSettings
 from client.synthetic import write_task_datasets
 from dpmtv_common.artifact import MANIFEST_FILE, SIGNATURE_FILE, TENSORS_FILE, write_artifact
 from dpmtv_common.crypto import SigningKey
-from dpmtv_common.errors import DataError
+from dpmtv_common.crypto.key_agreement import AgreementKey
+from dpmtv_common.errors import DataError, InsufficientSharesError
 from dpmtv_common.fingerprint import fingerprint_model_dir
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.ledger import PrivacyLedger, ReleaseState
+from dpmtv_common.roster import Roster
 from protocol import (
-    MESSAGE_RECORD_KEY,
     PROTOCOL_VERSION,
     AbortNotice,
     ErrorCode,
@@ -56,15 +62,20 @@ from protocol import (
     message_from_record,
     message_to_record,
     plan_calibration,
-    secure_sum_request_to_config,
 )
-from server.secagg import SecureSumRound, SecureSumSettings, install_secure_mask_prg, secure_sum
-from server.simulation import (
-    FIRST_NODE_ID,
-    InProcessGrid,
-    make_server_context,
-    set_task_identity,
+from protocol.codec import array_from_record, with_array
+from protocol.secure_sum import (
+    MASKED_ARRAY_KEY,
+    REFERENCE_ARRAY_KEY,
+    SumInstructions,
+    SumRanges,
+    SumSharesRequest,
+    ranges_for,
 )
+from protocol.sum_keys import KeyAdvert, advert_signed_bytes
+from server.messaging import Exchange
+from server.secure_sum import SecureSumSession, SumResult
+from server.simulation import FIRST_NODE_ID, InProcessGrid
 from tests.flower_harness import flower_process_state
 
 pytestmark = pytest.mark.integration
@@ -102,6 +113,28 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
     return make_world(tmp_path_factory.mktemp("hostile"))
 
 
+class HostileGrid(InProcessGrid):
+    """The in-process grid, with the coordinator's outgoing records rewritten on the way.
+
+    ``edits[message_type]`` changes the content of every message of that type before it is
+    delivered: how a test makes the coordinator's own secure sum carry forged arrays.
+    """
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.edits: dict[str, Callable[[RecordDict], None]] = {}
+
+    def send_and_receive(
+        self, messages: Iterable[Message], *, timeout: float | None = None
+    ) -> list[Message]:
+        sent = list(messages)
+        for message in sent:
+            edit = self.edits.get(message.metadata.message_type)
+            if edit is not None:
+                edit(message.content)
+        return super().send_and_receive(sent, timeout=timeout)
+
+
 @dataclass
 class Consortium:
     """Three site services behind relays, and a grid the hostile coordinator drives."""
@@ -109,9 +142,9 @@ class Consortium:
     world: World
     tmp: Path
     services: list[SiteService]
-    grid: InProcessGrid
-    rounds: int = 0
-    modulus_bits: int = 0
+    grid: HostileGrid
+    adverts: dict[int, KeyAdvert] = field(default_factory=dict)
+    session: SecureSumSession | None = None
 
     def node(self, index: int) -> int:
         return FIRST_NODE_ID + index
@@ -126,34 +159,45 @@ class Consortium:
         return message_from_record(reply.content)
 
     def plan(self, plan: ReleasePlan, sites: range = range(SITES)) -> list[Any]:
-        return [self.ask(i, "query.plan", PlanRequest(plan=plan)) for i in sites]
+        """Send the plan; keep the key each accepting site advertised with its acceptance."""
+        replies = [self.ask(i, "query.plan", PlanRequest(plan=plan)) for i in sites]
+        for index, reply in zip(sites, replies, strict=True):
+            if isinstance(reply, PlanAccept) and reply.keys is not None:
+                self.adverts[self.node(index)] = reply.keys
+        self.session = None
+        return replies
 
     def secure_sum(
         self,
         request: SecureSumRequest,
         *,
         sites: int = SITES,
-        threshold: float = 0.67,
-        broadcast: tuple[np.ndarray, ...] = (),
-    ):
-        self.rounds += 1
-        settings = SecureSumSettings.for_plan(
-            max_abs_coordinate=64.0,
-            max_sites=sites,
-            timeout=30.0,
-            reconstruction_threshold=threshold,
-        )
-        self.modulus_bits = int(settings.modulus_range).bit_length() - 1
-        return secure_sum(
-            self.grid,
-            make_server_context(),
-            [self.node(i) for i in range(sites)],
-            secure_sum_request_to_config(request),
-            round_id=self.rounds,
-            settings=settings,
-            min_sites=2,
-            broadcast=broadcast,
-        )
+        reference: np.ndarray | None = None,
+        ranges: SumRanges | None = None,
+        new_agreement: bool = False,
+    ) -> SumResult | None:
+        """The next secure sum of the release, by the coordinator's own session.
+
+        The first sum (or ``new_agreement``) starts a key agreement over the first ``sites``
+        sites' advertisements. The coordinator gives up only below two survivors, so what
+        is tested is what each site refuses. None when the sum failed.
+        """
+        try:
+            if self.session is None or new_agreement:
+                nodes = [self.node(i) for i in range(sites)]
+                adverts = {node: self.adverts[node] for node in nodes if node in self.adverts}
+                self.session = SecureSumSession(
+                    Exchange(self.grid, timeout=30.0), request.release_id, adverts, min_sites=2
+                )
+            instructions = SumInstructions(
+                sum_index=self.session.next_sum,
+                request=request,
+                ranges=ranges or ranges_for(64.0, sites),
+            )
+            flat = None if reference is None else np.asarray(reference, np.float64).ravel()
+            return self.session.run_sum(instructions, flat)
+        except InsufficientSharesError:
+            return None
 
     def ledger_state(self, index: int, release_id: str) -> ReleaseState | None:
         settings = self.settings(index)
@@ -165,26 +209,43 @@ class Consortium:
         record = self.services[index].site.records.get(release_id)
         return None if record is None else record.state
 
+    def answers(self, message_type: str) -> dict[int, Any]:
+        """Every site's last decoded reply to ``message_type``, by node."""
+        return {
+            node: message_from_record(reply.content)
+            for node, stage, reply in self.grid.replies
+            if stage == message_type
+        }
 
-@pytest.fixture
-def consortium(world: World, tmp_path: Path) -> Iterator[Consortium]:
+
+@contextmanager
+def open_consortium(world: World, tmp: Path, **overrides: Any) -> Iterator[Consortium]:
+    """Three site services (``overrides`` on their settings) and a hostile grid."""
     settings = [
         SiteSettings(
-            name=f"site-{i}",
-            model_path=world.model,
-            data_path=world.root / "data" / f"site-{i}",
-            state_dir=tmp_path / f"site-{i}",
-            trusted_keys=(world.verify_key,),
-            device="cpu",
-            min_sites=3,
+            **{
+                "name": f"site-{i}",
+                "model_path": world.model,
+                "data_path": world.root / "data" / f"site-{i}",
+                "state_dir": tmp / f"site-{i}",
+                "trusted_keys": (world.verify_key,),
+                "device": "cpu",
+                "min_sites": 3,
+                **overrides,
+            }
         )
         for i in range(SITES)
     ]
     with flower_process_state():
-        install_secure_mask_prg()
         sites = open_in_process_sites(settings)
-        grid = InProcessGrid(sites.relays, num_nodes=SITES)
-        yield Consortium(world, tmp_path, sites.services, grid)
+        grid = HostileGrid(sites.relays, num_nodes=SITES)
+        yield Consortium(world, tmp, sites.services, grid)
+
+
+@pytest.fixture
+def consortium(world: World, tmp_path: Path) -> Iterator[Consortium]:
+    with open_consortium(world, tmp_path) as opened:
+        yield opened
 
 
 def make_plan(world: World, release_id: str = "r1", **overrides: Any) -> ReleasePlan:
@@ -404,31 +465,63 @@ def test_one_plan_buys_one_contribution_per_stage(consortium: Consortium) -> Non
     # Arrange
     planned(consortium)
     first = consortium.secure_sum(extract_request())
-    # Act: the same secure sum again (same plan, same stage).
-    second = consortium.secure_sum(extract_request())
+    # Act: the same secure sum again (same plan, same stage), as a fresh first sum.
+    second = consortium.secure_sum(extract_request(), new_agreement=True)
     # Assert
     assert first is not None
-    assert first.num_sites == SITES
+    assert len(first.survivors) == SITES
     assert second is None  # every site refused: nothing to unmask
+    assert all(error_code(reply) is ErrorCode.STAGE_ORDER for reply in sum_replies(consortium))
     for index in range(SITES):
         assert consortium.ledger_state(index, "r1") is ReleaseState.EXPOSED
         assert consortium.services[index].site.records.require("r1").sent == ("extract",)
 
 
+def test_a_later_sum_cannot_buy_a_second_contribution_to_a_stage(
+    consortium: Consortium,
+) -> None:
+    # Arrange: a private plan runs two sums (votes, then activations); the votes are in.
+    plan = planned(consortium, selection=SelectionMode.PRIVATE)
+    assert consortium.secure_sum(select_request(plan)) is not None
+    # Act: the second sum asks for the votes again.
+    result = consortium.secure_sum(select_request(plan))
+    # Assert
+    assert result is None
+    assert all(error_code(reply) is ErrorCode.STAGE_ORDER for reply in sum_replies(consortium))
+    for index in range(SITES):
+        assert consortium.services[index].site.records.require("r1").sent == ("select",)
+
+
+def sum_replies(consortium: Consortium) -> list[Any]:
+    """The replies of the latest collect round (first or later sum), one a site."""
+    collects = [
+        (stage, reply)
+        for _, stage, reply in consortium.grid.replies
+        if stage in ("query.sum_shares", "query.sum_collect")
+    ]
+    return [message_from_record(reply.content) for _, reply in collects[-SITES:]]
+
+
 @pytest.mark.parametrize(
-    "forged",
+    ("forged", "code"),
     [
-        {"clip_norm": 100.0},  # a larger clip norm breaks the sensitivity the plan priced
-        {"heads": ((0, 0),)},  # another head scope
-        {"stage": "select", "score_top_r": 2},  # a stage the plan (selection all) never runs
+        # a larger clip norm breaks the sensitivity the plan priced
+        ({"clip_norm": 100.0}, ErrorCode.PLAN_MISMATCH),
+        ({"heads": ((0, 0),)}, ErrorCode.PLAN_MISMATCH),  # another head scope
+        # a stage the plan (selection all) never runs
+        ({"stage": "select", "score_top_r": 2}, ErrorCode.STAGE_ORDER),
     ],
 )
 def test_a_secure_sum_unlike_the_plan_gets_nothing(
-    consortium: Consortium, forged: dict[str, Any]
+    consortium: Consortium, forged: dict[str, Any], code: ErrorCode
 ) -> None:
+    # Arrange
     planned(consortium)
+    # Act
     result = consortium.secure_sum(extract_request(**forged))
+    # Assert
     assert result is None
+    assert [error_code(reply) for reply in sum_replies(consortium)] == [code] * SITES
     for index in range(SITES):
         assert consortium.ledger_state(index, "r1") is ReleaseState.RESERVED
         assert consortium.services[index].site.records.require("r1").sent == ()
@@ -441,8 +534,11 @@ def test_no_contribution_after_a_refund(consortium: Consortium) -> None:
         consortium.ask(
             index, "query.abort", AbortNotice(release_id="r1", reason="x", noisy_output=False)
         )
-    # Act / Assert
-    assert consortium.secure_sum(extract_request()) is None
+    # Act
+    result = consortium.secure_sum(extract_request())
+    # Assert: the abort dropped the release's keys, so no site has a sum to join.
+    assert result is None
+    assert all(error_code(reply) is ErrorCode.STAGE_ORDER for reply in sum_replies(consortium))
     assert all(consortium.ledger_state(i, "r1") is ReleaseState.ABORTED for i in range(SITES))
 
 
@@ -541,7 +637,8 @@ def test_the_plan_s_own_artifact_is_stored_once_and_commits(consortium: Consorti
     # and no secure sum after the release: every site finishes, then one more is asked
     for index in (1, 2):
         assert isinstance(consortium.ask(index, "query.release", request), ReleaseAck)
-    assert consortium.secure_sum(extract_request()) is None
+    assert consortium.secure_sum(extract_request(), new_agreement=True) is None
+    assert all(error_code(reply) is ErrorCode.STAGE_ORDER for reply in sum_replies(consortium))
 
 
 def test_a_site_that_never_contributed_refunds_when_the_artifact_comes(
@@ -563,29 +660,21 @@ def test_the_relay_sees_masked_integers_never_the_clipped_sum(consortium: Consor
     planned(consortium)
     # Act
     result = consortium.secure_sum(extract_request())
-    # Assert: the sum is right, yet each site's collect reply looks uniform mod M.
+    # Assert: the sum is right, yet each site's masked input looks uniform mod M.
     assert result is not None
-    collect = [r for _, stage, r in consortium.grid.replies if stage == "collect_masked_vectors"]
+    collect = [r for _, stage, r in consortium.grid.replies if stage == "query.sum_shares"]
     assert len(collect) == SITES
+    modulus_bits = ranges_for(64.0, SITES).modulus_range.bit_length() - 1
     for reply in collect:
-        masked = _masked_vector(reply)
+        masked = np.asarray(
+            array_from_record(reply.content, MASKED_ARRAY_KEY, dtype="int64"), dtype=np.int64
+        )
         # Masks uniform on [0, M) make the top byte uniform over 256 values; an unmasked
-        # quantised value lies in [0, Q], Q = M/4, around Q/2, so its top byte sits in a few
-        # bins. 129 uniform values put 13 or more in one bin with probability < 1e-12.
-        top_byte = (masked >> (consortium.modulus_bits - 8)) & 0xFF
+        # quantised value lies in [0, Q], Q = 2^30 = M / 2^32, so its top byte is 0.
+        # 129 uniform values put 13 or more in one bin with probability < 1e-12.
+        top_byte = (masked >> (modulus_bits - 8)) & 0xFF
         counts = np.bincount(top_byte, minlength=256)
         assert counts.max() < 13
-
-
-def _masked_vector(reply: Message) -> np.ndarray:
-    from flwr.common import bytes_to_ndarray
-    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
-
-    masked = reply.content.config_records[RECORD_KEY_CONFIGS][Key.MASKED_PARAMETERS]
-    assert isinstance(masked, list)
-    first = masked[0]
-    assert isinstance(first, bytes)
-    return bytes_to_ndarray(first).astype(np.int64)
 
 
 def test_the_relay_never_carries_the_site_s_paths(consortium: Consortium) -> None:
@@ -602,80 +691,24 @@ def test_the_relay_never_carries_the_site_s_paths(consortium: Consortium) -> Non
             assert str(secret).encode() not in wire
 
 
-# ---------------------------------------------------------------- SecAgg+ policy
-
-
-def _setup_message(sample: int, shares: int, threshold: int) -> Message:
-    from flwr.app import ConfigRecord
-    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
-
-    configs = ConfigRecord(
-        {
-            Key.STAGE: "setup",
-            Key.SAMPLE_NUMBER: sample,
-            Key.SHARE_NUMBER: shares,
-            Key.THRESHOLD: threshold,
-        }
-    )
-    return Message(RecordDict({RECORD_KEY_CONFIGS: configs}), dst_node_id=1, message_type="train")
-
-
-@pytest.mark.parametrize(
-    ("sample", "shares", "threshold", "allowed"),
-    [
-        (3, 3, 2, True),  # Flower's 0.67 of 3
-        (5, 5, 3, True),  # round(0.67 * 5)
-        (5, 5, 2, False),  # 1/3 of 5, raised to Flower's floor of 2: a minority rebuilds
-        (10, 10, 7, True),
-        (10, 10, 3, False),
-        (10, 10, 11, False),  # more shares than exist: nobody could ever unmask
-        (2, 2, 2, False),  # fewer sites than the site's minimum of 3
-    ],
-)
-def test_secagg_setup_weaker_than_the_site_policy_is_refused(
-    sample: int, shares: int, threshold: int, allowed: bool
-) -> None:
-    from client.service.handlers import secagg_policy_mod
-    from dpmtv_common.errors import PolicyError
-
-    mod = secagg_policy_mod(SiteSettings(state_dir=Path("/nonexistent"), min_sites=3))
-    with flower_process_state():
-        set_task_identity()
-        message = _setup_message(sample, shares, threshold)
-    if allowed:
-        assert mod(message, None, lambda m, c: m) is message  # type: ignore[arg-type]
-    else:
-        with pytest.raises(PolicyError):
-            mod(message, None, lambda m, c: m)  # type: ignore[arg-type]
+# ---------------------------------------------------------------- secure-sum policy
 
 
 def test_a_secure_sum_over_fewer_sites_than_the_site_s_minimum_is_refused(
     consortium: Consortium,
 ) -> None:
+    # Arrange: every site accepted a plan of min-sites 3 (each site's own minimum is 3).
     planned(consortium)
+    # Act: the coordinator runs the sum over two of them (two advertisements).
     result = consortium.secure_sum(extract_request(), sites=2)
+    # Assert: both refused when they saw the advertisements, before any data left.
     assert result is None
-    assert consortium.ledger_state(0, "r1") is ReleaseState.RESERVED
-
-
-def test_unmask_lists_naming_a_node_both_active_and_dropped_are_refused() -> None:
-    from flwr.app import ConfigRecord
-    from flwr.common.secure_aggregation.secaggplus_constants import RECORD_KEY_CONFIGS, Key
-
-    from client.service.handlers import secagg_policy_mod
-    from dpmtv_common.errors import PolicyError
-
-    configs = ConfigRecord(
-        {Key.STAGE: "unmask", Key.ACTIVE_NODE_ID_LIST: [1, 2], Key.DEAD_NODE_ID_LIST: [2]}
-    )
-    mod = secagg_policy_mod(SiteSettings(state_dir=Path("/nonexistent")))
-    with flower_process_state():
-        set_task_identity()
-        message = Message(
-            RecordDict({RECORD_KEY_CONFIGS: configs}), dst_node_id=1, message_type="train"
-        )
-        with pytest.raises(PolicyError, match="disjoint"):
-            mod(message, None, lambda m, c: m)  # type: ignore[arg-type]
+    answers = consortium.answers("query.sum_shares")
+    assert sorted(answers) == [consortium.node(0), consortium.node(1)]
+    assert all(error_code(answer) is ErrorCode.POLICY for answer in answers.values())
+    for index in range(2):
+        assert consortium.ledger_state(index, "r1") is ReleaseState.RESERVED
+        assert consortium.services[index].site.records.require("r1").sent == ()
 
 
 def test_a_site_sends_its_exact_clipped_sum_and_no_noise_of_its_own(
@@ -700,9 +733,9 @@ def test_a_site_sends_its_exact_clipped_sum_and_no_noise_of_its_own(
         expected += sums.activation_sum(all_heads).total.ravel()
     # Act
     result = consortium.secure_sum(extract_request())
-    # Assert: equal up to SecAgg+'s quantisation (3 sites x 2c/Q = 3 x 128 / 2^30 < 1e-6).
+    # Assert: equal up to the grid's rounding (3 sites x c/Q = 3 x 64 / 2^30 < 1e-6).
     assert result is not None
-    np.testing.assert_allclose(result.arrays[0], expected, rtol=0, atol=1e-6)
+    np.testing.assert_allclose(result.total[:-1], expected, rtol=0, atol=1e-6)
 
 
 def test_a_record_that_breaks_after_the_plan_costs_its_chunk_not_the_site(
@@ -723,8 +756,8 @@ def test_a_record_that_breaks_after_the_plan_costs_its_chunk_not_the_site(
     # Assert: all three sites are in the sum and m is the planned 3 x 5 (the broken record's
     # chunk contributed zeros; which sites take part never depends on a record's content).
     assert result is not None
-    assert result.num_sites == SITES
-    assert round(float(result.arrays[1][0])) == SITES * M_I
+    assert len(result.survivors) == SITES
+    assert round(float(result.total[-1])) == SITES * M_I
 
 
 def test_a_record_broken_before_the_plan_costs_its_chunk_not_the_site(
@@ -744,8 +777,8 @@ def test_a_record_broken_before_the_plan_costs_its_chunk_not_the_site(
         image.write_bytes(original)
     # Assert: whether a site takes part, and m, never depend on one record's content.
     assert result is not None
-    assert result.num_sites == SITES
-    assert round(float(result.arrays[1][0])) == SITES * M_I
+    assert len(result.survivors) == SITES
+    assert round(float(result.total[-1])) == SITES * M_I
 
 
 def test_the_service_start_check_refuses_a_broken_record_in_one_line(
@@ -790,7 +823,7 @@ def test_a_release_first_artifact_must_carry_the_noisy_vector_the_site_was_sent(
     all_heads = HeadSet.all_heads(num_layers=NUM_LAYERS, num_heads=NUM_HEADS)
     reference = np.random.default_rng(0).normal(size=(NUM_LAYERS, NUM_HEADS, HEAD_DIM))
     select = select_request(plan, reference_heads=all_heads.heads)
-    assert consortium.secure_sum(select, broadcast=(reference,)) is not None
+    assert consortium.secure_sum(select, reference=reference) is not None
     heads = HeadSet.of([(0, 1), (1, 2)])
     tmp = consortium.tmp / "forged"
     tmp.mkdir()
@@ -807,19 +840,22 @@ def test_a_release_first_artifact_must_carry_the_noisy_vector_the_site_was_sent(
 
 
 @pytest.mark.parametrize(
-    ("order", "names_heads", "arrays"),
+    ("order", "names_heads", "arrays", "code"),
     [
-        (ReleaseOrder.RELEASE_FIRST, False, "one"),  # a vector the request does not name
-        (ReleaseOrder.RELEASE_FIRST, True, "none"),  # named, but not sent
-        (ReleaseOrder.RELEASE_FIRST, True, "two"),  # named, sent twice
-        (ReleaseOrder.RELEASE_FIRST, True, "float32"),  # not the float64 the site scores
-        (ReleaseOrder.RELEASE_FIRST, True, "wrong-shape"),
-        (ReleaseOrder.SELECT_FIRST, True, "one"),  # select-first plans score no vector
-        (ReleaseOrder.SELECT_FIRST, False, "one"),  # nor carry arrays the request does not name
+        # a vector the request does not name
+        (ReleaseOrder.RELEASE_FIRST, False, "one", ErrorCode.PLAN_MISMATCH),
+        (ReleaseOrder.RELEASE_FIRST, True, "none", ErrorCode.PLAN_MISMATCH),  # named, not sent
+        (ReleaseOrder.RELEASE_FIRST, True, "two", ErrorCode.BAD_REQUEST),  # named, sent twice
+        # not the float64 the site scores
+        (ReleaseOrder.RELEASE_FIRST, True, "float32", ErrorCode.BAD_REQUEST),
+        (ReleaseOrder.RELEASE_FIRST, True, "wrong-shape", ErrorCode.PLAN_MISMATCH),
+        # select-first plans score no vector, nor carry arrays the request does not name
+        (ReleaseOrder.SELECT_FIRST, True, "one", ErrorCode.BAD_REQUEST),
+        (ReleaseOrder.SELECT_FIRST, False, "one", ErrorCode.BAD_REQUEST),
     ],
 )
 def test_a_select_sum_carries_exactly_the_noisy_vector_the_plan_calls_for(
-    consortium: Consortium, order: ReleaseOrder, names_heads: bool, arrays: str
+    consortium: Consortium, order: ReleaseOrder, names_heads: bool, arrays: str, code: ErrorCode
 ) -> None:
     # Arrange: a private plan; in release-first order the extract sum already ran.
     plan = planned(consortium, selection=SelectionMode.PRIVATE, order=order)
@@ -836,88 +872,107 @@ def test_a_select_sum_carries_exactly_the_noisy_vector_the_plan_calls_for(
     }
     sent = choices[arrays]
     request = select_request(plan, reference_heads=all_heads.heads if names_heads else None)
+    for message_type in ("query.sum_shares", "query.sum_collect"):
+        consortium.grid.edits[message_type] = lambda record: attach_arrays(record, sent)
     # Act
-    result = consortium.secure_sum(request, broadcast=sent)
+    result = consortium.secure_sum(request)
     # Assert: every site refused (no sum), kept no vector and voted nothing.
     assert result is None
+    assert [error_code(reply) for reply in sum_replies(consortium)] == [code] * SITES
     for index in range(SITES):
         record = consortium.services[index].site.records.require(plan.release_id)
         assert "select" not in record.sent
         assert record.reference_sha256 is None
 
 
-def setup_round(
-    consortium: Consortium, plan: ReleasePlan, *, sites: int = SITES
-) -> tuple[SecureSumRound, dict[int, Any]]:
-    """A secure sum whose SecAgg+ setup message carries ``plan`` (what the coordinator sends)."""
-    consortium.rounds += 1
-    settings = SecureSumSettings.for_plan(max_abs_coordinate=64.0, max_sites=sites, timeout=30.0)
-    sum_round = SecureSumRound.open(
-        consortium.grid,
-        make_server_context(),
-        [consortium.node(i) for i in range(sites)],
-        round_id=consortium.rounds,
-        settings=settings,
-        min_sites=2,
-    )
-    record = message_to_record(PlanRequest(plan=plan)).config_records[MESSAGE_RECORD_KEY]
-    replies = sum_round.setup((MESSAGE_RECORD_KEY, record))
-    decoded = {
-        node: message_from_record(RecordDict({MESSAGE_RECORD_KEY: reply}))
-        for node, reply in replies.items()
-        if reply is not None
+def attach_arrays(record: RecordDict, arrays: tuple[np.ndarray, ...]) -> None:
+    """Put ``arrays`` (flattened, dtype kept) beside a sum request, as the noisy vector."""
+    if len(arrays) == 1 and arrays[0].dtype == np.float64:
+        with_array(record, REFERENCE_ARRAY_KEY, arrays[0].ravel())
+    elif arrays:  # what with_array itself would refuse to build: another dtype, or two
+        names = [REFERENCE_ARRAY_KEY, *(f"{REFERENCE_ARRAY_KEY}-{i}" for i in range(1, 9))]
+        record[REFERENCE_ARRAY_KEY] = ArrayRecord(
+            {
+                name: Array(np.ascontiguousarray(a.ravel()))
+                for name, a in zip(names, arrays, strict=False)
+            }
+        )
+
+
+def made_up_advert(
+    member: str,
+    node_id: int,
+    *,
+    identity: SigningKey | None = None,
+    release_id: str = "r1",
+    roster_sha256: str = "0" * 64,
+) -> KeyAdvert:
+    """A key advertisement signed by ``identity`` (a fresh key unless given) for ``member``."""
+    identity = identity or SigningKey.generate()
+    fields: dict[str, Any] = {
+        "member": member,
+        "node_id": node_id,
+        "release_id": release_id,
+        "roster_sha256": roster_sha256,
+        "public_key": AgreementKey.generate().public_bytes,
     }
-    return sum_round, decoded
+    return KeyAdvert(**fields, signature=identity.sign(advert_signed_bytes(**fields)))
 
 
-def test_a_plan_riding_on_the_secagg_setup_is_accepted_then_summed_in_that_round(
+def test_a_plan_acceptance_carries_the_site_s_signed_key_and_the_sum_runs_on_it(
     consortium: Consortium,
 ) -> None:
     # Arrange
     plan = make_plan(consortium.world)
-    # Act: setup (with the plan), then the rest of the same secure sum.
-    sum_round, accepts = setup_round(consortium, plan)
+    roster = Roster.load(consortium.settings(0).roster)  # type: ignore[arg-type]
+    # Act: the plan (each acceptance carries the site's key), then the sum on those keys.
+    accepts = consortium.plan(plan)
     states = [consortium.ledger_state(i, "r1") for i in range(SITES)]
-    result = sum_round.finish(secure_sum_request_to_config(extract_request()))
-    # Assert: each reply carried the site's PlanAccept; reserved before any data left.
-    assert sorted(accepts) == [consortium.node(i) for i in range(SITES)]
-    assert all(isinstance(a, PlanAccept) and a.num_chunks == M_I for a in accepts.values())
+    result = consortium.secure_sum(extract_request())
+    # Assert: each acceptance carried the site's key for this release, signed with its roster
+    # identity; reserved before any data left; then every site in the sum.
+    for index, accept in enumerate(accepts):
+        assert isinstance(accept, PlanAccept)
+        assert accept.num_chunks == M_I
+        keys = accept.keys
+        assert keys is not None
+        assert (keys.member, keys.node_id, keys.release_id, keys.roster_sha256) == (
+            f"site-{index}",
+            consortium.node(index),
+            "r1",
+            roster.fingerprint,
+        )
+        roster.verify(keys.member, keys.signed_bytes(), keys.signature)
     assert states == [ReleaseState.RESERVED] * SITES
     assert result is not None
-    assert result.num_sites == SITES
-    assert round(float(result.arrays[1][0])) == SITES * M_I
+    assert len(result.survivors) == SITES
+    assert round(float(result.total[-1])) == SITES * M_I
     for index in range(SITES):
         assert consortium.ledger_state(index, "r1") is ReleaseState.EXPOSED
 
 
-def test_a_plan_refused_at_setup_reserves_nothing_and_keeps_the_site_out_of_the_sum(
+def test_a_plan_refused_reserves_nothing_and_keeps_the_site_out_of_the_sum(
     consortium: Consortium,
 ) -> None:
     # Arrange: above every site's per-release cap of epsilon 8.
     plan = make_plan(consortium.world, epsilon=50.0)
-    # Act
-    sum_round, accepts = setup_round(consortium, plan)
-    # Assert: no accept, no site left in the sum, no reservation and no record anywhere.
-    assert accepts == {}
-    assert sum_round.active_sites == set()
-    assert sum_round.finish(secure_sum_request_to_config(extract_request())) is None
+    # Act: the plan, then a first sum all the same, over keys the coordinator made up.
+    accepts = consortium.plan(plan)
+    request = SumSharesRequest(
+        release_id="r1",
+        adverts=[made_up_advert(f"site-{i}", consortium.node(i)) for i in range(SITES)],
+        instructions=SumInstructions(
+            sum_index=0, request=extract_request(), ranges=ranges_for(64.0, SITES)
+        ),
+    )
+    answers = [consortium.ask(i, "query.sum_shares", request) for i in range(SITES)]
+    # Assert: no accept, no key, no sum to join, no reservation and no record anywhere.
+    assert all(error_code(accept) is ErrorCode.POLICY for accept in accepts)
+    assert consortium.adverts == {}
+    assert all(error_code(answer) is ErrorCode.STAGE_ORDER for answer in answers)
     for index in range(SITES):
         assert consortium.ledger_state(index, "r1") is None
         assert consortium.record_state(index, "r1") is None
-
-
-def test_secagg_parameters_below_the_site_policy_refuse_the_setup_before_the_plan(
-    consortium: Consortium,
-) -> None:
-    # Arrange: a plan every site accepts (min-sites 3), riding on a two-site SecAgg+ setup,
-    # below every site's minimum of three.
-    plan = make_plan(consortium.world)
-    # Act
-    _, accepts = setup_round(consortium, plan, sites=2)
-    # Assert: the SecAgg+ policy refused first, so the plan reserved nothing.
-    assert accepts == {}
-    for index in range(2):
-        assert consortium.ledger_state(index, "r1") is None
 
 
 def test_private_picks_outside_the_plan_s_candidate_heads_get_nothing(

@@ -1,288 +1,366 @@
-"""Secure sum end to end: real SecAgg+ workflow and mod over the in-process LoopbackGrid."""
+"""Secure sums end to end: the coordinator's session against the sites' real handlers.
+
+``server.secure_sum.SecureSumSession`` runs over ``server.simulation.InProcessGrid``; every
+node is the site service's real ClientApp (``client.service.handlers.build_site_app``, its
+``SiteSums`` and ``SiteSumSession``) on a stand-in site that sends a vector the test chooses
+(``tests.flower_harness.StandInSite``), so each total can be compared with the plain float64
+sum. The plan has private selection, so a release runs two sums: ``query.sum_shares``
+(sum 0, with the sealed seed shares) and ``query.sum_collect`` (sum 1).
+
+Exactness: a site's rounding to the grid moves a coordinate by at most c / Q, so the total
+of n sites lies within n * c / Q of the plain sum (plus float64 rounding of the plain sum).
+"""
 
 from __future__ import annotations
 
-import dataclasses
-from typing import cast
+import os
+
+os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # read when flwr is first imported
+
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import Context, Message
-from flwr.client.mod import secaggplus_mod
-from flwr.clientapp import ClientApp
-from flwr.common.secure_aggregation.secaggplus_utils import pseudo_rand_gen as flower_prg
-from flwr.server.workflow import SecAggPlusWorkflow
-from flwr.server.workflow.secure_aggregation import secaggplus_workflow as flwr_workflow
 
-import server.secagg
-from client.secagg import install_secure_mask_prg as install_on_sites
-from client.secagg import secaggplus_clipping_range, secure_sum_reply
 from dpmtv_common.crypto import mask_prg
-from dpmtv_common.errors import ConfigError, InsufficientSharesError
-from server.secagg import SecureSumSettings, secure_sum
-from server.secagg import install_secure_mask_prg as install_on_coordinator
-from tests.flower_harness import FIRST_NODE_ID, LoopbackGrid, flower_process_state
-from tests.flower_harness import make_server_context as server_context
+from dpmtv_common.errors import InsufficientSharesError
+from dpmtv_common.heads import HeadSet
+from protocol import (
+    MASKED_ARRAY_KEY,
+    ErrorReply,
+    MaskedInput,
+    ReleasePlan,
+    SecureSumRequest,
+    SumInstructions,
+    SumRanges,
+    array_from_record,
+    message_from_record,
+    quantise,
+    ranges_for,
+)
+from server.coordinator import build_plan
+from server.messaging import Exchange
+from server.secure_sum import SecureSumSession, SumResult
+from server.settings import RunConfig
+from server.simulation import FIRST_NODE_ID, InProcessGrid
+from tests.flower_harness import (
+    Contribute,
+    StandInSite,
+    advertised_keys,
+    flower_process_state,
+    stand_in_apps,
+    stand_in_sites,
+)
 
 pytestmark = pytest.mark.integration
 
+RELEASE = "sums"
 DIM = 1000
 MATRIX_SHAPE = (3, 4)
-NO_NODE = -1
+BOUND = 1.0  # every coordinate in [-1, 1]: ranges_for gives c = 1
+SITE_COUNTS = [3, 5, 12]  # 12: a sparse neighbourhood (k = 5, t = 3)
+EXTRACT = SecureSumRequest(
+    release_id=RELEASE, stage="extract", heads=None, clip_norm=1.0, score_top_r=None
+)
+SELECT = SecureSumRequest(
+    release_id=RELEASE, stage="select", heads=None, clip_norm=1.0, score_top_r=8
+)
 
 
-def site_arrays(node_id: int, salt: int, dim: int, bound: float) -> list[np.ndarray]:
-    """Per-node deterministic input within ±bound, including both extremes (never clipped)."""
-    rng = np.random.default_rng([node_id, salt])
-    flat = rng.uniform(-bound, bound, size=dim)
-    flat[:2] = [bound, -bound]
-    return [flat, rng.uniform(-bound, bound, size=MATRIX_SHAPE)]
-
-
-app = ClientApp()
-
-
-@app.train(mods=[secaggplus_mod])
-def train(msg: Message, context: Context) -> Message:
-    config = msg.content.config_records["fitins.config"]
-    bound = secaggplus_clipping_range(context)
-    salt, dim = cast(int, config["salt"]), cast(int, config["dim"])
-    arrays = site_arrays(context.node_id, salt, dim, bound)
-    if context.node_id == config["overshoot-node"]:
-        arrays[0][5] = 1.5 * bound  # a silent clip here would bias the sum
-    return secure_sum_reply(msg, arrays, clipping_range=bound)
-
-
-def settings_for(max_sites: int, **overrides) -> SecureSumSettings:
-    return SecureSumSettings.for_plan(
-        max_abs_coordinate=1.0, max_sites=max_sites, timeout=30.0, **overrides
+def plan() -> ReleasePlan:
+    """Private selection, release first: two secure sums."""
+    return build_plan(
+        RunConfig(
+            model_fingerprint="sha256:stand-in",
+            release_id=RELEASE,
+            clip_norm=1.0,
+            selection="private",
+            order="release-first",
+        )
     )
 
 
-def run_sum(grid, settings, *, salt=0, round_id=1, min_sites=2, overshoot=NO_NODE, dim=DIM):
-    config = {"salt": salt, "dim": dim, "overshoot-node": overshoot}
-    return secure_sum(
-        grid,
-        server_context(),
-        grid.get_node_ids(),
-        config,
-        round_id=round_id,
-        settings=settings,
-        min_sites=min_sites,
-    )
+def site_input(index: int, request: SecureSumRequest) -> list[np.ndarray]:
+    """Site ``index``'s arrays for a sum: within ±BOUND, both extremes included."""
+    rng = np.random.default_rng([index, 0 if request.stage == "extract" else 1])
+    flat = rng.uniform(-BOUND, BOUND, size=DIM)
+    flat[:2] = [BOUND, -BOUND]
+    return [flat, rng.uniform(-BOUND, BOUND, size=MATRIX_SHAPE)]
 
 
-def assert_exact(result, settings, *, salt=0, dim=DIM):
-    bound = settings.clipping_range
-    expected = [
-        np.sum(parts, axis=0)
-        for parts in zip(*(site_arrays(n, salt, dim, bound) for n in result.site_ids), strict=True)
-    ]
-    # Quantisation bound n * 2c / Q, plus float64 rounding of values up to n * c.
-    tolerance = settings.quantization_error_bound(result.num_sites) + 1e-13 * result.num_sites
-    for got, want in zip(result.arrays, expected, strict=True):
-        assert got.dtype == np.float64
-        assert got.shape == want.shape
-        assert np.max(np.abs(got - want)) <= tolerance
+def flat_input(index: int, request: SecureSumRequest) -> np.ndarray:
+    return np.concatenate([array.ravel() for array in site_input(index, request)])
+
+
+@dataclass
+class Federation:
+    """Stand-in sites behind their real handlers, and the coordinator's session."""
+
+    grid: InProcessGrid
+    sites: list[StandInSite]
+    session: SecureSumSession
+
+    @property
+    def ranges(self) -> SumRanges:
+        return ranges_for(BOUND, len(self.grid.node_ids))
+
+    def run(self, sum_index: int, request: SecureSumRequest) -> SumResult:
+        instructions = SumInstructions(sum_index=sum_index, request=request, ranges=self.ranges)
+        return self.session.run_sum(instructions)
+
+    def replies(self, message_type: str) -> list[object]:
+        return [
+            message_from_record(reply.content)
+            for _, stage, reply in self.grid.replies
+            if stage == message_type
+        ]
 
 
 @pytest.fixture(autouse=True)
-def chacha20_masks_on_both_sides():
+def _process_state() -> Iterator[None]:
     with flower_process_state():
-        install_on_sites()
-        install_on_coordinator()
         yield
 
 
-@pytest.mark.parametrize("num_sites", [3, 5])
-def test_secure_sum_equals_float64_sum_within_quantisation_bound(num_sites):
+def federation(
+    tmp_path: Path,
+    num_sites: int,
+    *,
+    drops: Mapping[int, set[str]] | None = None,
+    min_sites: int = 2,
+    site_min_sites: int = 2,
+    contribute: Contribute = site_input,
+) -> Federation:
+    sites = stand_in_sites(tmp_path, num_sites, contribute, min_sites=site_min_sites)
+    grid = InProcessGrid(stand_in_apps(sites), num_nodes=num_sites, drops=drops)
+    adverts = advertised_keys(grid, plan())
+    session = SecureSumSession(Exchange(grid, timeout=60.0), RELEASE, adverts, min_sites)
+    return Federation(grid, sites, session)
+
+
+def node(index: int) -> int:
+    return FIRST_NODE_ID + index
+
+
+def assert_exact(
+    result: SumResult, request: SecureSumRequest, ranges: SumRanges, sites: Iterable[int]
+) -> None:
+    indices = sorted(sites)
+    assert result.survivors == tuple(node(i) for i in indices)
+    want = np.sum([flat_input(i, request) for i in indices], axis=0)
+    # c / Q per site and coordinate from the rounding, 1e-12 for float64's plain sum.
+    tolerance = len(indices) * ranges.clipping_range / ranges.quantization_range + 1e-12
+    assert result.total.dtype == np.float64
+    assert result.total.shape == want.shape
+    assert np.max(np.abs(result.total - want)) <= tolerance
+
+
+@pytest.mark.parametrize("num_sites", SITE_COUNTS)
+def test_both_sums_of_a_release_equal_the_plain_sums_within_the_quantisation_bound(
+    tmp_path: Path, num_sites: int
+) -> None:
     # Arrange
-    grid = LoopbackGrid(app, num_nodes=num_sites)
-    settings = settings_for(num_sites)
+    fed = federation(tmp_path, num_sites)
     # Act
-    result = run_sum(grid, settings)
+    first = fed.run(0, EXTRACT)
+    second = fed.run(1, SELECT)
     # Assert
-    assert result is not None
-    assert result.num_sites == num_sites
-    assert result.site_ids == tuple(grid.node_ids)
-    assert result.failures == ()
-    assert_exact(result, settings)
+    everyone = range(num_sites)
+    assert first.failures == {}
+    assert second.failures == {}
+    assert_exact(first, EXTRACT, fed.ranges, everyone)
+    assert_exact(second, SELECT, fed.ranges, everyone)
+    assert not np.allclose(first.total, second.total)
 
 
-def test_the_servers_context_is_left_untouched():
-    # Flower's workflow would store the un-noised aggregate in the context it is given.
-    grid = LoopbackGrid(app, num_nodes=3)
-    context = server_context()
-
-    secure_sum(
-        grid,
-        context,
-        grid.get_node_ids(),
-        {"salt": 0, "dim": 10, "overshoot-node": NO_NODE},
-        round_id=1,
-        settings=settings_for(3),
-        min_sites=2,
-    )
-
-    assert len(context.state) == 0
-
-
-def test_two_secure_sums_in_one_run_are_both_exact():
-    grid = LoopbackGrid(app, num_nodes=3)
-    settings = settings_for(3)
-
-    first = run_sum(grid, settings, salt=1, round_id=1)
-    second = run_sum(grid, settings, salt=2, round_id=2)
-
-    assert first is not None
-    assert second is not None
-    assert_exact(first, settings, salt=1)
-    assert_exact(second, settings, salt=2)
-    assert not np.allclose(first.arrays[0], second.arrays[0])
+@pytest.mark.parametrize("num_sites", SITE_COUNTS)
+def test_a_site_lost_at_the_first_sum_leaves_the_exact_sum_of_the_others(
+    tmp_path: Path, num_sites: int
+) -> None:
+    # Arrange: its neighbours masked with it; they reveal those pair seeds at unmask.
+    fed = federation(tmp_path, num_sites, drops={node(1): {"query.sum_shares"}})
+    # Act
+    first = fed.run(0, EXTRACT)
+    second = fed.run(1, SELECT)
+    # Assert
+    others = [i for i in range(num_sites) if i != 1]
+    assert set(first.failures) == {node(1)}
+    assert_exact(first, EXTRACT, fed.ranges, others)
+    assert_exact(second, SELECT, fed.ranges, others)  # not asked again
+    assert second.failures == {}
 
 
-@pytest.mark.parametrize(
-    ("stage", "vector_counted"),
-    [("setup", False), ("share_keys", False), ("collect_masked_vectors", False), ("unmask", True)],
-)
-def test_dropout_at_any_stage_leaves_the_exact_sum_of_the_survivors(stage, vector_counted):
+@pytest.mark.parametrize("num_sites", SITE_COUNTS)
+def test_a_site_lost_at_the_second_sum_is_in_the_first_only(tmp_path: Path, num_sites: int) -> None:
     # Arrange
-    dropped = FIRST_NODE_ID + 2
-    grid = LoopbackGrid(app, num_nodes=5, drops={dropped: {stage}})
-    settings = settings_for(5)
+    lost = num_sites - 1
+    fed = federation(tmp_path, num_sites, drops={node(lost): {"query.sum_collect"}})
     # Act
-    result = run_sum(grid, settings, min_sites=3)
+    first = fed.run(0, EXTRACT)
+    second = fed.run(1, SELECT)
     # Assert
-    assert result is not None
-    assert (dropped in result.site_ids) is vector_counted
-    assert result.num_sites == (5 if vector_counted else 4)
-    assert_exact(result, settings)
+    assert_exact(first, EXTRACT, fed.ranges, range(num_sites))
+    assert_exact(second, SELECT, fed.ranges, range(lost))
+    assert set(second.failures) == {node(lost)}
 
 
-@pytest.mark.parametrize("stage", ["setup", "share_keys", "collect_masked_vectors"])
-def test_dropout_with_small_neighbourhoods_leaves_the_exact_sum(stage):
-    # SecAgg+ proper: each site shares keys with 2 ring neighbours only, threshold 2.
-    dropped = FIRST_NODE_ID + 1
-    grid = LoopbackGrid(app, num_nodes=5, drops={dropped: {stage}})
-    settings = settings_for(5, num_shares=3, reconstruction_threshold=2)
-
-    result = run_sum(grid, settings, min_sites=3)
-
-    assert result is not None
-    assert result.num_sites == 4
-    assert_exact(result, settings)
-
-
-def test_stock_flower_workflow_loses_the_sum_on_an_early_dropout(monkeypatch):
-    # Documents the flwr 1.42 bug RobustSecAggPlusWorkflow fixes (notes/flower.md §2.4).
-    monkeypatch.setattr(server.secagg, "RobustSecAggPlusWorkflow", SecAggPlusWorkflow)
-    grid = LoopbackGrid(app, num_nodes=3, drops={FIRST_NODE_ID: {"setup"}})
-
-    result = run_sum(grid, settings_for(3))
-
-    assert result is None
+@pytest.mark.parametrize("num_sites", SITE_COUNTS)
+def test_a_site_lost_at_unmask_is_in_the_sum_its_input_reached(
+    tmp_path: Path, num_sites: int
+) -> None:
+    # Arrange: its masked input arrived; t of its neighbours' shares rebuild its self mask.
+    fed = federation(tmp_path, num_sites, drops={node(0): {"query.sum_unmask"}})
+    # Act
+    first = fed.run(0, EXTRACT)
+    second = fed.run(1, SELECT)
+    # Assert: it never saw the unmask, so it refuses the next sum (its own state machine).
+    assert_exact(first, EXTRACT, fed.ranges, range(num_sites))
+    assert_exact(second, SELECT, fed.ranges, range(1, num_sites))
+    assert set(second.failures) == {node(0)}
 
 
-def test_fewer_survivors_than_min_sites_aborts_the_release():
-    drops = {FIRST_NODE_ID: {"collect_masked_vectors"}, FIRST_NODE_ID + 1: {"setup"}}
-    grid = LoopbackGrid(app, num_nodes=5, drops=drops)
-
-    with pytest.raises(InsufficientSharesError, match="min_sites=4, got 3 of 5"):
-        run_sum(grid, settings_for(5), min_sites=4)
-
-
-def test_fewer_offered_sites_than_min_sites_is_refused_before_any_message():
-    grid = LoopbackGrid(app, num_nodes=3)
-
-    with pytest.raises(InsufficientSharesError, match="min_sites=4"):
-        run_sum(grid, settings_for(5), min_sites=4)
-    assert grid.replies == []
-
-
-def test_more_sites_than_the_settings_allow_are_refused():
-    grid = LoopbackGrid(app, num_nodes=4)
-
-    with pytest.raises(ConfigError, match=r"at most settings\.max_sites=3"):
-        run_sum(grid, settings_for(3))
-
-
-def test_a_coordinate_beyond_the_clipping_range_is_refused_not_clipped():
+def test_a_survivor_that_does_not_sign_stops_the_sum_before_anything_is_revealed(
+    tmp_path: Path,
+) -> None:
     # Arrange
-    offender = FIRST_NODE_ID + 1
-    grid = LoopbackGrid(app, num_nodes=4)
-    settings = settings_for(4)
+    fed = federation(tmp_path, 5, drops={node(3): {"query.sum_survivors"}})
     # Act
-    result = run_sum(grid, settings, overshoot=offender)
+    with pytest.raises(InsufficientSharesError, match="every survivor must sign"):
+        fed.run(0, EXTRACT)
     # Assert
-    assert result is not None
-    assert offender not in result.site_ids
-    assert result.num_sites == 3
-    assert len(result.failures) == 1
-    assert "must lie within ±clipping_range=1.0" in str(result.failures[0])
-    assert_exact(result, settings)
+    assert fed.replies("query.sum_unmask") == []
 
 
-def test_only_masked_vectors_leave_a_site():
+def test_fewer_survivors_than_min_sites_asks_no_site_to_sign_or_reveal(tmp_path: Path) -> None:
     # Arrange
-    grid = LoopbackGrid(app, num_nodes=3)
-    settings = settings_for(3)
+    drops = {node(0): {"query.sum_shares"}, node(1): {"query.sum_shares"}}
+    fed = federation(tmp_path, 5, drops=drops, min_sites=4)
     # Act
-    run_sum(grid, settings)
+    with pytest.raises(InsufficientSharesError, match="min-sites=4, got 3"):
+        fed.run(0, EXTRACT)
     # Assert
-    collected = [reply for _, stage, reply in grid.replies if stage == "collect_masked_vectors"]
+    assert fed.replies("query.sum_survivors") == []
+    assert fed.replies("query.sum_unmask") == []
+
+
+def test_sites_refuse_to_sign_survivors_below_their_own_minimum(tmp_path: Path) -> None:
+    # Arrange: the coordinator would go on with 3 of 5; each site requires 4.
+    drops = {node(0): {"query.sum_shares"}, node(1): {"query.sum_shares"}}
+    fed = federation(tmp_path, 5, drops=drops, min_sites=2, site_min_sites=4)
+    # Act
+    with pytest.raises(InsufficientSharesError, match="every survivor must sign"):
+        fed.run(0, EXTRACT)
+    # Assert
+    signed = fed.replies("query.sum_survivors")
+    assert len(signed) == 3
+    assert all(isinstance(answer, ErrorReply) for answer in signed)
+    assert fed.replies("query.sum_unmask") == []
+
+
+def test_fewer_sites_with_keys_than_min_sites_is_refused_before_any_sum_message(
+    tmp_path: Path,
+) -> None:
+    # Arrange
+    sites = stand_in_sites(tmp_path, 3, site_input)
+    grid = InProcessGrid(stand_in_apps(sites), num_nodes=3)
+    adverts = advertised_keys(grid, plan())
+    # Act
+    with pytest.raises(InsufficientSharesError, match="min-sites=4, got 3"):
+        SecureSumSession(Exchange(grid, timeout=60.0), RELEASE, adverts, 4)
+    # Assert
+    assert {stage for _, stage, _ in grid.replies} == {"query.plan"}
+
+
+def test_a_coordinate_beyond_the_clipping_range_is_refused_not_clipped(tmp_path: Path) -> None:
+    # Arrange: site 1 sends 1.5 c in one coordinate (a silent clip would bias the sum).
+    def overshooting(index: int, request: SecureSumRequest) -> list[np.ndarray]:
+        arrays = site_input(index, request)
+        if index == 1:
+            arrays[0][5] = 1.5 * BOUND
+        return arrays
+
+    fed = federation(tmp_path, 4, contribute=overshooting)
+    # Act
+    result = fed.run(0, EXTRACT)
+    # Assert: it refused with a fixed reason, and the others' sum is exact.
+    assert set(result.failures) == {node(1)}
+    (refusal,) = [a for a in fed.replies("query.sum_shares") if isinstance(a, ErrorReply)]
+    assert "1.5" not in refusal.reason
+    assert_exact(result, EXTRACT, fed.ranges, [0, 2, 3])
+
+
+def test_only_masked_integers_leave_a_site(tmp_path: Path) -> None:
+    # Arrange
+    fed = federation(tmp_path, 3)
+    # Act
+    fed.run(0, EXTRACT)
+    # Assert: one int64 array in [0, M), far from the quantised input, beside the message.
+    modulus = fed.ranges.modulus_range
+    collected = [(n, reply) for n, stage, reply in fed.grid.replies if stage == "query.sum_shares"]
     assert len(collected) == 3
-    for reply in collected:
+    for node_id, reply in collected:
         content = reply.content
-        assert all(len(record) == 0 for record in content.array_records.values())
-        assert dict(content.config_records["fitres.metrics"]) == {}
-        assert dict(content.metric_records["fitres.num_examples"]) == {"num_examples": 1}
-        assert list(content.config_records["secaggplus_configs"]) == ["masked_params"]
-        assert set(content) == {
-            "fitres.parameters",
-            "fitres.num_examples",
-            "fitres.metrics",
-            "fitres.status",
-            "secaggplus_configs",
-        }
+        assert list(content.array_records) == [MASKED_ARRAY_KEY]
+        assert len(content.config_records) == 1  # the message envelope, nothing else
+        assert isinstance(message_from_record(content), MaskedInput)
+        masked = array_from_record(content, MASKED_ARRAY_KEY, dtype="int64")
+        assert masked.min() >= 0
+        assert masked.max() < modulus
+        plain = quantise(flat_input(node_id - FIRST_NODE_ID, EXTRACT), fed.ranges)
+        assert np.count_nonzero(masked == plain) <= 1
 
 
-def test_the_chacha20_prg_expands_every_mask_on_both_sides(monkeypatch):
+def test_every_mask_is_expanded_by_the_chacha20_prg(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # Arrange
-    seeds = []
+    seeds: list[bytes] = []
     real_expand = mask_prg.expand_mask
 
-    def spy(seed, num_range, shapes):
+    def spy(seed: bytes, num_range: int, shapes: list[tuple[int, ...]]) -> list[np.ndarray]:
         seeds.append(seed)
         return real_expand(seed, num_range, shapes)
 
     monkeypatch.setattr(mask_prg, "expand_mask", spy)
-    grid = LoopbackGrid(app, num_nodes=3)
-    settings = settings_for(3)
+    fed = federation(tmp_path, 3)
     # Act
-    result = run_sum(grid, settings)
-    # Assert: sites 3 x (1 private + 2 pairwise), coordinator 3 private masks.
+    result = fed.run(0, EXTRACT)
+    # Assert: sites 3 x (1 self mask + 2 pair masks); the coordinator removes 3 self masks.
     assert len(seeds) == 3 * 3 + 3
-    assert result is not None
-    assert_exact(result, settings)
+    assert len(set(seeds)) == 3 + 3  # each pair seed is expanded by both of its sites
+    assert_exact(result, EXTRACT, fed.ranges, range(3))
 
 
-def test_sites_refuse_a_coordinator_running_another_mask_prg(monkeypatch):
-    # The sites run ChaCha20; the coordinator has Flower's MT19937 (allowed for this test).
-    monkeypatch.setitem(vars(flwr_workflow), "pseudo_rand_gen", flower_prg)
-    grid = LoopbackGrid(app, num_nodes=3)
+def test_the_noisy_vector_rides_beside_a_select_sum_to_every_site(tmp_path: Path) -> None:
+    # Arrange: release-first order scores votes against the released all-head vector.
+    fed = federation(tmp_path, 3)
+    all_heads = HeadSet.all_heads(num_layers=2, num_heads=4)
+    select = SELECT.model_copy(update={"reference_heads": all_heads.heads})
+    reference = np.random.default_rng(7).normal(size=2 * 4 * 16)
+    fed.run(0, EXTRACT)
+    # Act
+    result = fed.session.run_sum(
+        SumInstructions(sum_index=1, request=select, ranges=fed.ranges), reference
+    )
+    # Assert
+    assert result.failures == {}
+    for site in fed.sites:
+        np.testing.assert_array_equal(site.references[RELEASE].ravel(), reference)
 
-    result = run_sum(grid, dataclasses.replace(settings_for(3), allow_weak_mask_prg=True))
 
-    assert result is None
-    errors = [r.error.reason for _, _, r in grid.replies if r.has_error()]
-    assert len(errors) == 3
-    assert all("mask PRG must match" in str(reason) for reason in errors)
+def test_a_masked_input_of_another_length_drops_its_site(tmp_path: Path) -> None:
+    # Arrange: site 1 sends one coordinate fewer.
+    def short(index: int, request: SecureSumRequest) -> list[np.ndarray]:
+        arrays = site_input(index, request)
+        if index == 1:
+            arrays[0] = arrays[0][:-1]
+        return arrays
 
-
-def test_coordinator_refuses_flowers_weak_prg_unless_allowed(monkeypatch):
-    monkeypatch.setitem(vars(flwr_workflow), "pseudo_rand_gen", flower_prg)
-    grid = LoopbackGrid(app, num_nodes=3)
-
-    with pytest.raises(ConfigError, match="install_secure_mask_prg"):
-        run_sum(grid, settings_for(3))
-    assert grid.replies == []
+    fed = federation(tmp_path, 4, contribute=short)
+    # Act
+    result = fed.run(0, EXTRACT)
+    # Assert
+    assert set(result.failures) == {node(1)}
+    assert_exact(result, EXTRACT, fed.ranges, [0, 2, 3])

@@ -33,6 +33,7 @@ from dpmtv_common.errors import ServiceError
 from dpmtv_common.fingerprint import fingerprint_model_dir
 from dpmtv_common.privacy.budget import PrivacyBudget
 from dpmtv_common.privacy.ledger import PrivacyLedger, ReleaseState
+from dpmtv_common.roster import Roster
 from protocol import (
     PlanAccept,
     PlanRequest,
@@ -50,6 +51,8 @@ from tests.integration.test_hostile_coordinator import (
 )
 
 pytestmark = pytest.mark.integration
+
+ROSTER_FILE, IDENTITY_FILE = "roster.toml", "site-0.identity.key"
 
 
 @dataclass
@@ -71,6 +74,9 @@ class Served:
             "--device", "cpu",
             "--threads", "1",
             "--min-sites", "3",
+            "--name", "site-0",
+            "--roster", str(self.world.root / ROSTER_FILE),
+            "--identity-key", str(self.world.root / IDENTITY_FILE),
             *extra,
         ]  # fmt: skip
 
@@ -99,6 +105,11 @@ def world(tmp_path_factory: pytest.TempPathFactory) -> World:
     save_tiny_model("llava", root / "model", seed=0)
     key = SigningKey.generate()
     key.verify_key.save(root / "coordinator.pub")
+    # The consortium's roster: this site and one other member (secure sums need a roster).
+    identity = SigningKey.generate()
+    identity.save(root / IDENTITY_FILE)
+    members = {"site-0": identity.verify_key, "site-1": SigningKey.generate().verify_key}
+    (root / ROSTER_FILE).write_text(Roster("served", members).to_toml())
     return World(root, root / "model", fingerprint_model_dir(root / "model"), key,
                  root / "coordinator.pub")  # fmt: skip
 

@@ -1,11 +1,12 @@
 """Central mode adds the Gaussian exactly once, on the sum, whatever the number of sites.
 
-The coordinator's real path runs: ``FederatedSums`` (SecAgg+ over an in-process grid, ChaCha20
-masks) feeding ``protocol.run_release`` in selection mode ``all``. The sites are a stub
-``ClientApp`` that answers like ``client.site.Site.contribution`` — ``[flattened sum, [m_i]]``
-— with an all-zero sum, so the released sum (mean times m) minus the exact sum (0) is the noise
-alone. Its std must be σ = z·2C·√L_scope for n ∈ {2, 5, 10} sites (notes/dp.md §4.3 test 3);
-per-site noise would give √n·σ, and a second central draw √2·σ.
+The coordinator's real path runs: ``FederatedSums`` (the secure sum over an in-process grid,
+ChaCha20 masks) feeding ``protocol.run_release`` in selection mode ``all``. The sites are the
+site service's real handlers on stand-in sites (``tests.flower_harness.StandInSite``) that
+answer like ``client.site.Site.contribution`` — ``[flattened sum, [m_i]]`` — with an all-zero
+sum, so the released sum (mean times m) minus the exact sum (0) is the noise alone. Its std
+must be σ = z·2C·√L_scope for n ∈ {2, 5, 10} sites (notes/dp.md §4.3 test 3); per-site noise
+would give √n·σ, and a second central draw √2·σ.
 
 The σ checked against is computed here, independently of the project's calibration: the
 analytic Gaussian mechanism (Balle & Wang 2018, Theorem 8) solved for z at the plan's (ε, δ)
@@ -19,9 +20,9 @@ accepts iff S lies between the χ²_N quantiles at FALSE_FAILURE_RATE/2 and 1 �
 N = 2^17 ±0.96 %: both within the ±1 % of notes/dp.md §4.3 and far inside the √2 (+41 %)
 a noise-once bug produces.
 
-The secure sum's own error is negligible: each coordinate of the sum is exact up to
-``SecureSumSettings.quantization_error_bound(n)`` = n·2c/Q (here at most 10·2·256/2^30 ≈
-4.8e-6, and exactly 0 for all-zero inputs, which sit on the grid), against σ ≈ 21.
+The secure sum's own error is negligible: each site's rounding to the grid moves a coordinate
+by at most c/Q, so the sum is exact up to n·c/Q (here at most 10·256/2^30 ≈ 2.4e-6, and
+exactly 0 for all-zero inputs, which sit on the grid), against σ ≈ 21.
 """
 
 from __future__ import annotations
@@ -33,16 +34,12 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # read when flwr is first 
 import math
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import pytest
-from flwr.app import Context, Message
-from flwr.client.mod import secaggplus_mod
-from flwr.clientapp import ClientApp
 from scipy import optimize, stats
 
-from client.secagg import install_secure_mask_prg as install_site_mask_prg
-from client.secagg import secaggplus_clipping_range, secure_sum_reply
 from dpmtv_common.aliases import Float64Array, Int64Array
 from dpmtv_common.heads import HeadLayout, HeadSet
 from dpmtv_common.privacy.noise import NoiseSource, secure_noise
@@ -50,16 +47,22 @@ from dpmtv_common.privacy.testing import SeededNoise
 from protocol import (
     ReleaseOutcome,
     ReleasePlan,
+    SecureSumRequest,
     plan_calibration,
+    ranges_for,
     run_release,
-    secure_sum_request_from_config,
 )
 from server.coordinator import build_plan
 from server.federated_sums import FederatedSums
-from server.secagg import SecureSumSettings
+from server.messaging import Exchange
 from server.settings import RunConfig
-from server.simulation import InProcessGrid, make_server_context
-from tests.flower_harness import flower_process_state
+from server.simulation import InProcessGrid
+from tests.flower_harness import (
+    advertised_keys,
+    flower_process_state,
+    stand_in_apps,
+    stand_in_sites,
+)
 
 pytestmark = pytest.mark.statistical
 
@@ -70,21 +73,21 @@ LARGE_HEAD_DIM = 1024  # 8 * 32 * 1024 = 2^18 = 262144 coordinates
 PRODUCTION_HEAD_DIM = 512  # 2^17 coordinates: OpenDP's exact sampler costs ~60-150 us a draw
 CLIP_NORM = 1.0
 
-# Stub sites' answer: zeros, their m_i, and (the planted bug) optionally their own noise.
-stub_app = ClientApp()
 
+@dataclass(frozen=True)
+class ZeroSites:
+    """The stand-in sites' answer: zeros, their m_i, and (the planted bug) their own noise."""
 
-@stub_app.train(mods=[secaggplus_mod])
-def stub_contribution(msg: Message, context: Context) -> Message:
-    request = secure_sum_request_from_config(msg.content.config_records["fitins.config"])
-    head_dim = int(context.run_config["stub-head-dim"])
-    rows = NUM_LAYERS * NUM_HEADS if request.heads is None else len(request.heads)
-    total = np.zeros(rows * head_dim)
-    site_noise_std = float(context.run_config["stub-site-noise-std"])
-    if site_noise_std > 0:  # the planted bug: every site noises its own sum fully
-        total = SeededNoise(context.node_id).add_gaussian(total, noise_std=site_noise_std)
-    chunks = np.array([float(context.node_config["stub-chunks"])])
-    return secure_sum_reply(msg, [total, chunks], clipping_range=secaggplus_clipping_range(context))
+    head_dim: int
+    chunk_counts: list[int]
+    site_noise_std: float = 0.0
+
+    def __call__(self, index: int, request: SecureSumRequest) -> list[np.ndarray]:
+        rows = NUM_LAYERS * NUM_HEADS if request.heads is None else len(request.heads)
+        total = np.zeros(rows * self.head_dim)
+        if self.site_noise_std > 0:  # the planted bug: every site noises its own sum fully
+            total = SeededNoise(index).add_gaussian(total, noise_std=self.site_noise_std)
+        return [total, np.array([float(self.chunk_counts[index])])]
 
 
 @dataclass
@@ -129,9 +132,8 @@ class Released:
 
 
 @pytest.fixture(autouse=True)
-def _restore_flower_state() -> Iterator[None]:
+def _restore_process_state() -> Iterator[None]:
     with flower_process_state():
-        install_site_mask_prg()
         yield
 
 
@@ -172,27 +174,27 @@ def planned_noise_std(plan: ReleasePlan) -> float:
 
 
 def release_zeros(
-    num_sites: int, *, head_dim: int, noise: NoiseSource, site_noise_std: float = 0.0
+    folder: Path,
+    num_sites: int,
+    *,
+    head_dim: int,
+    noise: NoiseSource,
+    site_noise_std: float = 0.0,
 ) -> Released:
-    """One mode-'all' release over stub sites with all-zero sums; m_i = 200 + i."""
+    """One mode-'all' release over stand-in sites with all-zero sums; m_i = 200 + i."""
     plan = plan_for(num_sites)
     # c = 256 >= m_max * C: the planted bug's site noise (sigma ~ 21) is never refused.
     chunk_counts = [200 + index for index in range(num_sites)]
-    config = {"stub-head-dim": head_dim, "stub-site-noise-std": site_noise_std}
-    grid = InProcessGrid(
-        stub_app,
-        num_nodes=num_sites,
-        run_config=config,
-        node_configs=[{"stub-chunks": m} for m in chunk_counts],
-    )
+    contribute = ZeroSites(head_dim, chunk_counts, site_noise_std)
+    sites = stand_in_sites(folder, num_sites, contribute, num_chunks=chunk_counts)
+    grid = InProcessGrid(stand_in_apps(sites), num_nodes=num_sites)
     sums = FederatedSums(
-        grid,
-        make_server_context(),
+        Exchange(grid, timeout=60.0),
         plan,
         dict(zip(grid.get_node_ids(), chunk_counts, strict=True)),
+        advertised_keys(grid, plan),
         head_dim,
         HeadLayout(NUM_LAYERS, NUM_HEADS),
-        stage_timeout=60.0,
     )
     exposures: list[None] = []
     outcome = run_release(
@@ -228,21 +230,23 @@ def test_the_plan_s_sigma_is_the_analytic_gaussian_s_for_its_budget() -> None:
 
 def test_the_secure_sum_error_is_far_below_sigma() -> None:
     # Arrange: the ranges FederatedSums picks for 10 sites of at most 209 chunks (C = 1).
-    settings = SecureSumSettings.for_plan(max_abs_coordinate=209.0, max_sites=10, timeout=60.0)
-    # Act
-    bound = settings.quantization_error_bound(10)
+    ranges = ranges_for(209.0, 10)
+    # Act: c / Q per site and coordinate
+    bound = 10 * ranges.clipping_range / ranges.quantization_range
     # Assert: under a millionth of sigma, so it cannot move the std checks (band 0.68 %).
     assert bound < 1e-6 * planned_noise_std(plan_for(10))
 
 
 @pytest.mark.parametrize("num_sites", [2, 5, 10])
-def test_central_noise_on_the_sum_has_std_sigma_for_any_number_of_sites(num_sites: int) -> None:
+def test_central_noise_on_the_sum_has_std_sigma_for_any_number_of_sites(
+    tmp_path: Path, num_sites: int
+) -> None:
     # Arrange: a seeded sampler stands in for OpenDP's exact one, which costs 60-150 us a
     # draw here (50-120 s for these 3 x 2^18 draws). The production sampler runs the same
     # path below (10 sites, 2^17 draws); its std alone is checked in test_gaussian_noise.py.
     noise = CountingNoise(SeededNoise(num_sites))
     # Act
-    released = release_zeros(num_sites, head_dim=LARGE_HEAD_DIM, noise=noise)
+    released = release_zeros(tmp_path, num_sites, head_dim=LARGE_HEAD_DIM, noise=noise)
     # Assert
     coordinates = NUM_LAYERS * NUM_HEADS * LARGE_HEAD_DIM
     assert noise.gaussian_sizes == [coordinates]  # one draw, over every coordinate
@@ -254,11 +258,11 @@ def test_central_noise_on_the_sum_has_std_sigma_for_any_number_of_sites(num_site
     assert std_matches(released.noise_on_sum(), sigma)
 
 
-def test_the_production_sampler_is_drawn_once_on_the_sum() -> None:
+def test_the_production_sampler_is_drawn_once_on_the_sum(tmp_path: Path) -> None:
     # Arrange: OpenDP's exact, CSPRNG-backed Gaussian, as the ServerApp uses it.
     noise = CountingNoise(secure_noise())
     # Act
-    released = release_zeros(10, head_dim=PRODUCTION_HEAD_DIM, noise=noise)
+    released = release_zeros(tmp_path, 10, head_dim=PRODUCTION_HEAD_DIM, noise=noise)
     # Assert
     assert noise.gaussian_sizes == [NUM_LAYERS * NUM_HEADS * PRODUCTION_HEAD_DIM]
     reference = reference_for(plan_for(10))
@@ -266,12 +270,16 @@ def test_the_production_sampler_is_drawn_once_on_the_sum() -> None:
     assert std_matches(released.noise_on_sum(), released.outcome.noise_std)
 
 
-def test_the_check_catches_sites_that_each_add_the_full_noise() -> None:
+def test_the_check_catches_sites_that_each_add_the_full_noise(tmp_path: Path) -> None:
     # Arrange: the planted bug on the fewest sites (hardest to see: sqrt(2) sigma).
     sigma = planned_noise_std(plan_for(2))
     # Act
     released = release_zeros(
-        2, head_dim=LARGE_HEAD_DIM, noise=NoCentralNoise(SeededNoise(0)), site_noise_std=sigma
+        tmp_path,
+        2,
+        head_dim=LARGE_HEAD_DIM,
+        noise=NoCentralNoise(SeededNoise(0)),
+        site_noise_std=sigma,
     )
     # Assert
     residuals = released.noise_on_sum()
@@ -279,7 +287,7 @@ def test_the_check_catches_sites_that_each_add_the_full_noise() -> None:
     assert not std_matches(residuals, sigma)
 
 
-def test_the_check_catches_a_second_central_draw() -> None:
+def test_the_check_catches_a_second_central_draw(tmp_path: Path) -> None:
     # Arrange: a coordinator that noises the sum twice.
     class TwiceNoise(CountingNoise):
         def add_gaussian(self, values: Float64Array, *, noise_std: float) -> Float64Array:
@@ -287,6 +295,6 @@ def test_the_check_catches_a_second_central_draw() -> None:
             return super().add_gaussian(once, noise_std=noise_std)
 
     # Act
-    released = release_zeros(5, head_dim=LARGE_HEAD_DIM, noise=TwiceNoise(SeededNoise(1)))
+    released = release_zeros(tmp_path, 5, head_dim=LARGE_HEAD_DIM, noise=TwiceNoise(SeededNoise(1)))
     # Assert
     assert not std_matches(released.noise_on_sum(), planned_noise_std(plan_for(5)))

@@ -1,11 +1,10 @@
-"""Distributed noise on SecAgg+'s integer grid: headroom, encoding, decoding, Flower exactness."""
+"""Distributed noise on the secure sum's integer grid: headroom, encoding, decoding, exactness."""
 
 import math
 from typing import Any
 
 import numpy as np
 import pytest
-from flwr.common.secure_aggregation.quantization import dequantize, quantize
 
 from dpmtv_common.errors import ConfigError, IntegrityError
 from dpmtv_common.privacy.distributed import (
@@ -22,6 +21,7 @@ from dpmtv_common.privacy.distributed import (
 )
 from dpmtv_common.privacy.noise import secure_uniform
 from dpmtv_common.privacy.testing import SeededNoise
+from protocol import SumRanges, dequantise, quantise
 
 DIM = 64
 
@@ -49,30 +49,31 @@ def site_sums(num_sites: int, *, peak: float, seed: int = 0) -> list[np.ndarray]
     return [rng.uniform(-peak, peak, size=DIM) for _ in range(num_sites)]
 
 
-def flower_secure_sum(encoded: list[np.ndarray], p: DistributedNoise) -> np.ndarray:
-    """What the coordinator gets: Flower's quantise, modular sum, dequantise, average times n.
+def grid_of(p: DistributedNoise) -> SumRanges:
+    """The secure sum's grid for these parameters (what the coordinator sends the sites)."""
+    return SumRanges(
+        clipping_range=p.clipping_range,
+        quantization_range=p.quantization_range,
+        modulus_range=p.modulus_range,
+    )
 
-    Mirrors flwr 1.42 ``secaggplus_mod`` (weight 1, max_weight 1, so the ratio is exactly 1)
-    and ``SecAggPlusWorkflow`` unmask (offset -(n-1)c, times Q / (n Q)), then server.secagg's
-    multiplication by the number of survivors. Masks cancel mod M and are left out.
+
+def secure_sum(encoded: list[np.ndarray], p: DistributedNoise) -> np.ndarray:
+    """What the coordinator gets: each share quantised, summed mod M, dequantised.
+
+    ``protocol.secure_sum``'s arithmetic; the masks cancel mod M and are left out.
     """
-    c, q, m = p.clipping_range, p.quantization_range, p.modulus_range
-    quantized = [quantize([y], c, q)[0].astype(np.int64) for y in encoded]
-    total = np.zeros_like(quantized[0])
-    for values in quantized:
-        total = (total + values) % m
-    n = len(encoded)
-    ratio_total = (n * q) % m  # the weight factor rides along in the same modular sum
-    mean = dequantize([total], c, q)[0]
-    mean += -(n - 1) * c
-    mean *= q / ratio_total
-    return mean * n
+    ranges = grid_of(p)
+    total = np.zeros(encoded[0].size, dtype=np.int64)
+    for y in encoded:
+        total = (total + quantise(y, ranges)) % p.modulus_range
+    return dequantise(total, ranges, len(encoded))
 
 
 # --- headroom and parameters ---------------------------------------------------------------
 
 
-def test_parameters_fit_flower_limits_and_grid_step_is_one():
+def test_parameters_fit_the_secure_sum_grid_and_grid_step_is_one():
     # Act
     p = params()
     # Assert
@@ -82,6 +83,7 @@ def test_parameters_fit_flower_limits_and_grid_step_is_one():
     assert p.modulus_range & (p.modulus_range - 1) == 0
     assert p.modulus_range == 2**p.modulus_bits
     assert math.log2(p.scale).is_integer()
+    grid_of(p).check_no_wrap(p.max_sites)
 
 
 def test_worst_site_value_fits_the_clipping_range():
@@ -95,7 +97,7 @@ def test_grid_sensitivity_is_inflated_by_rounding():
     p = params()
     assert p.grid_l2_sensitivity >= p.scale * p.l2_sensitivity + math.sqrt(DIM)
     assert p.l2_sensitivity == pytest.approx(2.0 * math.sqrt(4))
-    # At Flower's 2^30 grid the inflation is tiny: the noise barely grows.
+    # At the 2^30 grid the inflation is tiny: the noise barely grows.
     assert p.effective_noise_multiplier(2) == pytest.approx(4.5, rel=1e-3)
     assert p.effective_noise_multiplier(2) > 4.5
 
@@ -266,11 +268,11 @@ def test_secure_uniform_is_in_unit_interval_and_varies():
     assert secure_uniform(0).shape == (0,)
 
 
-# --- Flower exactness and decoding ---------------------------------------------------------
+# --- exactness on the secure sum's grid, and decoding --------------------------------------
 
 
 @pytest.mark.parametrize("num_sites", [2, 3, 10])
-def test_flower_quantisation_round_trip_of_encoded_shares_is_exact(num_sites):
+def test_quantisation_round_trip_of_encoded_shares_is_exact(num_sites):
     # Arrange
     p = params()
     encoded = [
@@ -278,22 +280,24 @@ def test_flower_quantisation_round_trip_of_encoded_shares_is_exact(num_sites):
         for i, x in enumerate(site_sums(num_sites, peak=50.0))
     ]
     # Act: each site's quantised vector, and the coordinator's decoded sum
-    quantized = [quantize([y], p.clipping_range, p.quantization_range)[0] for y in encoded]
-    secure_sum = flower_secure_sum(encoded, p)
-    # Assert: Flower maps every integer y to y + c exactly (its stochastic rounding never
-    # fires), and the decoded sum equals the exact integer sum divided by γ, bit for bit.
+    quantized = [quantise(y, grid_of(p)) for y in encoded]
+    total = secure_sum(encoded, p)
+    # Assert: the grid maps every integer y to y + c exactly (step 2c/Q = 1), and the
+    # decoded sum equals the exact integer sum divided by γ, bit for bit.
     for y, q in zip(encoded, quantized, strict=True):
         assert np.array_equal(q.astype(np.float64), y + p.clipping_range)
     exact = np.sum(encoded, axis=0) / p.scale
-    assert np.array_equal(decode_noisy_sum(secure_sum, params=p, num_sites=num_sites), exact)
+    assert np.array_equal(decode_noisy_sum(total, params=p, num_sites=num_sites), exact)
 
 
-def test_flower_round_trip_is_exact_at_the_extremes_of_the_range():
+def test_round_trip_is_exact_at_the_extremes_of_the_range():
+    # Arrange
     p = params()
     c = p.clipping_range
     encoded = [np.full(DIM, c), np.full(DIM, -c), np.full(DIM, c), np.full(DIM, c - 1)]
-    secure_sum = flower_secure_sum(encoded, p)
-    decoded = decode_noisy_sum(secure_sum, params=p, num_sites=4)
+    # Act
+    decoded = decode_noisy_sum(secure_sum(encoded, p), params=p, num_sites=4)
+    # Assert
     assert np.array_equal(decoded, np.full(DIM, (3 * c - 1 - c) / p.scale))
 
 
@@ -310,7 +314,7 @@ def test_rounding_error_of_the_decoded_sum_is_below_one_step_per_site():
         for i, x in enumerate(xs)
     ]
     # Act
-    decoded = decode_noisy_sum(flower_secure_sum(encoded, p), params=p, num_sites=5)
+    decoded = decode_noisy_sum(secure_sum(encoded, p), params=p, num_sites=5)
     # Assert
     assert np.max(np.abs(decoded - np.sum(xs, axis=0))) < 5 / p.scale
 

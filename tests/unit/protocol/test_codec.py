@@ -1,3 +1,4 @@
+import base64
 import json
 from datetime import UTC, datetime
 from typing import Any
@@ -8,9 +9,13 @@ from flwr.app import ConfigRecord, RecordDict
 from protocol import (
     PROTOCOL_VERSION,
     AbortNotice,
+    AddressedBox,
     ErrorCode,
     ErrorReply,
+    KeyAdvert,
+    MaskedInput,
     MessageDecodeError,
+    NodeBytes,
     PlanAccept,
     PlanRequest,
     ReleaseAck,
@@ -20,14 +25,20 @@ from protocol import (
     RemoteError,
     SecureSumRequest,
     SelectionMode,
+    SumCollectRequest,
+    SumInstructions,
+    SumRanges,
+    SumSharesRequest,
+    SurvivorsRequest,
+    SurvivorsSigned,
+    UnmaskReply,
+    UnmaskRequest,
     VersionMismatchError,
     WireMessage,
     check_compatible,
     expect,
     message_from_record,
     message_to_record,
-    secure_sum_request_from_config,
-    secure_sum_request_to_config,
 )
 
 # ----------------------------------------------------------------- examples
@@ -213,37 +224,122 @@ def test_expect_refuses_another_kind() -> None:
 # ----------------------------------------------------------------- arrays
 
 
-# ----------------------------------------------------------------- FitIns config
+# ----------------------------------------------------------------- secure-sum messages
+
+RANGES = SumRanges(clipping_range=4.0, quantization_range=2**30, modulus_range=2**62)
+EXTRACT_REQUEST = SecureSumRequest(
+    release_id="r1", stage="extract", heads=((0, 1),), clip_norm=2.0, score_top_r=None
+)
+ADVERTS = [
+    KeyAdvert(
+        member=f"site-{node}",
+        node_id=node,
+        release_id="r1",
+        roster_sha256="ab" * 32,
+        public_key=bytes([node]) * 32,
+        signature=bytes([node]) * 64,
+    )
+    for node in (1, 2)
+]
+SUM_EXAMPLES: list[WireMessage] = [
+    SumSharesRequest(
+        release_id="r1",
+        adverts=ADVERTS,
+        instructions=SumInstructions(sum_index=0, request=EXTRACT_REQUEST, ranges=RANGES),
+    ),
+    SumCollectRequest(
+        release_id="r1",
+        instructions=SumInstructions(sum_index=1, request=SELECT_REQUEST, ranges=RANGES),
+    ),
+    MaskedInput(release_id="r1", sum_index=0, boxes=[AddressedBox(node_id=2, box=b"\x00" * 60)]),
+    SurvivorsRequest(release_id="r1", sum_index=0, survivors=[1, 2], boxes=[]),
+    SurvivorsSigned(release_id="r1", sum_index=1, signature=bytes(64)),
+    UnmaskRequest(
+        release_id="r1",
+        sum_index=0,
+        survivors=[1, 2],
+        signatures=[NodeBytes(node_id=1, value=bytes(64)), NodeBytes(node_id=2, value=b"s")],
+    ),
+    UnmaskReply(
+        release_id="r1",
+        sum_index=0,
+        seed_shares=[NodeBytes(node_id=1, value=b"share")],
+        pair_seeds=[NodeBytes(node_id=3, value=bytes(32))],
+    ),
+]
 
 
-def test_secure_sum_request_round_trips_through_a_fitins_config() -> None:
-    req = SecureSumRequest(
-        release_id="r1", stage="extract", heads=((0, 1),), clip_norm=2.0, score_top_r=None
+@pytest.mark.parametrize("msg", SUM_EXAMPLES, ids=lambda m: type(m).__name__)
+def test_every_secure_sum_message_round_trips(msg: WireMessage) -> None:
+    # Act
+    decoded = message_from_record(message_to_record(msg))
+
+    # Assert
+    assert decoded == msg
+    assert type(decoded) is type(msg)
+
+
+def test_a_secure_sum_request_travels_inside_a_sum_s_instructions() -> None:
+    # Arrange
+    collect = SumCollectRequest(
+        release_id="r1",
+        instructions=SumInstructions(sum_index=1, request=EXTRACT_REQUEST, ranges=RANGES),
     )
 
-    config = secure_sum_request_to_config(req)
+    # Act
+    decoded = expect(message_to_record(collect), SumCollectRequest)
 
-    assert all(isinstance(value, str | int | float | bool) for value in config.values())
-    assert "stage" not in config  # SecAgg+ owns that key
-    assert secure_sum_request_from_config({**config, "server-round": 3}) == req
-
-
-def test_fitins_config_with_another_message_is_refused() -> None:
-    config = secure_sum_request_to_config(SELECT_REQUEST)
-    config["body"] = ABORT.model_dump_json()
-    config["kind"] = "abort"
-
-    with pytest.raises(MessageDecodeError, match="must hold a SecureSumRequest"):
-        secure_sum_request_from_config(config)
+    # Assert
+    assert decoded.instructions.request == EXTRACT_REQUEST
+    assert decoded.instructions.ranges == RANGES
 
 
-def test_fitins_config_from_another_major_version_is_refused() -> None:
-    config = {**secure_sum_request_to_config(SELECT_REQUEST), "protocol-version": "5.1"}
+def test_bytes_travel_as_base64_text_in_the_body() -> None:
+    # Act
+    body = json.loads(str(_envelope(message_to_record(SUM_EXAMPLES[4]))["body"]))
 
+    # Assert
+    assert body["signature"] == base64.b64encode(bytes(64)).decode("ascii")
+
+
+def test_a_sum_message_of_another_kind_than_expected_is_refused() -> None:
+    # Arrange
+    record = message_to_record(SUM_EXAMPLES[1])
+
+    # Act / Assert
+    with pytest.raises(MessageDecodeError, match="must be a SumSharesRequest, got a Sum"):
+        expect(record, SumSharesRequest)
+
+
+def test_a_sum_message_body_of_another_kind_is_refused() -> None:
+    # Arrange: the envelope says survivors-signed, the body is an unmask request.
+    record = _tampered(SUM_EXAMPLES[5], kind="survivors-signed")
+
+    # Act / Assert
+    with pytest.raises(MessageDecodeError, match="survivors-signed"):
+        message_from_record(record)
+
+
+def test_a_sum_message_from_another_major_version_is_refused() -> None:
+    # Arrange
+    record = _tampered(SUM_EXAMPLES[0], protocol_version="5.1", body="{not json")
+
+    # Act / Assert
     with pytest.raises(VersionMismatchError):
-        secure_sum_request_from_config(config)
+        message_from_record(record)
 
 
-def test_fitins_config_without_our_keys_is_a_decode_error() -> None:
-    with pytest.raises(MessageDecodeError, match="protocol-version"):
-        secure_sum_request_from_config({"stage": "setup"})
+@pytest.mark.parametrize(
+    ("value", "match"),
+    [("not base64!", "must be base64"), ("AAAA", "must be 64 bytes, got 3"), (7, "base64 text")],
+)
+def test_a_signature_that_is_not_64_base64_bytes_is_refused(value: object, match: str) -> None:
+    # Arrange
+    def edit(body: dict[str, Any]) -> None:
+        body["signature"] = value
+
+    record = _with_body(SUM_EXAMPLES[4], edit)
+
+    # Act / Assert
+    with pytest.raises(MessageDecodeError, match=match):
+        message_from_record(record)

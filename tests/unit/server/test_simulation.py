@@ -1,4 +1,4 @@
-"""InProcessGrid isolates nodes like a wire, without deep copies."""
+"""InProcessGrid isolates nodes like a wire, without deep copies, and drops by message type."""
 
 from __future__ import annotations
 
@@ -28,7 +28,7 @@ def content() -> RecordDict:
 
 
 def popping_app(message: Message, context: Context) -> Message:
-    """Does what secaggplus_mod does: pops and mutates what it received, and its state."""
+    """Pops and mutates what it received, and its state, as a careless handler might."""
     config = message.content.config_records["config"]
     config.pop("stage")
     ids = cast(list[int], config["ids"])
@@ -119,3 +119,29 @@ def test_delivery_makes_no_deep_copy(monkeypatch: pytest.MonkeyPatch) -> None:
 
     # Assert
     assert len(replies) == 1
+
+
+def test_a_drop_silences_a_node_at_its_message_types_only() -> None:
+    # Arrange
+    grid = InProcessGrid(
+        [popping_app, popping_app], num_nodes=2, drops={NODE: {"query.sum_shares"}}
+    )
+    other = NODE + 1
+    messages = [
+        grid.create_message(content(), "query.sum_shares", NODE, group_id="g"),
+        grid.create_message(content(), "query.sum_collect", NODE, group_id="g"),
+        grid.create_message(content(), "query.sum_shares", other, group_id="g"),
+    ]
+
+    # Act
+    replies = grid.send_and_receive(messages)
+
+    # Assert: as a site that timed out: no reply at all, and nothing recorded
+    assert [(r.metadata.src_node_id, r.metadata.message_type) for r in replies] == [
+        (NODE, "query.sum_collect"),
+        (other, "query.sum_shares"),
+    ]
+    assert [(node, stage) for node, stage, _ in grid.replies] == [
+        (NODE, "query.sum_collect"),
+        (other, "query.sum_shares"),
+    ]
