@@ -143,6 +143,10 @@ def _reference(msg: Message) -> Float64Array | None:
     if REFERENCE_ARRAY_KEY not in msg.content.array_records:
         _no_reference(msg)
         return None
+    if set(msg.content.array_records) != {REFERENCE_ARRAY_KEY}:
+        raise MessageDecodeError(
+            f"a request may carry only the noisy vector, got {sorted(msg.content.array_records)}."
+        )
     values = array_from_record(msg.content, REFERENCE_ARRAY_KEY, dtype="float64")
     return np.asarray(values, dtype=np.float64)
 
