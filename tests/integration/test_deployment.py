@@ -289,9 +289,7 @@ def test_a_site_killed_during_the_activation_secure_sum_costs_seconds_not_the_ti
     # Act: the first message is the plan (the site's signed key rides on its acceptance;
     # selection "all" has one sum); the victim accepts it and dies as it receives the second
     # (the first sum's shares request), before any of its data left.
-    deployment.wait_for_line(
-        victim.name, r"Receiving: query\.plan message", timeout=240, skip=skip
-    )
+    deployment.wait_for_line(victim.name, r"Receiving: query\.plan message", timeout=240, skip=skip)
     deployment.wait_for_line(
         f"{victim.name}-service", rf"release {release_id}: plan accepted", timeout=120
     )
