@@ -3,26 +3,42 @@
 How this connects: whoever runs a release supplies a :class:`ReleaseSums` — local extraction
 for a single data holder (``client.release``), SecAgg+ secure sums over the sites for the
 federated coordinator (``server``). :func:`run_release` then does everything that touches
-privacy in exactly one place: it calibrates the plan, runs private selection (Gumbel top-k)
-and the single Gaussian draw in the plan's order, calls ``on_first_noise`` right before the
-first noisy output exists (ledgers mark the release exposed there), and returns the released
-heads and mean activations. Exactly one Gaussian draw happens per release, on the sum.
-What the outcome states (manifest fields) and what a plan reserves are in
-:mod:`protocol.release_manifest`.
+privacy in exactly one place: it runs selection and the release in the plan's order, calls
+``on_first_noise`` right before the first noisy output exists (ledgers mark the release
+exposed there), and returns the released heads and mean activations. What the outcome states
+(manifest fields) and what a plan reserves are in :mod:`protocol.release_manifest`.
+
+One flow, two noise modes. The order and selection branches are walked once
+(:func:`run_release`); what differs between the plan's noise modes — how a summed activation
+vector becomes a noisy mean, how heads are picked from a vote sum, what the outcome states —
+is a small strategy (:class:`_CentralMode`, :class:`_DistributedMode`). Both modes ask for
+the same sums, in the same order, with the same arguments, and mark exposure at the same
+points: after the vote sum in select-first private selection, else after the activation sum.
 
 Orders (design §1 step 6):
 
-* ``select-first``: votes → Gumbel top-k → S → clipped sum over S → one Gaussian draw.
-* ``release-first``: clipped sum over all heads → one Gaussian draw → votes scored against the
+* ``select-first``: votes → private selection → S → clipped sum over S → noisy mean.
+* ``release-first``: clipped sum over all heads → noisy mean → votes scored against the
   noisy vector (private mode) or the public list → keep the rows of S (post-processing).
 
-Distributed noise mode (``plan.noise_mode``): the sums arrive already noisy — every site added
-its own discrete-Gaussian share inside SecAgg+ (:mod:`protocol.distributed`) — so no Gaussian
-is drawn here and selection is the top k of the noisy vote histogram (post-processing); the
-order and the ledger marks are the same.
+Mechanisms. Privacy unit: the plan's (one example, or one group); neighbouring relation:
+replace-one (one unit is replaced, which changes one chunk's contribution to every sum).
+
+* Central mode, activation sum: one Gaussian draw on the sum, by whoever runs the release.
+  Sensitivity Δ₂ = 2·C·√L_scope (each layer of a chunk clipped to C); noise N(0, σ² I) with
+  σ = z·Δ₂ from the plan's calibration. Exactly one draw per release.
+* Central mode, private selection: Gumbel top-k over the candidates' vote sums. Sensitivity
+  Δ∞ = 1 per head (a chunk votes 1 for each of its top-r heads); Gumbel noise of scale
+  β = 2/ε₀ per pick, k picks.
+* Distributed mode (``plan.noise_mode``), activation sum: no draw here — every site added its
+  own discrete-Gaussian share inside SecAgg+ (:mod:`protocol.distributed`), each sized so
+  that ``plan.min_honest`` honest shares carry the full noise (σ_site² = σ²/t). Sensitivity
+  Δ₂ = 2·C·√L_scope, as in central mode.
+* Distributed mode, private selection: the vote histogram arrives noised the same way
+  (sensitivity Δ₂ = √(2r)); taking its top k is post-processing and adds no noise.
 
 Head scope: "all heads" is ``layout.all_heads()``, the heads of the decoder layers that carry
-them (a hybrid's linear-attention or convolution layers carry none). The Gaussian of an
+them (a hybrid's linear-attention or convolution layers carry none). The noise of an
 all-heads sum is calibrated to those layers only (L_scope), public heads elsewhere are
 refused, and selection's candidate set is exactly those heads: the layout is read from the
 public model, never from data, so restricting the candidates changes no privacy map.
@@ -43,6 +59,7 @@ from dpmtv_common.heads import HeadLayout, HeadSet
 from dpmtv_common.privacy.accounting import EpsilonBound
 from dpmtv_common.privacy.calibration import ReleaseCalibration
 from dpmtv_common.privacy.distributed import top_k_from_noisy_votes
+from dpmtv_common.privacy.mechanisms import GaussianSumMechanism
 from dpmtv_common.privacy.noise import NoiseSource
 from protocol.calibration import plan_calibration
 from protocol.distributed import DistributedRelease
@@ -147,14 +164,6 @@ class DistributedOutcome:
     bound_if_all_honest: EpsilonBound
 
 
-def _noisy_mean(
-    summed: ActivationSum, plan: ReleasePlan, calibration: ReleaseCalibration, noise: NoiseSource
-) -> tuple[Float64Array, float]:
-    mechanism = calibration.gaussian(clip_norm=plan.clip_norm, heads=summed.heads)
-    mean = mechanism.noisy_mean(summed.total, num_chunks=summed.num_chunks, noise=noise)
-    return mean, mechanism.noise_std
-
-
 def _require_chunks(summed: ActivationSum) -> ActivationSum:
     # Checked before the release is marked exposed: nothing noisy exists yet, so an abort
     # here refunds every ledger.
@@ -192,38 +201,6 @@ def _candidate_votes(
         )
     candidates = _candidates(plan, layout)
     return candidates, votes.total[candidates]
-
-
-def _select(
-    votes: VoteSum,
-    calibration: ReleaseCalibration,
-    noise: NoiseSource,
-    plan: ReleasePlan,
-    layout: HeadLayout,
-) -> HeadSet:
-    """Gumbel top-k (central mode) over the candidate set.
-
-    Mechanism: ``calibration.gumbel()`` (Δ∞ = 1 per head under replace-one of one privacy
-    unit's chunk, β = 2/ε₀, k picks). The candidate set is the plan's public
-    ``candidate_heads``, or else ``layout.all_heads()``: both are fixed before any data is
-    read, so running the mechanism over those heads' vote sums only is the same mechanism on
-    a smaller public domain: same sensitivity, same ε₀ per pick. No head of a headless layer
-    can be picked.
-    """
-    candidates, scores = _candidate_votes(votes, plan, layout)
-    picked = calibration.gumbel().select(scores, noise=noise)
-    return layout.heads_at(candidates[index] for index in picked)
-
-
-def _top_k_noisy(votes: VoteSum, plan: ReleasePlan, layout: HeadLayout) -> HeadSet:
-    """Top k of the already-noisy vote histogram over the candidate set (post-processing).
-
-    The candidate set is as in :func:`_select`: a public restriction of a noisy output, so it
-    costs nothing beyond the histogram's own noise.
-    """
-    k = plan.num_selected_heads
-    candidates, scores = _candidate_votes(votes, plan, layout)
-    return layout.heads_at(candidates[index] for index in top_k_from_noisy_votes(scores, k=k))
 
 
 def _snr(values: Float64Array, noise_std: float, num_chunks: int) -> float:
@@ -287,6 +264,195 @@ def check_plan_scope(plan: ReleasePlan, layout: HeadLayout) -> None:
         )
 
 
+class _NoiseStrategy(Protocol):
+    """What one noise mode does at the release flow's three private steps."""
+
+    def noisy_mean(self, summed: ActivationSum) -> Float64Array:
+        """The released mean of ``summed``, noised by this mode's activation mechanism."""
+        ...
+
+    def select(self, votes: VoteSum) -> HeadSet:
+        """The k heads this mode's private selection picks from ``votes``."""
+        ...
+
+    def outcome(
+        self, summed: ActivationSum, released: HeadSet, values: Float64Array
+    ) -> ReleaseOutcome:
+        """What the release states, given the noised sum, the released heads and rows."""
+        ...
+
+
+@dataclass(frozen=True)
+class _CentralMode:
+    """Central noise: this process draws the Gaussian and runs Gumbel top-k.
+
+    Mechanisms: ``calibration.gaussian()`` on the activation sum (Δ₂ = 2·C·√L_scope under
+    replace-one of one privacy unit's chunk, noise N(0, σ² I) with σ = z·Δ₂, one draw) and
+    ``calibration.gumbel()`` for private selection (Δ∞ = 1 per head under replace-one,
+    Gumbel scale β = 2/ε₀, k picks). Privacy unit: the plan's example or group.
+    """
+
+    plan: ReleasePlan
+    layout: HeadLayout
+    calibration: ReleaseCalibration
+    noise: NoiseSource
+
+    def _gaussian(self, heads: HeadSet) -> GaussianSumMechanism:
+        # A pure function of the calibration and the scope's layers, so the outcome can ask
+        # again for the σ of the draw without a second draw.
+        return self.calibration.gaussian(clip_norm=self.plan.clip_norm, heads=heads)
+
+    def noisy_mean(self, summed: ActivationSum) -> Float64Array:
+        """The single Gaussian draw of the release, on the sum, divided by m."""
+        mechanism = self._gaussian(summed.heads)
+        return mechanism.noisy_mean(summed.total, num_chunks=summed.num_chunks, noise=self.noise)
+
+    def select(self, votes: VoteSum) -> HeadSet:
+        """Gumbel top-k over the candidate set.
+
+        The candidate set is the plan's public ``candidate_heads``, or else
+        ``layout.all_heads()``: both are fixed before any data is read, so running the
+        mechanism over those heads' vote sums only is the same mechanism on a smaller public
+        domain: same sensitivity, same ε₀ per pick. No head of a headless layer can be picked.
+        """
+        candidates, scores = _candidate_votes(votes, self.plan, self.layout)
+        picked = self.calibration.gumbel().select(scores, noise=self.noise)
+        return self.layout.heads_at(candidates[index] for index in picked)
+
+    def outcome(
+        self, summed: ActivationSum, released: HeadSet, values: Float64Array
+    ) -> ReleaseOutcome:
+        """The calibrated release: σ of the draw and the calibration's (ε, δ)."""
+        noise_std = self._gaussian(summed.heads).noise_std
+        return ReleaseOutcome(
+            heads=released,
+            values=values,
+            num_chunks=summed.num_chunks,
+            noise_std=noise_std,
+            gaussian_heads=summed.heads,
+            calibration=self.calibration,
+            signal_to_noise=_snr(values, noise_std, summed.num_chunks),
+        )
+
+
+@dataclass(frozen=True)
+class _DistributedMode:
+    """Distributed noise: the sums arrive carrying the sites' shares, so nothing is drawn here.
+
+    Mechanisms (:mod:`protocol.distributed`): each site adds a discrete-Gaussian share inside
+    SecAgg+, sized so that ``plan.min_honest`` honest shares carry the full noise
+    (σ_site² = σ²/t). Sensitivity under replace-one of one privacy unit's chunk:
+    Δ₂ = 2·C·√L_scope for the activation sum, √(2r) for the top-r vote histogram. Privacy
+    unit: the plan's example or group. Everything below is post-processing of those sums.
+    """
+
+    plan: ReleasePlan
+    layout: HeadLayout
+
+    def noisy_mean(self, summed: ActivationSum) -> Float64Array:
+        """The already-noisy sum divided by m (post-processing)."""
+        return summed.total / summed.num_chunks
+
+    def select(self, votes: VoteSum) -> HeadSet:
+        """Top k of the already-noisy vote histogram over the candidate set (post-processing).
+
+        The candidate set is as in central mode: a public restriction of a noisy output, so
+        it costs nothing beyond the histogram's own noise.
+        """
+        candidates, scores = _candidate_votes(votes, self.plan, self.layout)
+        top = top_k_from_noisy_votes(scores, k=self.plan.num_selected_heads)
+        return self.layout.heads_at(candidates[index] for index in top)
+
+    def outcome(
+        self, summed: ActivationSum, released: HeadSet, values: Float64Array
+    ) -> ReleaseOutcome:
+        """The grids' σ and ε at t honest shares, and at every survivor honest."""
+        # D is read off the sum: the grids depend on the model's shape, never on data.
+        release = DistributedRelease(
+            plan=self.plan,
+            num_heads_total=self.layout.dense_size,
+            head_dim=int(summed.total.shape[1]),
+        )
+        survivors = summed.num_sites or self.plan.min_honest
+        noise_std = release.noise_std(summed.heads)
+        return ReleaseOutcome(
+            heads=released,
+            values=values,
+            num_chunks=summed.num_chunks,
+            noise_std=noise_std,
+            gaussian_heads=summed.heads,
+            calibration=None,
+            signal_to_noise=_snr(values, noise_std, summed.num_chunks),
+            distributed=DistributedOutcome(
+                release=release,
+                bound=release.bound(summed.heads, honest_shares=self.plan.min_honest),
+                survivors=survivors,
+                bound_if_all_honest=release.bound(summed.heads, honest_shares=survivors),
+            ),
+        )
+
+
+def _noise_strategy(plan: ReleasePlan, layout: HeadLayout, noise: NoiseSource) -> _NoiseStrategy:
+    if plan.noise_mode is NoiseMode.DISTRIBUTED:
+        return _DistributedMode(plan, layout)
+    # Calibrated before any sum is asked for: a plan the accountant cannot meet fails while
+    # nothing has been read.
+    return _CentralMode(plan, layout, plan_calibration(plan), noise)
+
+
+@dataclass(frozen=True)
+class _Released:
+    """The activation sum the noise ran on, the released heads and their noisy mean rows."""
+
+    summed: ActivationSum
+    heads: HeadSet
+    values: Float64Array
+
+
+def _fixed_scope(plan: ReleasePlan, layout: HeadLayout) -> HeadSet:
+    """The heads released without private selection: the public list, else all heads."""
+    return HeadSet(plan.public_heads) if plan.public_heads else layout.all_heads()
+
+
+def _select_first(
+    plan: ReleasePlan,
+    sums: ReleaseSums,
+    layout: HeadLayout,
+    mode: _NoiseStrategy,
+    exposed: Callable[[], None],
+) -> _Released:
+    """Select (privately, or the fixed scope), then noise the sum over the selection only."""
+    scope = _fixed_scope(plan, layout)
+    if plan.selection is SelectionMode.PRIVATE:
+        votes = sums.vote_sum(None)
+        # The vote sum is the first private output to be looked at: in distributed mode it
+        # is already a noisy histogram, in central mode Gumbel noise is drawn on it next.
+        exposed()
+        scope = mode.select(votes)
+    summed = _require_chunks(sums.activation_sum(scope))
+    exposed()  # a no-op when the votes were marked above
+    return _Released(summed, scope, mode.noisy_mean(summed))
+
+
+def _release_first(
+    plan: ReleasePlan,
+    sums: ReleaseSums,
+    layout: HeadLayout,
+    mode: _NoiseStrategy,
+    exposed: Callable[[], None],
+) -> _Released:
+    """Noise the sum over all heads once, then keep the rows of the released heads."""
+    all_heads = layout.all_heads()
+    summed = _require_chunks(sums.activation_sum(all_heads))
+    exposed()
+    noisy_all = mode.noisy_mean(summed)
+    released = _fixed_scope(plan, layout)
+    if plan.selection is SelectionMode.PRIVATE:
+        # Votes are scored against the noisy vector, so selection reads no raw activation.
+        released = mode.select(sums.vote_sum(layout.dense_rows(noisy_all)))
+    return _Released(summed, released, noisy_all[_rows(all_heads, released)])
+
+
 def run_release(
     plan: ReleasePlan,
     *,
@@ -295,108 +461,29 @@ def run_release(
     noise: NoiseSource,
     on_first_noise: Callable[[], None],
 ) -> ReleaseOutcome:
-    """Run the plan's selection and its single Gaussian draw; see the module docstring.
+    """Run the plan's selection and release in its order, in either noise mode.
+
+    See the module docstring for the orders and the mechanisms of each noise mode.
 
     Args:
         layout: The model's head layout; its carried heads are "all heads" of the release.
+        noise: The randomness of central mode's draws (unused in distributed mode, whose
+            noise the sites added).
+        on_first_noise: Called exactly once, right before the first noisy output exists.
 
     Raises:
         ConfigError: The plan's heads do not fit the layout (:func:`check_plan_scope`),
             raised before any sum is asked for.
+        InsufficientSharesError: The activation sum covers no chunk, raised before the
+            release is marked exposed.
     """
     check_plan_scope(plan, layout)
-    if plan.noise_mode is NoiseMode.DISTRIBUTED:
-        return _run_distributed(plan, sums=sums, layout=layout, exposed=on_first_noise)
-    calibration = plan_calibration(plan)
+    mode = _noise_strategy(plan, layout, noise)
     exposed = _once(on_first_noise)
-    all_heads = layout.all_heads()
-    fixed_scope = HeadSet(plan.public_heads) if plan.public_heads else all_heads
-    private = plan.selection is SelectionMode.PRIVATE
+    # With every head released the two orders ask for the same sum and keep every row, so
+    # all-heads selection takes the select-first path in either order.
     if plan.order is ReleaseOrder.SELECT_FIRST or plan.selection is SelectionMode.ALL:
-        scope = fixed_scope
-        if private:
-            votes = sums.vote_sum(None)
-            exposed()
-            scope = _select(votes, calibration, noise, plan, layout)
-        summed = _require_chunks(sums.activation_sum(scope))
-        exposed()
-        values, noise_std = _noisy_mean(summed, plan, calibration, noise)
-        released = scope
+        released = _select_first(plan, sums, layout, mode, exposed)
     else:
-        summed = _require_chunks(sums.activation_sum(all_heads))
-        exposed()
-        noisy_all, noise_std = _noisy_mean(summed, plan, calibration, noise)
-        released = fixed_scope
-        if private:
-            reference = layout.dense_rows(noisy_all)
-            released = _select(sums.vote_sum(reference), calibration, noise, plan, layout)
-        values = noisy_all[_rows(all_heads, released)]
-    return ReleaseOutcome(
-        heads=released,
-        values=values,
-        num_chunks=summed.num_chunks,
-        noise_std=noise_std,
-        gaussian_heads=summed.heads,
-        calibration=calibration,
-        signal_to_noise=_snr(values, noise_std, summed.num_chunks),
-    )
-
-
-def _run_distributed(
-    plan: ReleasePlan,
-    *,
-    sums: ReleaseSums,
-    layout: HeadLayout,
-    exposed: Callable[[], None],
-) -> ReleaseOutcome:
-    """Selection and release on sums the sites already noised (no draw here)."""
-    mark = _once(exposed)
-    all_heads = layout.all_heads()
-    scope = HeadSet(plan.public_heads) if plan.public_heads else all_heads
-    private = plan.selection is SelectionMode.PRIVATE
-    if plan.order is ReleaseOrder.SELECT_FIRST or plan.selection is SelectionMode.ALL:
-        if private:
-            votes = sums.vote_sum(None)
-            mark()  # the noisy histogram exists: it is the first noisy output
-            scope = _top_k_noisy(votes, plan, layout)
-        summed = _require_chunks(sums.activation_sum(scope))
-        mark()
-        values = summed.total / summed.num_chunks
-        released = scope
-    else:
-        summed = _require_chunks(sums.activation_sum(all_heads))
-        mark()
-        noisy_all = summed.total / summed.num_chunks
-        released = scope
-        if private:
-            votes = sums.vote_sum(layout.dense_rows(noisy_all))
-            released = _top_k_noisy(votes, plan, layout)
-        values = noisy_all[_rows(all_heads, released)]
-    return _distributed_outcome(plan, summed, released, values, layout.dense_size)
-
-
-def _distributed_outcome(
-    plan: ReleasePlan,
-    summed: ActivationSum,
-    released: HeadSet,
-    values: Float64Array,
-    num_heads_total: int,
-) -> ReleaseOutcome:
-    release = DistributedRelease(plan, num_heads_total, int(summed.total.shape[1]))
-    survivors = summed.num_sites or plan.min_honest
-    noise_std = release.noise_std(summed.heads)
-    return ReleaseOutcome(
-        heads=released,
-        values=values,
-        num_chunks=summed.num_chunks,
-        noise_std=noise_std,
-        gaussian_heads=summed.heads,
-        calibration=None,
-        signal_to_noise=_snr(values, noise_std, summed.num_chunks),
-        distributed=DistributedOutcome(
-            release=release,
-            bound=release.bound(summed.heads, honest_shares=plan.min_honest),
-            survivors=survivors,
-            bound_if_all_honest=release.bound(summed.heads, honest_shares=survivors),
-        ),
-    )
+        released = _release_first(plan, sums, layout, mode, exposed)
+    return mode.outcome(released.summed, released.heads, released.values)

@@ -243,3 +243,51 @@ def test_check_candidate_picks_names_the_picks_outside_the_candidates():
         check_candidate_picks(plan, ((0, 0), (1, 1)), "heads")
     plain = make_plan(SelectionMode.PRIVATE, ReleaseOrder.SELECT_FIRST)
     check_candidate_picks(plain, ((1, 1), (2, 3)), "heads")  # no candidate set: any head
+
+
+# ---- one release flow for both noise modes
+
+
+@dataclass
+class RecordingSums(FakeSums):
+    """FakeSums that also records each request's exact argument (heads, reference shape)."""
+
+    requests: list[tuple[str, object]] = field(default_factory=list)
+
+    def activation_sum(self, heads: HeadSet) -> ActivationSum:
+        self.requests.append(("activations", heads.heads))
+        return super().activation_sum(heads)
+
+    def vote_sum(self, reference):
+        self.requests.append(("votes", None if reference is None else reference.shape))
+        return super().vote_sum(reference)
+
+
+def _requests_in(noise_mode: NoiseMode, selection: SelectionMode, order: ReleaseOrder):
+    plan = make_plan(
+        selection, order, noise_mode=noise_mode, min_sites=2, max_sites=3, max_chunks_per_site=1000
+    )
+    sums = RecordingSums()
+    outcome = run_release(
+        plan,
+        sums=sums,
+        layout=HeadLayout(LAYERS, HEADS),
+        noise=SeededNoise(0),
+        on_first_noise=lambda: sums.requests.append(("exposed", None)),
+    )
+    return sums.requests, outcome
+
+
+@pytest.mark.parametrize("order", list(ReleaseOrder))
+@pytest.mark.parametrize("selection", list(SelectionMode))
+def test_both_noise_modes_ask_for_the_same_sums_in_the_same_order(selection, order):
+    central, central_outcome = _requests_in(NoiseMode.CENTRAL, selection, order)
+    distributed, distributed_outcome = _requests_in(NoiseMode.DISTRIBUTED, selection, order)
+    assert central == distributed
+    assert central.count(("exposed", None)) == 1
+    assert central_outcome.heads == distributed_outcome.heads
+    assert central_outcome.gaussian_heads == distributed_outcome.gaussian_heads
+    assert central_outcome.distributed is None
+    assert central_outcome.calibration is not None
+    assert distributed_outcome.distributed is not None
+    assert distributed_outcome.calibration is None
