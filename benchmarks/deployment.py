@@ -12,7 +12,10 @@ service and a ``flower-supernode`` given only the service's socket), submits one
   in flwr 1.42 ``supernode/start_client_internal.py``, plus the coordinator waiting for the
   slowest site), the *process start* (received → ``flwr-clientapp`` running: the SuperExec's
   task poll plus a fresh Python process importing Flower, once per message) and the
-  *handling* (``flwr-clientapp`` running → reply sent: relay plus site service).
+  *handling* (``flwr-clientapp`` running → reply sent: relay plus site service);
+* Flower's floor, in the same run: on the same SuperLink and SuperNodes, right after the
+  release, a stock Flower app with a no-op ClientApp (``benchmarks/flower_floor``) makes as
+  many round trips as the release took messages a site (``--no-floor`` skips it).
 
 Usage (from the repository root; about 2-3 minutes per consortium size on 2 cores)::
 
@@ -43,6 +46,7 @@ import re
 import statistics
 import sys
 import tempfile
+import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from importlib.metadata import version
@@ -63,6 +67,9 @@ from scripts.local_consortium import (
     stage_timings,
 )
 
+FLOOR_APP = REPO / "benchmarks" / "flower_floor"
+FLOOR_LABEL = "stock Flower app (no-op)"
+_FLOOR = re.compile(r"floor seconds: ([0-9.]+)")
 _LINE = re.compile(r"^\[\s*([0-9.]+)\] (.*)$")
 _EVENTS = {
     "receiving": re.compile(r"Receiving: (\S+) message"),
@@ -93,12 +100,16 @@ class Measured:
         return sum(_mean(values) for values in (self.pickup, self.process_start, self.handling))
 
 
-def site_hops(log: Path) -> tuple[list[float], list[float], list[float]]:
-    """Pickup, process-start and handling seconds of every message in one SuperNode log."""
+def site_hops(log: Path, since: float = 0.0) -> tuple[list[float], list[float], list[float]]:
+    """Pickup, process-start and handling seconds of every message in one SuperNode log.
+
+    ``since``: only lines stamped at or after this many seconds (a later run on the same
+    SuperNodes).
+    """
     events: list[tuple[str, float]] = []
     for raw in log.read_text(encoding="utf-8").splitlines():
         match = _LINE.match(raw)
-        if match is None:
+        if match is None or float(match.group(1)) < since:
             continue
         for kind, pattern in _EVENTS.items():
             if pattern.search(match.group(2)):
@@ -119,16 +130,30 @@ def site_hops(log: Path) -> tuple[list[float], list[float], list[float]]:
     return pickup, start, handling
 
 
-def analyse(label: str, workdir: Path, sites: int, status: str, seconds: float) -> Measured:
-    """Read stage timings and per-message hops off a consortium's logs."""
+def analyse(
+    label: str,
+    workdir: Path,
+    sites: int,
+    status: str,
+    seconds: float,
+    *,
+    run_log_name: str = "flwr-run",
+    since: float = 0.0,
+) -> Measured:
+    """Read stage timings and per-message hops off a consortium's logs.
+
+    ``run_log_name``/``since``: the run's own log, and where its lines start in the site logs.
+    """
     logs = workdir / "logs"
-    run_log = (logs / "flwr-run.log").read_text(encoding="utf-8")
-    measured = Measured(label, sites, status, seconds, stage_timings(run_log))
+    run_log = (logs / f"{run_log_name}.log").read_text(encoding="utf-8")
+    floor = _FLOOR.search(run_log)
+    stages = {"round trips": float(floor.group(1))} if floor else stage_timings(run_log)
+    measured = Measured(label, sites, status, seconds, stages)
     chunks = re.search(r"m=(\d+) chunks", run_log)
     measured.chunks = int(chunks.group(1)) if chunks else None
     measured.given_up = len(re.findall(r"gave up on ", run_log))
     for index in range(sites):
-        pickup, start, handling = site_hops(logs / f"site-{index}.log")
+        pickup, start, handling = site_hops(logs / f"site-{index}.log", since)
         measured.pickup += pickup
         measured.process_start += start
         measured.handling += handling
@@ -137,9 +162,18 @@ def analyse(label: str, workdir: Path, sites: int, status: str, seconds: float) 
 
 
 def run_once(
-    workdir: Path, sites: int, label: str, overrides: dict[str, object] | None = None
-) -> Measured:
-    """Prepare a consortium of ``sites`` under ``workdir``, make one release, analyse it."""
+    workdir: Path,
+    sites: int,
+    label: str,
+    overrides: dict[str, object] | None = None,
+    *,
+    with_floor: bool = True,
+) -> list[Measured]:
+    """Prepare a consortium of ``sites`` under ``workdir``, make one release, analyse it.
+
+    With ``with_floor``, the stock Flower app of ``benchmarks/flower_floor`` then makes as many
+    round trips as the release took messages a site, on the same SuperLink and SuperNodes.
+    """
     files = prepare_consortium(workdir, sites=sites, per_site=30)
     creds = make_credentials(workdir / "credentials", [site.name for site in files.sites])
     config: dict[str, object] = {
@@ -159,7 +193,27 @@ def run_once(
             consortium.start_site_service(site)
             consortium.start_supernode(site)
         result = consortium.wait_run(consortium.submit(config), timeout=1200)
-    return analyse(label, workdir, sites, result.status, result.seconds)
+        release = analyse(label, workdir, sites, result.status, result.seconds)
+        if not with_floor:
+            return [release]
+        since = time.monotonic() - consortium.started
+        floor_config = {"rounds": max(release.messages_per_site, 1), "expected-sites": sites}
+        run = consortium.submit(floor_config, app=FLOOR_APP, name="flwr-run-floor")
+        done = consortium.wait_run(run, timeout=600)
+    floor = analyse(
+        FLOOR_LABEL,
+        workdir,
+        sites,
+        done.status,
+        done.seconds,
+        run_log_name="flwr-run-floor",
+        since=since,
+    )
+    return [release, floor]
+
+
+def _seconds(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f}"
 
 
 def _mean(values: list[float]) -> float:
@@ -176,10 +230,10 @@ def table(rows: list[Measured]) -> str:
         lines.append(f"| {name} | " + " | ".join(cells) + " |")
 
     add("status", [r.status for r in rows])
-    add("chunks released (m)", [str(r.chunks) for r in rows])
+    add("chunks released (m)", [str(r.chunks) if r.chunks is not None else "—" for r in rows])
     add("sites given up as silent", [str(r.given_up) for r in rows])
     for stage in stages:
-        add(f"ServerApp: {stage} (s)", [f"{r.stages.get(stage, float('nan')):.1f}" for r in rows])
+        add(f"ServerApp: {stage} (s)", [_seconds(r.stages.get(stage)) for r in rows])
     add("**ServerApp total (s)**", [f"**{sum(r.stages.values()):.1f}**" for r in rows])
     add("flwr run → finished (s)", [f"{r.run_seconds:.1f}" for r in rows])
     add("messages per site", [str(r.messages_per_site) for r in rows])
@@ -241,6 +295,11 @@ def main(argv: list[str] | None = None) -> int:
         help="'key=value ...' over the default release (selection='all' shots=2)",
     )
     parser.add_argument("--table", default="", help="which marked table of --output to replace")
+    parser.add_argument(
+        "--no-floor",
+        action="store_true",
+        help="skip the stock Flower app's round trips after each release",
+    )
     parser.add_argument("--output", type=Path)
     args = parser.parse_args(argv)
     overrides = parse_run_config(args.run_config)
@@ -253,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(analyse(label, Path(path), int(sites), status, float(seconds)))
     for sites in args.sites or [3]:
         with tempfile.TemporaryDirectory(prefix=f"dpmtv-deploy-{sites}-") as tmp:
-            rows.append(run_once(Path(tmp), sites, args.label, overrides))
+            rows += run_once(Path(tmp), sites, args.label, overrides, with_floor=not args.no_floor)
             print(table(rows), flush=True)
     report = f"{table(rows)}\n\n{_environment()}\n"
     print(report)

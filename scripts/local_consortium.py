@@ -732,12 +732,19 @@ class Consortium:
 
     # -- the run ---------------------------------------------------------------------------
 
-    def submit(self, run_config: Mapping[str, object]) -> Managed:
-        """``flwr run . consortium --stream`` with ``run_config`` written to a TOML file."""
-        path = self.workdir / "run-config.toml"
+    def submit(
+        self, run_config: Mapping[str, object], *, app: Path = REPO, name: str = "flwr-run"
+    ) -> Managed:
+        """``flwr run APP consortium --stream`` with ``run_config`` written to a TOML file.
+
+        ``app`` is the Flower app's folder (default: this project's); ``name`` names the
+        process and its log (``logs/<name>.log``).
+        """
+        path = self.workdir / f"{name}-config.toml"
         path.write_text("".join(f"{key} = {_toml(value)}\n" for key, value in run_config.items()))
-        command = [str(BIN / "flwr"), "run", ".", FEDERATION, "--stream", "--run-config", str(path)]
-        return self.start("flwr-run", command, self._env(self.cli_home))
+        command = [str(BIN / "flwr"), "run", str(app), FEDERATION, "--stream"]
+        command += ["--run-config", str(path)]
+        return self.start(name, command, self._env(self.cli_home))
 
     def run_id(self, managed: Managed, timeout: float = 60.0) -> int:
         """The run id ``flwr run`` printed."""
