@@ -8,10 +8,14 @@ written atomically (temporary file, fsync, rename) *before* the corresponding re
        │                        │
        └────────abort───────────┴──────abort──────▶ aborted
 
+    (the ledger state each may stand beside, and how it settles: client.release_states)
+
 A contribution is recorded once per secure-sum stage (``select``, ``extract``) of the plan;
 a second one for the same stage is refused. The record never decides a refund by itself:
-the site's ledger state (``reserved`` = nothing sent, ``exposed`` = something sent) does, and
-the site marks the ledger exposed before any masked contribution is handed to SecAgg+.
+which ledger state (``reserved``, ``exposed``, ``committed``, ``aborted``) may stand beside
+each record state, and what the ledger does when a record becomes released or aborted, is
+the table in :mod:`client.release_states`. The site marks the ledger exposed before any
+masked contribution is handed to SecAgg+.
 
 Release ids are checked tokens (``protocol.plan.ReleaseId``), so a file name built from one
 never leaves the records folder.

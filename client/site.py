@@ -18,6 +18,10 @@ record (:mod:`client.site_policy`, :mod:`client.release_record`) before anything
   anything of the site's data left, and refunds if nothing did.
 * ``abort`` and ``sweep``: the site resolves a release from its own record — nothing sent:
   refund; anything sent: counted — whatever a notice says, also when no notice ever comes.
+
+Which record state may stand beside which ledger state, and how each pair is settled, is one
+table: :mod:`client.release_states`. A further step on a pair outside it is refused; a
+settlement never refunds a pair in which anything of the site's data may have left.
 """
 
 from __future__ import annotations
@@ -37,6 +41,7 @@ from client.data import SiteDataset, load_dataset
 from client.models import LoadedModel, default_fingerprint_cache_dir, prompt_template_digest
 from client.release import LocalSums
 from client.release_record import ReleaseRecord, ReleaseRecordStore, SiteReleaseState
+from client.release_states import Settlement, in_step, require_in_step, settlement
 from client.scoring import check_answer_vocabulary
 from client.settings import SiteSettings
 from client.shared_model import shared_model
@@ -233,7 +238,6 @@ class Site:
                 f"release {record.release_id!r} was accepted by an earlier run of this service;"
                 " its secret chunk seed is gone, so the site cannot contribute to it."
             )
-        self._require_ledger(record.release_id, (ReleaseState.RESERVED, ReleaseState.EXPOSED))
         arrays = self._compute(record, request, seed)
         if grid is not None:  # the site's own noise share, from the CSPRNG, inside the sum
             noise = secure_noise()
@@ -275,7 +279,8 @@ class Site:
         return [total, np.array([float(count)])]
 
     def _mark_sent(self, record: ReleaseRecord, request: SecureSumRequest) -> None:
-        # Durable before the arrays are handed to SecAgg+: from here on they may leave.
+        # Durable before the arrays are handed to SecAgg+: from here on they may leave. The
+        # ledger goes first, so a stop between the two writes leaves the release counted.
         with self.ledger() as ledger:
             if _state_of(ledger, record.release_id) is ReleaseState.RESERVED:
                 ledger.mark_exposed(record.release_id)
@@ -340,34 +345,48 @@ class Site:
         self._resolve(record, SiteReleaseState.ABORTED, "aborted by the coordinator")
 
     def sweep(self, *, now: float | None = None, everything: bool = False) -> list[str]:
-        """Resolve open releases idle past the site's limit (or all, at start and stop)."""
+        """Resolve open releases idle past the site's limit (or all, at start and stop).
+
+        Raises:
+            LedgerError: A release the table cannot settle (its data left but the ledger
+                refunded it, or the ledger lacks it); it stays open, the others are resolved.
+        """
         limit = self.settings.idle_release_seconds
         moment = time.time() if now is None else now
-        resolved = []
+        resolved: list[str] = []
+        refused: list[str] = []
         for record in self.records.open_records():
             changed = datetime.fromisoformat(record.updated).timestamp()
             idle = moment - max(changed, self.last_seen.get(record.run_id, 0.0))
             orphan = record.release_id not in self.seeds
-            if everything or orphan or idle > limit:
-                why = "service stopped" if everything else "no message from the coordinator"
-                why = "accepted by an earlier service run" if orphan and not everything else why
+            if not (everything or orphan or idle > limit):
+                continue
+            why = "service stopped" if everything else "no message from the coordinator"
+            why = "accepted by an earlier service run" if orphan and not everything else why
+            try:
                 self._resolve(record, SiteReleaseState.ABORTED, why)
-                resolved.append(record.release_id)
+            except LedgerError as exc:
+                # One release the site cannot count must not keep the others open.
+                _log.error("release %s: left open: %s", record.release_id, exc)
+                refused.append(str(exc))
+                continue
+            resolved.append(record.release_id)
+        if refused:  # fail closed: at start this stops the service until an admin looks
+            raise LedgerError(" ".join(refused))
         return resolved
 
     def _open_record(self, release_id: str, run_id: int, action: str) -> ReleaseRecord:
+        """The open record of ``release_id``, standing beside its ledger entry as it must.
+
+        Raises:
+            StageOrderError: No such release here, finished, or of another run.
+            LedgerError: Record and ledger out of step (``client.release_states.BESIDE``).
+        """
         record = self.records.require(release_id)
         record.require_open(run_id, action)
-        return record
-
-    def _require_ledger(self, release_id: str, allowed: tuple[ReleaseState, ...]) -> None:
         with self.ledger() as ledger:
-            state = _state_of(ledger, release_id)
-        if state not in allowed:
-            raise StageOrderError(
-                f"ledger state of release {release_id!r} must be one of "
-                f"{[s.value for s in allowed]}, got {state}."
-            )
+            require_in_step(record, _state_of(ledger, release_id), action)
+        return record
 
     def _resolve(
         self,
@@ -377,7 +396,7 @@ class Site:
         artifact_sha256: str | None = None,
     ) -> None:
         counted = self._settle_ledger(record)
-        verdict = "counted (its contribution had left)" if counted else "refunded (nothing left)"
+        verdict = "counted (its data may have left)" if counted else "refunded (nothing left)"
         self.records.save(
             record.changed(state=state, note=f"{why}; {verdict}", artifact_sha256=artifact_sha256)
         )
@@ -386,19 +405,27 @@ class Site:
         _log.info("release %s: %s: %s; budget %s", record.release_id, state.value, why, verdict)
 
     def _settle_ledger(self, record: ReleaseRecord) -> bool:
-        """Commit if anything was sent, else refund; return whether the release counts."""
+        """Settle the ledger by ``client.release_states.SETTLEMENT``; return whether it counts.
+
+        The ledger is settled before the record is saved, so a stop in between leaves a pair
+        the next sweep settles again without changing it (committed or refunded stays so).
+        """
         with self.ledger() as ledger:
             state = _state_of(ledger, record.release_id)
-            if state is ReleaseState.EXPOSED:
+            rule = settlement(record, state)  # LedgerError where the table has no row
+            if not in_step(record, state):
+                _log.warning(
+                    "release %s: record %s beside ledger %s is out of step; ledger: %s",
+                    record.release_id,
+                    record.state.value,
+                    state,
+                    rule.value,
+                )
+            if rule is Settlement.COMMIT:
                 ledger.commit(record.release_id)
-            elif state is ReleaseState.RESERVED:
-                if record.sent:  # never: sent is recorded after mark_exposed; fail closed
-                    ledger.commit(record.release_id)
-                else:
-                    ledger.abort(record.release_id, "no data of this site left it")
-            elif state is None:
-                raise LedgerError(f"ledger must hold release {record.release_id!r}, got none.")
-            return _state_of(ledger, record.release_id) is ReleaseState.COMMITTED
+            elif rule is Settlement.REFUND:
+                ledger.abort(record.release_id, "no data of this site left it")
+            return rule.counts
 
 
 def _write_staged(staged: Path, request: ReleaseRequest) -> None:
