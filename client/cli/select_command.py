@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from client.cli._choices import SELECTION_METHODS
 from client.cli._common import (
@@ -15,8 +15,11 @@ from client.cli._common import (
     settings_from,
     write_heads_file,
 )
-from client.cli._types import non_negative_int, positive_int
+from client.cli._types import non_negative_int, open_unit_float, positive_int
 from dpmtv_common.errors import ConfigError
+
+if TYPE_CHECKING:
+    from client.clip_choice import ClipChoice
 
 __all__ = ["register"]
 
@@ -27,7 +30,10 @@ def register(sub: Any) -> None:
         "select-heads",
         help="choose heads on PUBLIC data -> heads.json for --selection public",
         description="Never run this on private data: it has no privacy protection. It also "
-        "suggests a clip norm C (median per-layer norm of the chosen heads on the public data).",
+        "suggests a clip norm C: the smallest of 1, 2, 4, 8 and 16 times the public median "
+        "per-layer norm of the chosen heads whose clipped (noise-free) public mean keeps "
+        "--clip-keep of the unclipped mean's gain over zero-shot on the public queries. "
+        "`release` uses it when --clip-norm is not given.",
     )
     add_model_options(parser)
     parser.add_argument("--data", type=Path, help="PUBLIC labelled dataset folder")
@@ -41,6 +47,12 @@ def register(sub: Any) -> None:
     )
     parser.add_argument("--steps", type=positive_int, default=600, help="REINFORCE (MTV: 600)")
     parser.add_argument("--samples", type=positive_int, default=32, help="REINFORCE (MTV: 32)")
+    parser.add_argument(
+        "--clip-keep",
+        type=open_unit_float,
+        default=0.9,
+        help="share of the unclipped public gain the suggested C must keep (default 0.9)",
+    )
     parser.add_argument("--seed", type=non_negative_int, default=0)
     add_image_crops_option(parser, purpose="as the release will (written to the heads file)")
     parser.set_defaults(handler=run)
@@ -65,6 +77,7 @@ def run(args: argparse.Namespace) -> int:
     _check_out(args.out)
     # Imported here: the data and model side need PIL, torch and transformers.
     from client.chunking import make_chunks
+    from client.clip_choice import choose_clip_norm
     from client.data import load_dataset
     from client.public_selection import (
         ReinforceSettings,
@@ -72,7 +85,6 @@ def run(args: argparse.Namespace) -> int:
         public_activations,
         select_heads_attribution,
         select_heads_reinforce,
-        suggested_clip_norm,
     )
     from client.scoring import check_answer_vocabulary
 
@@ -106,11 +118,14 @@ def run(args: argparse.Namespace) -> int:
         heads = select_heads_attribution(
             loaded, mean, queries, k=args.k, instruction=dataset.instruction, progress=True
         )
-    clip = suggested_clip_norm(acts, heads)
+    choice = choose_clip_norm(
+        loaded, acts, heads, queries, instruction=dataset.instruction, keep=args.clip_keep
+    )
     write_heads_file(
         args.out,
         heads,
-        clip_norm_suggestion=clip,
+        clip_norm_suggestion=choice.clip_norm,
+        **choice.as_record(),
         method=args.method,
         model_fingerprint=loaded.fingerprint,
         public_chunks=len(chunks.chunks),
@@ -118,5 +133,19 @@ def run(args: argparse.Namespace) -> int:
         max_image_crops=args.max_image_crops,  # release checks it: heads fit their cap only
     )
     print(f"{len(heads)} heads over {heads.num_layers_in_scope} layers -> {args.out}")
-    print(f"suggested clip norm C = {clip:.4g} (median per-layer norm on public data)")
+    _print_clip_choice(choice)
     return 0
+
+
+def _print_clip_choice(choice: ClipChoice) -> None:
+    tried = ", ".join(f"{c.factor:g}x {c.accuracy:.2f}" for c in choice.candidates)
+    print(
+        f"public first-token accuracy: zero-shot {choice.zero_shot:.2f}, unclipped mean "
+        f"{choice.unclipped:.2f}; clipped at f x median {choice.median:.4g}: {tried}"
+    )
+    print(f"suggested clip norm C = {choice.clip_norm:.4g}")
+    if not choice.kept_gain:
+        print(
+            "warning: no C tried keeps the asked share of the unclipped gain; the largest is "
+            "suggested. Check the heads (--k) and the public data before a release."
+        )

@@ -32,14 +32,22 @@ class QuerySet:
 
     @classmethod
     def build(
-        cls, loaded: LoadedModel, prompts: Sequence[Prompt], answers: Sequence[str], size: int = 50
+        cls,
+        loaded: LoadedModel,
+        prompts: Sequence[Prompt],
+        answers: Sequence[str],
+        size: int = 50,
+        *,
+        instruction: str | None = None,
     ) -> QuerySet:
-        """Tokenise ``prompts`` in batches of ``size``."""
+        """Tokenise ``prompts`` in batches of ``size`` (with the dataset's ``instruction``)."""
         ids = answer_token_ids(loaded, answers)
         batches, targets = [], []
         for start in range(0, len(prompts), size):
             chunk = prompts[start : start + size]
-            batches.append(loaded.adapter.build_batch_inputs(loaded.processor, chunk))
+            batches.append(
+                loaded.adapter.build_batch_inputs(loaded.processor, chunk, instruction=instruction)
+            )
             targets.append(ids[start : start + size])
         return cls(batches, targets)
 

@@ -1,0 +1,162 @@
+"""The clip norm chosen on public data: the clipped mean, and the smallest C keeping the gain."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from client.chunking import Chunk, make_chunks
+from client.clip_choice import CLIP_FACTORS, choose_clip_norm, clipped_mean
+from client.evaluation.first_token import QuerySet
+from client.public_selection import public_activations, suggested_clip_norm
+from dpmtv_common.errors import ConfigError
+from dpmtv_common.heads import HeadSet
+from tests.site_data import write_site
+
+ONE_ARCH = pytest.mark.parametrize("tiny", ["llava"], indirect=True)
+HEADS = HeadSet.of([(0, 1), (0, 3), (1, 2)])
+
+
+@pytest.fixture(scope="module")
+def chunks(tmp_path_factory: pytest.TempPathFactory) -> tuple[Chunk, ...]:
+    site = write_site(tmp_path_factory.mktemp("public-site"), 12)
+    return make_chunks(site, shots=2, seed=0).chunks  # 4 chunks
+
+
+@pytest.fixture
+def acts(loaded, chunks) -> torch.Tensor:
+    return public_activations(loaded, chunks, progress=False)
+
+
+def _layer_norms(values: np.ndarray, heads: HeadSet) -> list[float]:
+    layers = heads.row_layers()
+    return [float(np.linalg.norm(values[layers == layer])) for layer in heads.layers]
+
+
+def test_a_bound_above_every_norm_leaves_the_plain_mean():
+    acts = torch.randn(6, 2, 4, 3, generator=torch.Generator().manual_seed(1))
+    index = HEADS.to_array()
+    plain = acts[:, index[:, 0], index[:, 1]].double().mean(0).numpy()
+
+    np.testing.assert_allclose(clipped_mean(acts, HEADS, 1e6), plain, rtol=1e-12)
+
+
+def test_every_chunk_is_clipped_per_layer_before_the_mean():
+    acts = 10 * torch.randn(6, 2, 4, 3, generator=torch.Generator().manual_seed(2))
+    index = HEADS.to_array()
+    rows = acts[:, index[:, 0], index[:, 1]].double().numpy()
+    by_hand = []
+    for chunk in rows:
+        clipped = chunk.copy()
+        for layer in HEADS.layers:
+            block = HEADS.row_layers() == layer
+            norm = np.linalg.norm(chunk[block])
+            clipped[block] *= min(1.0, 0.5 / norm)
+        by_hand.append(clipped)
+
+    result = clipped_mean(acts, HEADS, 0.5)
+
+    np.testing.assert_allclose(result, np.mean(by_hand, axis=0), rtol=1e-12)
+    assert max(_layer_norms(result, HEADS)) <= 0.5 + 1e-12
+
+
+def _spread_acts() -> torch.Tensor:
+    """Tiny-model-shaped activations whose chunk norms differ 200-fold (one outlier chunk)."""
+    acts = torch.randn(5, 2, 4, 16, generator=torch.Generator().manual_seed(3))
+    return acts * torch.tensor([1.0, 1.0, 1.0, 1.0, 200.0]).view(5, 1, 1, 1)
+
+
+def _plain_mean(acts: torch.Tensor) -> np.ndarray:
+    index = HEADS.to_array()
+    return acts[:, index[:, 0], index[:, 1]].double().mean(0).numpy()
+
+
+def _scripted_accuracy(threshold: float):
+    """Accuracy 0.2 unpatched or below ``threshold`` of patched norm, 0.8 at or above it."""
+
+    def accuracy(self, loaded, patch=None):
+        if patch is None:
+            return 0.2
+        return 0.8 if float(np.linalg.norm(np.asarray(patch[1]))) >= threshold else 0.2
+
+    return accuracy
+
+
+@ONE_ARCH
+def test_the_suggestion_is_the_smallest_tried_bound_that_keeps_the_gain(
+    loaded, chunks, monkeypatch
+):
+    # Arrange: the model "works" only once the patched vector is long enough, as a pretrained
+    # decoder whose task lives in large heads does; the plain mean is long enough.
+    acts = _spread_acts()
+    median = suggested_clip_norm(acts, HEADS)
+    lengths = {
+        f: float(np.linalg.norm(clipped_mean(acts, HEADS, f * median))) for f in CLIP_FACTORS
+    }
+    assert lengths[2.0] < lengths[4.0] < float(np.linalg.norm(_plain_mean(acts)))
+    monkeypatch.setattr(QuerySet, "accuracy", _scripted_accuracy(lengths[4.0] * 0.999))
+
+    # Act
+    choice = choose_clip_norm(loaded, acts, HEADS, [chunk.query for chunk in chunks])
+
+    # Assert: 1x and 2x fall short, 4x keeps the gain, larger ones were never tried
+    assert choice.kept_gain
+    assert choice.median == pytest.approx(median)
+    assert choice.clip_norm == pytest.approx(4 * median)
+    assert [c.factor for c in choice.candidates] == [1.0, 2.0, 4.0]
+    assert [c.accuracy for c in choice.candidates] == [0.2, 0.2, 0.8]
+    assert (choice.zero_shot, choice.unclipped) == (0.2, 0.8)
+
+
+@ONE_ARCH
+def test_when_no_bound_keeps_the_gain_the_largest_is_suggested_and_flagged(
+    loaded, chunks, monkeypatch
+):
+    # Arrange: only the unclipped mean works; every clipped one is zero-shot's
+    acts = _spread_acts()
+    plain = _plain_mean(acts)
+
+    def only_unclipped(self, loaded, patch=None):
+        return 0.9 if patch is not None and np.array_equal(patch[1], plain) else 0.2
+
+    monkeypatch.setattr(QuerySet, "accuracy", only_unclipped)
+
+    # Act
+    choice = choose_clip_norm(loaded, acts, HEADS, [chunk.query for chunk in chunks])
+
+    # Assert
+    assert not choice.kept_gain
+    assert [c.factor for c in choice.candidates] == list(CLIP_FACTORS)
+    assert choice.clip_norm == pytest.approx(CLIP_FACTORS[-1] * choice.median)
+
+
+@ONE_ARCH
+def test_on_a_real_model_the_record_is_consistent_with_the_rule(loaded, chunks, acts):
+    queries = [chunk.query for chunk in chunks]
+
+    choice = choose_clip_norm(loaded, acts, HEADS, queries, keep=0.9)
+
+    target = choice.zero_shot + 0.9 * (choice.unclipped - choice.zero_shot)
+    kept = [c.accuracy >= target for c in choice.candidates]
+    assert kept[-1] is choice.kept_gain
+    assert not any(kept[:-1])  # every smaller bound fell short
+    assert all(0.0 <= c.accuracy <= 1.0 for c in choice.candidates)
+    record = choice.as_record()["clip_norm_public_accuracy"]
+    assert record["zero_shot"] == choice.zero_shot
+
+
+@ONE_ARCH
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"keep": 0.0}, "keep"), ({"keep": 1.5}, "keep"), ({"factors": ()}, "factors")],
+)
+def test_bad_settings_are_refused_before_any_forward_pass(loaded, chunks, acts, kwargs, match):
+    with pytest.raises(ConfigError, match=match):
+        choose_clip_norm(loaded, acts, HEADS, [c.query for c in chunks], **kwargs)
+
+
+@ONE_ARCH
+def test_no_query_is_refused(loaded, acts):
+    with pytest.raises(ConfigError, match="queries"):
+        choose_clip_norm(loaded, acts, HEADS, [])
