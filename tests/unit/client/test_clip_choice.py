@@ -143,6 +143,7 @@ def test_on_a_real_model_the_record_is_consistent_with_the_rule(loaded, chunks, 
     assert not any(kept[:-1])  # every smaller bound fell short
     assert all(0.0 <= c.accuracy <= 1.0 for c in choice.candidates)
     record = choice.as_record()["clip_norm_public_accuracy"]
+    assert isinstance(record, dict)
     assert record["zero_shot"] == choice.zero_shot
 
 
