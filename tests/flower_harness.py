@@ -100,6 +100,11 @@ class StandInRecord:
     num_heads: int = STAND_IN_SHAPE[1]
     head_dim: int = STAND_IN_SHAPE[2]
 
+    @property
+    def release_id(self) -> str:
+        """The release the record is of."""
+        return self.plan.release_id
+
 
 @dataclass
 class StandInRecords:
@@ -110,6 +115,10 @@ class StandInRecords:
     def require(self, release_id: str) -> StandInRecord:
         """The record of an accepted release."""
         return self.by_release[release_id]
+
+    def open_records(self) -> list[StandInRecord]:
+        """Every record not yet resolved (a resolved one is removed from ``by_release``)."""
+        return list(self.by_release.values())
 
 
 @dataclass

@@ -124,6 +124,19 @@ class SiteSums:
         """Drop a finished or aborted release's keys and seeds."""
         self.sessions.pop(release_id, None)
 
+    def forget_resolved(self) -> list[str]:
+        """Drop the sessions of releases the site no longer has open (e.g. swept as idle).
+
+        A release resolved by the site's own sweep gets no ``release`` or ``abort`` message,
+        so without this its private key and seeds would stay in memory until the service
+        stops. Returns the releases dropped.
+        """
+        still_open = {record.release_id for record in self.site.records.open_records()}
+        dropped = [release_id for release_id in self.sessions if release_id not in still_open]
+        for release_id in dropped:
+            del self.sessions[release_id]
+        return dropped
+
     # ------------------------------------------------------------------ helpers
 
     def _masked_input(

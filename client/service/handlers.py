@@ -60,7 +60,11 @@ _log = logging.getLogger(__name__)
 
 
 def build_site_app(site: Site, sums: SiteSums | None = None) -> ClientApp:
-    """The ClientApp whose handlers decide for ``site``; the service calls it per message."""
+    """The ClientApp whose handlers decide for ``site``; the service calls it per message.
+
+    ``sums`` holds the secure-sum sessions; pass one to reach them from outside (the
+    service drops those of releases its sweep resolved).
+    """
     sums = sums if sums is not None else SiteSums(site)
     app = ClientApp()
     _add_release_handlers(app, site, sums)

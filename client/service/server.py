@@ -50,6 +50,7 @@ from flwr.proto.message_pb2 import Message as ProtoMessage
 from pydantic import ValidationError
 
 from client.release_record import ReleaseRecord
+from client.secure_sum.site_stages import SiteSums
 from client.service.handlers import build_site_app, error_message
 from client.service.inference import (
     MAX_REQUEST_BYTES,
@@ -101,7 +102,8 @@ class SiteService:
         self.max_connections = max_connections
         self.read_timeout_s = read_timeout_s
         self._message_bound = SMALL_FRAME_BYTES
-        self._app = build_site_app(self.site)
+        self.sums = SiteSums(self.site)
+        self._app = build_site_app(self.site, self.sums)
         self._contexts: OrderedDict[tuple[int, int], Context] = OrderedDict()
         self._lock = threading.Lock()
         self._lock_file: IO[str] | None = None
@@ -221,6 +223,7 @@ class SiteService:
         """Resolve releases idle past the site's limit (called periodically)."""
         with self._lock:
             self.site.sweep()
+            self.sums.forget_resolved()  # a swept release gets no release/abort message
             self._update_message_bound()
 
     def serve(self, socket_path: Path, *, ready: threading.Event | None = None) -> None:

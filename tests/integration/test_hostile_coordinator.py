@@ -814,6 +814,23 @@ def test_a_release_is_idle_only_when_its_run_sends_nothing(consortium: Consortiu
     assert consortium.ledger_state(0, "r1") is ReleaseState.ABORTED
 
 
+def test_a_release_the_site_resolved_by_itself_leaves_no_secure_sum_keys(
+    consortium: Consortium,
+) -> None:
+    # Arrange: an accepted plan holds the release's key agreement in the service's memory
+    planned(consortium)
+    service = consortium.services[0]
+    assert "r1" in service.sums.sessions
+    record = service.site.records.require("r1")
+    service.site.records.save(record.model_copy(update={"updated": "2000-01-01T00:00:00+00:00"}))
+    service.site.last_seen.clear()
+    # Act: the service's periodic sweep resolves it (no release or abort message comes)
+    service.sweep()
+    # Assert
+    assert consortium.ledger_state(0, "r1") is ReleaseState.ABORTED
+    assert "r1" not in service.sums.sessions
+
+
 def test_a_release_first_artifact_must_carry_the_noisy_vector_the_site_was_sent(
     consortium: Consortium,
 ) -> None:

@@ -351,3 +351,17 @@ def test_a_forgotten_release_keeps_no_keys(tmp_path: Path) -> None:
     assert everyone[0].sessions == {}
     with pytest.raises(StageOrderError, match="has no secure-sum keys"):
         everyone[0].shares(shares_request(everyone[1:]), run_id=7)
+
+
+def test_the_sessions_of_releases_the_site_resolved_itself_are_dropped(tmp_path: Path) -> None:
+    # Arrange: two accepted releases; the site's own sweep resolves r1 (no message comes)
+    everyone = accepted(tmp_path)
+    everyone[0].accept(make_plan(release_id="r2"), node_id=1, run_id=7)
+    del stand_in(everyone[0]).records.by_release["r1"]
+
+    # Act
+    dropped = everyone[0].forget_resolved()
+
+    # Assert: r1's keys are gone, r2's stay
+    assert dropped == ["r1"]
+    assert list(everyone[0].sessions) == ["r2"]
