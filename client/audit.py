@@ -4,15 +4,30 @@ How this connects: a site admin names a release configuration (a :class:`protoco
 and its own data. The audit builds a neighbouring pair — the data as it is, and the same data
 with ONE record replaced by a canary record — cuts both with the same secret chunk shuffle
 (``client.chunking``), and computes each clipped sum once with the production extraction code
-(:class:`client.release.LocalSums`). It then runs the production Gaussian release N times on
-each sum with the production noise source (:func:`protocol.run_release`; for private
-selection, the plan's own calibrated Gaussian over all heads, which is what ``release-first``
-privatises) and asks how well the outputs tell the two datasets apart:
+(:class:`client.release.LocalSums`). It then runs the production release N times on each sum
+with the production noise source and asks how well the outputs tell the two datasets apart.
+What one run is depends on the plan's noise mode:
+
+* **central**: the production Gaussian release (:func:`protocol.run_release`; for private
+  selection, the plan's own calibrated Gaussian over all heads, which is what
+  ``release-first`` privatises), one draw on the sum.
+* **distributed**: the secure sum as the coordinator decodes it. This site's share is encoded
+  by the production encoder (:func:`encode_site_share`: scale by the plan's γ, CSPRNG
+  rounding, a discrete-Gaussian share from ``secure_noise()``), beside the shares of the
+  other honest sites, exactly ``plan.min_honest`` honest shares in all: the fewest for which
+  the plan claims its guarantee. The shares are added (SecAgg+ adds integers on this grid
+  exactly) and decoded by the coordinator's :func:`decode_noisy_sum`; then
+  :func:`protocol.run_release` in distributed mode takes the mean (post-processing).
+
+From the outputs:
 
 * **Gaussian-DP μ.** Every output is projected on the canary's direction Δ (the difference of
   the two noise-free sums, known to the auditor). For a Gaussian mechanism the projections are
   N(a, s²) without and N(a + ‖Δ‖, s²) with the canary, so μ̂ = (mean₁ − mean₀)/s estimates
-  ‖Δ‖/σ. The plan claims μ ≤ Δ₂/σ for ANY neighbouring pair (Δ₂ = 2·C·√L_scope); the audit
+  ‖Δ‖/σ. The plan claims μ ≤ Δ₂/σ for ANY neighbouring pair in central mode
+  (Δ₂ = 2·C·√L_scope); in distributed mode the accounting's zCDP ρ at t honest shares, i.e.
+  μ = √(2ρ) = Δ̃/(σ_l·√t) = 1/z on the grid, where Δ̃ = γ·Δ₂ + √d also covers rounding
+  (KLS21: the summed shares are as private as that Gaussian, up to ξ ≤ 1e-9). The audit
   reports μ̂ with its confidence interval beside that claim and beside ‖Δ‖/σ, what this canary
   should show if the noise is as calibrated (Dong, Roth & Su 2019, Gaussian DP).
 * **ε lower bounds.** From μ̂'s lower confidence limit, the ε that a μ-GDP mechanism has at the
@@ -21,13 +36,19 @@ privatises) and asks how well the outputs tell the two datasets apart:
   Pearson upper limits on its false-positive and false-negative rates give
   ε ≥ log((1 − δ − FNR)/FPR) with the stated confidence (Jagielski, Ullman & Oprea 2020).
 * **Power.** The same pair, released with σ halved and with the noise off (planted bugs in a
-  wrapper noise source, never used by a release), shows what the audit can detect.
+  wrapper noise source, never used by a release; in distributed mode every site's share is
+  drawn from it), shows what the audit can detect.
 
 What it cannot show: an audit finds violations, it never proves privacy. One canary gives a
 lower bound for that pair only (‖Δ‖/Δ₂ says how close the pair is to the worst case); the
-private head selection (Gumbel top-k) and the accountant's composition are not audited here;
-and the report is computed from the private data without noise (‖Δ‖, the sums' projections):
-it is for the site's own eyes, is not a release, and is never written to the ledger.
+private head selection (Gumbel top-k, or the noisy vote histogram in distributed mode) and the
+accountant's composition are not audited here. In distributed mode the audit assumes exactly
+``min_honest`` honest shares (fewer void the plan's claim; more only add noise), gives the
+other honest sites zero sums (their data is the same in both worlds of the pair), and runs no
+SecAgg+ masking, dropouts or aborts: it audits a site's own share as the production code draws
+it and the coordinator's decoding, not the transport. The report is computed from the private
+data without noise (‖Δ‖, the sums' projections): it is for the site's own eyes, is not a
+release, and is never written to the ledger.
 
 The pure statistics (``epsilon_of_gdp``, ``clopper_pearson_epsilon``, ``mu_estimate``) live
 in :mod:`dpmtv_common.privacy.auditing` (numpy and scipy only).
@@ -35,6 +56,7 @@ in :mod:`dpmtv_common.privacy.auditing` (numpy and scipy only).
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,9 +72,16 @@ from dpmtv_common.aliases import Float64Array, Int64Array
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadLayout, HeadSet
 from dpmtv_common.privacy.auditing import clopper_pearson_epsilon, epsilon_of_gdp, mu_estimate
+from dpmtv_common.privacy.distributed import (
+    decode_noisy_sum,
+    encode_site_share,
+    release_epsilon,
+)
 from dpmtv_common.privacy.noise import NoiseSource
 from protocol import (
     ActivationSum,
+    DistributedRelease,
+    NoiseMode,
     ReleasePlan,
     VoteSum,
     plan_calibration,
@@ -62,9 +91,11 @@ from protocol import (
 __all__ = [
     "AuditReport",
     "CanaryPair",
+    "PlanClaim",
     "ScaledNoise",
     "audit_pair",
     "make_canary_pair",
+    "plan_claim",
 ]
 
 
@@ -72,7 +103,9 @@ __all__ = [
 class ScaledNoise:
     """A PLANTED BUG for the audit's power check: Gaussian noise times ``factor`` (0: none).
 
-    Never pass this to a release: it breaks the privacy guarantee on purpose.
+    Scales the central draw and, in distributed mode, every site's discrete-Gaussian share
+    (so the summed noise is scaled by ``factor`` too). Never pass this to a release: it breaks
+    the privacy guarantee on purpose.
     """
 
     inner: NoiseSource
@@ -101,6 +134,77 @@ class ScaledNoise:
 
 
 @dataclass(frozen=True)
+class PlanClaim:
+    """What the plan's accounting states for its activation release over the audited heads.
+
+    Attributes:
+        noise_mode: Who adds the noise ("central" or "distributed").
+        honest_shares: t, the honest shares the distributed claim holds at (None: central).
+        noise_std: σ of the released sum's noise, in real units (central: the one Gaussian
+            draw; distributed: t shares summed and decoded, :meth:`DistributedRelease.noise_std`).
+        sensitivity: Δ₂ = 2·C·√L_scope of the real-valued sum.
+        mu: The GDP μ the plan guarantees for any neighbouring pair (module docstring).
+        epsilon: ε at the plan's δ the accounting states for the activation release alone.
+    """
+
+    noise_mode: NoiseMode
+    honest_shares: int | None
+    noise_std: float
+    sensitivity: float
+    mu: float
+    epsilon: float
+
+
+def plan_claim(
+    plan: ReleasePlan, heads: HeadSet, *, layout: HeadLayout, head_dim: int
+) -> PlanClaim:
+    """The claim of ``plan``'s activation release over ``heads``, from the production accounting.
+
+    Central: the plan's calibrated Gaussian (σ, Δ₂; μ = Δ₂/σ; ε of μ-GDP at δ). Distributed:
+    the plan's grid for the model's shape (:class:`protocol.DistributedRelease`) at
+    t = ``plan.min_honest`` honest shares: σ of the decoded sum, μ = √(2ρ) of its zCDP event,
+    ε of :func:`release_epsilon` with no vote sum.
+    """
+    if plan.noise_mode is NoiseMode.DISTRIBUTED:
+        return _distributed_claim(plan, heads, layout=layout, head_dim=head_dim)
+    mechanism = plan_calibration(plan).gaussian(clip_norm=plan.clip_norm, heads=heads)
+    mu = mechanism.l2_sensitivity / mechanism.noise_std
+    return PlanClaim(
+        noise_mode=plan.noise_mode,
+        honest_shares=None,
+        noise_std=mechanism.noise_std,
+        sensitivity=mechanism.l2_sensitivity,
+        mu=mu,
+        epsilon=epsilon_of_gdp(mu, plan.delta),
+    )
+
+
+def _distributed_claim(
+    plan: ReleasePlan, heads: HeadSet, *, layout: HeadLayout, head_dim: int
+) -> PlanClaim:
+    release = DistributedRelease(plan, layout.dense_size, head_dim)
+    grid = release.activations(heads)
+    t = plan.min_honest
+    # ρ-zCDP is the Gaussian's privacy curve at μ = √(2ρ): the μ a Gaussian-looking output
+    # may show at most; ξ (≤ 1e-9, KLS21's discretisation term) is left out of μ, kept in ε.
+    mu = math.sqrt(2.0 * grid.event(t).rho)
+    bound = release_epsilon(grid, None, honest_shares=t, delta=plan.delta)
+    return PlanClaim(
+        noise_mode=plan.noise_mode,
+        honest_shares=t,
+        noise_std=release.noise_std(heads),
+        sensitivity=grid.l2_sensitivity,
+        mu=mu,
+        epsilon=bound.epsilon,
+    )
+
+
+def _pair_claim(plan: ReleasePlan, summed: ActivationSum, layout: HeadLayout) -> PlanClaim:
+    # D is read off the sum, as run_release does: the grids depend on the shape, not the data.
+    return plan_claim(plan, summed.heads, layout=layout, head_dim=int(summed.total.shape[1]))
+
+
+@dataclass(frozen=True)
 class CanaryPair:
     """The two noise-free clipped sums of a neighbouring pair, and how far apart they are.
 
@@ -109,7 +213,7 @@ class CanaryPair:
         with_canary: The sum with the canary planted.
         changed_chunks: Chunks that differ between the two datasets (1 for a replace-one pair).
         distance: ‖Δ‖₂ between the two sums over the audited heads.
-        sensitivity: Δ₂ = 2·C·√L_scope, the bound the plan's Gaussian is calibrated to.
+        sensitivity: Δ₂ = 2·C·√L_scope, the bound the plan's noise is calibrated to.
     """
 
     without: ActivationSum
@@ -132,7 +236,8 @@ def make_canary_pair(
     Both are cut with the same secret ``chunk_seed`` and summed by :class:`LocalSums` over the
     plan's Gaussian scope, once each (one forward pass per chunk, as a release does).
     """
-    heads = audited_heads(plan, loaded.adapter.head_shape(loaded.model).layout())
+    layout = loaded.adapter.head_shape(loaded.model).layout()
+    heads = audited_heads(plan, layout)
     max_chunks = plan.max_chunks_per_site
     chunks = [
         make_chunks(data, shots=plan.shots, seed=chunk_seed, max_chunks=max_chunks).chunks
@@ -143,19 +248,22 @@ def make_canary_pair(
         for part, data in zip(chunks, (dataset, canary), strict=True)
     ]
     without, with_canary = (s.activation_sum(heads) for s in sums)
-    mechanism = plan_calibration(plan).gaussian(clip_norm=plan.clip_norm, heads=heads)
     return CanaryPair(
         without=without,
         with_canary=with_canary,
         changed_chunks=changed_chunks(chunks[0], chunks[1]),
         distance=float(np.linalg.norm(with_canary.total - without.total)),
-        sensitivity=mechanism.l2_sensitivity,
+        sensitivity=_pair_claim(plan, without, layout).sensitivity,
     )
 
 
 @dataclass
 class _FixedSums:
-    """:class:`protocol.ReleaseSums` that hands out one precomputed sum (noise-free, cached)."""
+    """:class:`protocol.ReleaseSums` that hands out one precomputed sum.
+
+    Central mode: the noise-free clipped sum (run_release draws on it). Distributed mode: one
+    run's decoded secure sum, already carrying the honest shares' noise.
+    """
 
     summed: ActivationSum
 
@@ -168,15 +276,45 @@ class _FixedSums:
         raise ConfigError("the audit runs no selection, got a request for votes.")
 
 
+def _distributed_sum(
+    plan: ReleasePlan, summed: ActivationSum, noise: NoiseSource, layout: HeadLayout
+) -> ActivationSum:
+    """One distributed secure sum holding ``summed``, decoded as the coordinator decodes it.
+
+    Mechanism (:mod:`protocol.distributed`): privacy unit the plan's, replace-one; sensitivity
+    Δ₂ = 2·C·√L_scope, Δ̃ = γ·Δ₂ + √d on the grid; noise: each of t = ``plan.min_honest``
+    honest shares is N_Z(0, σ_l²)^d with σ_l = z·Δ̃/√t, drawn by the production encoder from
+    ``noise``, so the sum carries exactly the noise the plan's guarantee rests on.
+    """
+    grid = DistributedRelease(plan, layout.dense_size, int(summed.total.shape[1])).activations(
+        summed.heads
+    )
+    honest = plan.min_honest
+    # The other honest sites hold the same data in both worlds of the pair, so their sums
+    # move both sides alike; zero sums leave only what matters, their noise shares.
+    site_sums = [summed.total.ravel()] + [np.zeros(grid.dimension)] * (honest - 1)
+    shares = [encode_site_share(part, params=grid, noise=noise) for part in site_sums]
+    # SecAgg+ adds integers on this grid exactly (tests/statistical/test_distributed_secagg.py),
+    # so the unmasked total is the plain sum of the shares.
+    total = decode_noisy_sum(np.sum(shares, axis=0), params=grid, num_sites=honest)
+    return ActivationSum(summed.heads, total.reshape(summed.total.shape), summed.num_chunks, honest)
+
+
 def _released_values(
     plan: ReleasePlan, summed: ActivationSum, noise: NoiseSource, layout: HeadLayout
 ) -> Float64Array:
     """One production release of ``summed``: the noisy mean over the audited heads."""
+    distributed = plan.noise_mode is NoiseMode.DISTRIBUTED
+    if distributed:
+        summed = _distributed_sum(plan, summed, noise, layout)
     if not releases_whole_scope(plan):
         # run_release would then keep only some rows (release-first: post-processing) or pick
-        # heads first (votes need forward passes each time); the Gaussian it runs is this one:
-        # the plan's calibration over the scope, noisy_mean of the sum. Auditing every row
-        # before post-processing can only make the pair easier to tell apart.
+        # heads first (votes need forward passes each time); the noise it adds is this one:
+        # the plan's calibration over the scope, noisy_mean of the sum (central), or the
+        # already-noisy decoded sum over m (distributed). Auditing every row before
+        # post-processing can only make the pair easier to tell apart.
+        if distributed:
+            return summed.total / summed.num_chunks
         mechanism = plan_calibration(plan).gaussian(clip_norm=plan.clip_norm, heads=summed.heads)
         return mechanism.noisy_mean(summed.total, num_chunks=summed.num_chunks, noise=noise)
     outcome = run_release(
@@ -195,17 +333,23 @@ class AuditReport:
 
     Attributes:
         label: Which noise was used ("production", "sigma halved", "noise off").
+        noise_mode: The audited plan's noise mode ("central" or "distributed").
+        honest_shares: Honest shares in each audited sum (t; None in central mode).
         runs: Releases per side.
-        noise_std: σ the plan claims for its Gaussian draw.
-        mu_claimed: Δ₂/σ, the GDP parameter the plan guarantees for any neighbouring pair.
+        noise_std: σ the plan claims for the released sum's noise (:class:`PlanClaim`).
+        mu_claimed: The GDP parameter the plan guarantees for any neighbouring pair
+            (central: Δ₂/σ; distributed: √(2ρ) at t honest shares).
         mu_canary: ‖Δ‖/σ, what this pair shows if the noise is as calibrated.
         mu_hat: The estimate, with its two-sided confidence limits.
-        epsilon_claimed: ε of a ``mu_claimed``-GDP mechanism at ``delta`` (the Gaussian part).
+        epsilon_claimed: ε the accounting states at ``delta`` for the activation release
+            alone (central: of ``mu_claimed``-GDP; distributed: the zCDP bound at t shares).
         epsilon_lower_gdp: ε at ``delta`` of the lower confidence limit of μ̂.
         epsilon_lower_cp: Clopper-Pearson ε lower bound at ``confidence``.
     """
 
     label: str
+    noise_mode: str
+    honest_shares: int | None
     runs: int
     confidence: float
     delta: float
@@ -264,7 +408,8 @@ def audit_pair(
     Args:
         plan: The audited release configuration.
         pair: The neighbouring sums (:func:`make_canary_pair`).
-        noise: The production noise source, or a :class:`ScaledNoise` for the power check.
+        noise: The production noise source, or a :class:`ScaledNoise` for the power check
+            (in distributed mode, the source of every site's share).
         runs: Releases per side (at least 20).
         layout: The model's head layout (which layers carry heads).
         confidence: Of every interval and lower bound (two-sided for μ̂).
@@ -280,6 +425,7 @@ def audit_pair(
             "the canary must change the clipped sum, got a canary that changes nothing; choose "
             "another canary record."
         )
+    claim = _pair_claim(plan, pair.without, layout)  # a plan it cannot meet fails before any run
     direction = (pair.with_canary.total - pair.without.total) / pair.distance
     scale = pair.without.num_chunks  # projections of the sum, not the mean
     sides = [
@@ -295,21 +441,21 @@ def audit_pair(
         * scale
         for side, summed in (("without canary", pair.without), ("with", pair.with_canary))
     ]
-    mechanism = plan_calibration(plan).gaussian(clip_norm=plan.clip_norm, heads=pair.without.heads)
-    mu_claimed = mechanism.l2_sensitivity / mechanism.noise_std
     mu_hat, mu_low, mu_high = mu_estimate(sides[0], sides[1], confidence)
     return AuditReport(
         label=label,
+        noise_mode=claim.noise_mode.value,
+        honest_shares=claim.honest_shares,
         runs=runs,
         confidence=confidence,
         delta=plan.delta,
-        noise_std=mechanism.noise_std,
-        mu_claimed=mu_claimed,
-        mu_canary=pair.distance / mechanism.noise_std,
+        noise_std=claim.noise_std,
+        mu_claimed=claim.mu,
+        mu_canary=pair.distance / claim.noise_std,
         mu_hat=mu_hat,
         mu_low=mu_low,
         mu_high=mu_high,
-        epsilon_claimed=epsilon_of_gdp(mu_claimed, plan.delta),
+        epsilon_claimed=claim.epsilon,
         epsilon_lower_gdp=epsilon_of_gdp(max(mu_low, 0.0), plan.delta),
         epsilon_lower_cp=clopper_pearson_epsilon(
             sides[0], sides[1], delta=plan.delta, confidence=confidence

@@ -2,9 +2,11 @@
 
 How this connects: ``dpmtv-site audit`` builds a canary pair (:mod:`client.audit`), then asks
 this module how many releases a side its checks need. The planted bug that sizes them is
-**σ halved**: the outputs are then 2·μ_canary-GDP apart, where μ_canary = ‖Δ‖/σ is what this
-canary shows at the claimed σ, a fraction (the canary's strength ‖Δ‖/Δ₂) of the claimed
-μ = Δ₂/σ. Which check can catch it depends on that strength:
+**σ halved** (in distributed mode: every site's share halved, so the summed noise is too): the
+outputs are then 2·μ_canary-GDP apart, where μ_canary = ‖Δ‖/σ is what this canary shows at
+the claimed σ, a fraction (about the canary's strength ‖Δ‖/Δ₂) of the claimed μ
+(:func:`client.audit.plan_claim`: Δ₂/σ central, √(2ρ) at t honest shares distributed).
+Which check can catch it depends on that strength:
 
 * the **calibration check** (μ̂'s lower limit above μ_canary: the noise is not what the
   plan says) can always catch it, since 2·μ_canary > μ_canary;
@@ -22,10 +24,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from client.audit import CanaryPair
+from client.audit import CanaryPair, plan_claim
 from dpmtv_common.errors import ConfigError
+from dpmtv_common.heads import HeadLayout
 from dpmtv_common.privacy.auditing import detection_power, runs_for_power
-from protocol import ReleasePlan, plan_calibration
+from protocol import ReleasePlan
 
 __all__ = ["AuditPower", "audit_power", "claimed_mu"]
 
@@ -39,7 +42,7 @@ class AuditPower:
 
     Attributes:
         check: ``"violation"`` (the claim itself can be refuted) or ``"calibration"``.
-        mu_claimed: Δ₂/σ, what the plan guarantees for any pair.
+        mu_claimed: What the plan guarantees for any pair (:func:`client.audit.plan_claim`).
         mu_canary: ‖Δ‖/σ, what this canary shows at the claimed σ.
         runs: Releases a side.
         power: Probability that σ halved is flagged by ``check`` at ``runs``.
@@ -70,13 +73,11 @@ class AuditPower:
         )
 
 
-def claimed_mu(plan: ReleasePlan, pair: CanaryPair) -> tuple[float, float]:
-    """(Δ₂/σ, ‖Δ‖/σ): the plan's GDP claim and what this canary shows at the claimed σ."""
-    mechanism = plan_calibration(plan).gaussian(clip_norm=plan.clip_norm, heads=pair.without.heads)
-    return (
-        mechanism.l2_sensitivity / mechanism.noise_std,
-        pair.distance / mechanism.noise_std,
-    )
+def claimed_mu(plan: ReleasePlan, pair: CanaryPair, layout: HeadLayout) -> tuple[float, float]:
+    """(μ claimed, ‖Δ‖/σ): the plan's GDP claim and what this canary shows at the claimed σ."""
+    head_dim = int(pair.without.total.shape[1])
+    claim = plan_claim(plan, pair.without.heads, layout=layout, head_dim=head_dim)
+    return claim.mu, pair.distance / claim.noise_std
 
 
 def audit_power(
@@ -86,14 +87,17 @@ def audit_power(
     runs: int | None,
     power: float,
     confidence: float,
+    layout: HeadLayout,
 ) -> AuditPower:
     """Size the runs for ``power`` (``runs`` None), or state the power of the given ``runs``.
+
+    ``layout`` is the model's head layout (the distributed grid's vote length needs it).
 
     Raises:
         ConfigError: The canary changes nothing, or no number of runs up to
             :data:`MAX_RUNS` reaches ``power``.
     """
-    mu_claimed, mu_canary = claimed_mu(plan, pair)
+    mu_claimed, mu_canary = claimed_mu(plan, pair, layout)
     if mu_canary <= 0.0:
         raise ConfigError(
             "the canary must change the clipped sum, got a canary that changes nothing; choose "

@@ -11,6 +11,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from pydantic import ValidationError
+
 from client.cli._choices import RELEASE_ORDERS, SELECTION_MODES
 from client.cli._common import (
     add_image_crops_option,
@@ -19,11 +21,15 @@ from client.cli._common import (
     load_site_model,
     settings_from,
 )
+from client.cli._errors import validation_line
 from client.cli._types import open_unit_float, positive_float, positive_int
 from dpmtv_common.errors import ConfigError
 
 if TYPE_CHECKING:
     from client.audit import AuditReport, CanaryPair
+    from client.data import SiteDataset
+    from client.settings import SiteSettings
+    from protocol import ReleasePlan
 
 __all__ = ["register"]
 
@@ -33,12 +39,18 @@ Audit a release configuration empirically on YOUR data, without releasing anythi
 One record is replaced by a canary (the candidate, among extreme images with a frequent and a
 rare answer, that moves its chunk most); both datasets are cut with the same secret chunk
 shuffle and summed ONCE each by the production extraction code (per-layer clipping to C);
-then the production Gaussian release of the configuration runs --runs times on each sum with
-the production noise source. Reported: the Gaussian-DP mu estimate (outputs projected on the
-canary direction) with its confidence interval, next to the claimed mu = 2*C*sqrt(L)/sigma
-and to what this canary should show; an empirical epsilon lower bound from mu, and a
-non-parametric one (threshold test, Clopper-Pearson); and the same with sigma halved and with
-the noise off (planted bugs), which shows what the audit can detect.
+then the production release of the configuration runs --runs times on each sum with the
+production noise source. In central noise mode that is the coordinator's one Gaussian draw;
+with --noise-mode distributed it is the secure sum of this site's share, encoded by the
+production code (the plan's integer grid, CSPRNG rounding, a discrete-Gaussian share), and
+the shares of the other honest sites, exactly --min-honest honest shares in all (the fewest
+the plan's guarantee holds for), decoded as the coordinator decodes it. Reported: the
+Gaussian-DP mu estimate (outputs projected on the canary direction) with its confidence
+interval, next to the claimed mu (central: 2*C*sqrt(L)/sigma; distributed: sqrt(2 rho) of
+the accounting's zCDP at min-honest shares) and to what this canary should show; an
+empirical epsilon lower bound from mu, and a non-parametric one (threshold test, Clopper-
+Pearson); and the same with sigma halved and with the noise off (planted bugs; in distributed
+mode every share is scaled), which shows what the audit can detect.
 
 Runs are sized for power: by default the fewest that flag sigma halved with probability --power,
 as noise not as calibrated or, when the canary is strong enough (its distance over half the
@@ -50,7 +62,9 @@ What it can show: a broken noise scale or broken clipping (mu above the claim, o
 what the canary's distance implies); that the pipeline leaks with the noise off.
 What it cannot show: that the release IS private (an audit only finds violations); anything
 about other neighbouring pairs than this canary's (distance/bound says how close it is to the
-worst case); the private head selection or the accountant's composition (not audited).
+worst case); the private head selection or the accountant's composition (not audited). In
+distributed mode: a sum with fewer than min-honest honest shares (the plan claims nothing
+then), and SecAgg+'s masking, dropouts and aborts (the audit adds the shares in the clear).
 The report is computed from your private data without noise: keep it to yourself. Nothing is
 spent or written to the ledger.
 """
@@ -76,7 +90,30 @@ def register(sub: Any) -> None:
     parser.add_argument("--public-heads", type=Path, help="head list from select-heads")
     parser.add_argument("--selection-share", type=open_unit_float, default=0.3)
     parser.add_argument("--top-r", type=positive_int, help="votes a chunk (default: k)")
-    parser.add_argument("--max-chunks", type=positive_int, help="cap on chunks (default: all)")
+    parser.add_argument(
+        "--max-chunks",
+        type=positive_int,
+        help="cap on chunks (default: all; in distributed mode the plan's cap, default this "
+        "data's chunk count)",
+    )
+    parser.add_argument(
+        "--noise-mode",
+        choices=("central", "distributed"),
+        help="the audited plan's noise mode (default: this site's noise-mode setting, "
+        "DPMTV_CLIENT_NOISE_MODE, else central)",
+    )
+    parser.add_argument(
+        "--min-honest",
+        type=positive_int,
+        help="distributed mode: t, the honest shares each share is sized for and the audit "
+        "sums (default: this site's min-honest setting, else 2)",
+    )
+    parser.add_argument(
+        "--max-sites",
+        type=positive_int,
+        help="distributed mode: most sites in a sum, which sizes the grid (default: "
+        "max(3, --min-honest), the coordinator's default)",
+    )
     add_image_crops_option(parser, purpose="as the audited release's plan would")
     parser.add_argument(
         "--runs",
@@ -111,7 +148,54 @@ def _format(value: float) -> str:
     return "inf" if math.isinf(value) or value > 1e6 else f"{value:.3g}"
 
 
+# Plan fields the distributed options set, for error lines that name what to change.
+_PLAN_OPTIONS = {"min_honest": "--min-honest", "max_sites": "--max-sites"}
+
+
+def _audited_plan(
+    plan: ReleasePlan, args: argparse.Namespace, settings: SiteSettings, dataset: SiteDataset
+) -> ReleasePlan:
+    """``plan`` in the settings' noise mode: distributed sizes its grid as a federation would."""
+    if settings.noise_mode == "central":
+        return plan
+    from client.chunking import planned_num_chunks
+    from protocol import NoiseMode, ReleasePlan
+
+    honest = settings.min_honest
+    max_sites = args.max_sites or max(3, honest)
+    if max_sites < max(2, honest):
+        raise ConfigError(
+            f"--max-sites must be at least max(2, --min-honest) = {max(2, honest)}, "
+            f"got {max_sites}."
+        )
+    # A distributed plan must cap a site's chunks (it bounds the site's sum on the grid);
+    # this data's own count is the cap its sum meets.
+    max_chunks = plan.max_chunks_per_site or planned_num_chunks(dataset, plan.shots, None)
+    fields = dict(plan) | {
+        "noise_mode": NoiseMode.DISTRIBUTED,
+        "min_honest": honest,
+        "min_sites": honest,
+        "max_sites": max_sites,
+        "max_chunks_per_site": max_chunks,
+    }
+    try:
+        return ReleasePlan(**fields)
+    except ValidationError as exc:
+        raise ConfigError(validation_line(exc, options=_PLAN_OPTIONS)) from exc
+
+
+def _mode_line(report: AuditReport) -> str:
+    if report.honest_shares is None:
+        return "audited noise mode: central (one Gaussian draw on the sum, by the coordinator)"
+    return (
+        f"audited noise mode: distributed (this site's share and {report.honest_shares - 1} "
+        f"other honest share(s), {report.honest_shares} = min-honest in all: the fewest the "
+        "plan's guarantee holds for; each share drawn by the production encoder)"
+    )
+
+
 def _print_report(pair: CanaryPair, reports: list[AuditReport]) -> None:
+    print(_mode_line(reports[0]))
     print(
         f"canary pair: {pair.changed_chunks} chunk changed, m={pair.without.num_chunks}, "
         f"distance {pair.distance:.4g} vs bound 2*C*sqrt(L) = {pair.sensitivity:.4g} "
@@ -156,6 +240,7 @@ def run(args: argparse.Namespace) -> int:
     dataset = load_dataset(settings.data_path)
     loaded = load_site_model(settings)
     plan = _plan(args, dataset.task, loaded.fingerprint, privacy_unit=dataset.privacy_unit)
+    plan = _audited_plan(plan, args, settings, dataset)
     shape = loaded.adapter.head_shape(loaded.model)
     _check_heads(plan, args, shape.layout())
     if len(dataset.records) < plan.shots + 1:
@@ -171,7 +256,14 @@ def run(args: argparse.Namespace) -> int:
         neighbour = plant_canary(dataset, canary, index=index)
         _say(args, "audit: extracting the two neighbouring sums (with and without the canary)")
         pair = make_canary_pair(loaded, dataset, neighbour, plan, chunk_seed=chunk_seed)
-    sized = audit_power(plan, pair, runs=args.runs, power=args.power, confidence=args.confidence)
+    sized = audit_power(
+        plan,
+        pair,
+        runs=args.runs,
+        power=args.power,
+        confidence=args.confidence,
+        layout=shape.layout(),
+    )
     _say(args, f"audit: {sized.line()}")
     noise = secure_noise()
     sources: list[tuple[str, NoiseSource]] = [("production", noise)]
@@ -194,6 +286,8 @@ def run(args: argparse.Namespace) -> int:
     print(sized.line())
     if args.json_out is not None:
         payload: dict[str, Any] = {
+            "noise_mode": plan.noise_mode.value,
+            "min_honest": reports[0].honest_shares,  # None in central mode
             "canary": {"id": canary.id, "answer": canary.answer, "replaces_index": index},
             "changed_chunks": pair.changed_chunks,
             "num_chunks": pair.without.num_chunks,

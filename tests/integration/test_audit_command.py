@@ -63,6 +63,7 @@ def test_audit_prints_and_writes_its_report(workspace, capsys):
     printed = captured.out
     assert code == 0
     assert "canary pair: 1 chunk changed, m=5" in printed
+    assert "audited noise mode: central" in printed
     # progress goes to stderr: each stage named, each side's runs as a bar with an estimate
     assert "audit: choosing a canary among" in captured.err
     for label in ("production", "sigma halved", "noise off"):
@@ -102,6 +103,46 @@ def test_private_release_first_configuration_is_audited_without_power_rows(works
     assert code == 0
     assert "production:" in printed
     assert not [line for line in printed.splitlines() if line.startswith("sigma halved")]
+
+
+def test_distributed_noise_mode_is_audited_and_named(workspace, capsys):
+    # Arrange
+    out = workspace / "distributed.json"
+    # Act
+    code = main(
+        _args(
+            workspace,
+            "--clip-norm", "0.05", "--selection", "all", "--epsilon", "8",
+            "--noise-mode", "distributed", "--min-honest", "2", "--runs", "40",
+            "--json", str(out),
+        )
+    )  # fmt: skip
+    # Assert: the mode is printed and recorded, with every row at two honest shares
+    printed = capsys.readouterr().out
+    assert code == 0
+    assert "audited noise mode: distributed" in printed
+    assert "2 = min-honest in all" in printed
+    report = json.loads(out.read_text())
+    assert (report["noise_mode"], report["min_honest"]) == ("distributed", 2)
+    assert [r["label"] for r in report["reports"]] == ["production", "sigma halved", "noise off"]
+    assert {(r["noise_mode"], r["honest_shares"]) for r in report["reports"]} == {
+        ("distributed", 2)
+    }
+    production, _, off = report["reports"]
+    assert production["epsilon_claimed"] == pytest.approx(8.0, rel=1e-4)
+    assert off["epsilon_lower_cp"] > production["epsilon_lower_cp"]
+
+
+def test_distributed_audit_with_too_few_sites_is_one_line(workspace, capsys):
+    code = main(
+        _args(
+            workspace,
+            "--clip-norm", "0.05", "--selection", "all", "--noise-mode", "distributed",
+            "--min-honest", "3", "--max-sites", "2", "--runs", "40",
+        )
+    )  # fmt: skip
+    assert code == 2
+    assert "--max-sites must be at least max(2, --min-honest) = 3, got 2" in capsys.readouterr().err
 
 
 def test_audit_without_clip_norm_is_one_line(workspace, capsys):

@@ -7,8 +7,15 @@ adds the production Gaussian draw N times per side with ``secure_noise()``, thro
 ``client.audit.audit_pair``. Projected on the canary direction, the outputs are N(a, σ²) and
 N(a + ‖Δ‖, σ²), so μ̂ estimates ‖Δ‖/σ with standard error ≈ sqrt(2/N + μ²/(4N)).
 
+Distributed noise mode: the same pair, each run the production encoder's shares of exactly
+``min_honest`` = 2 honest sites (this site's sum and a zero sum, discrete-Gaussian shares from
+``secure_noise()``), added and decoded as the coordinator decodes them, then
+``run_release`` in distributed mode; the claim is the production accounting's (√(2ρ) at t).
+
 Thresholds: every check is a normal-tail bound at z = 4.89 (two-sided false-failure rate 1e-6
-per check, five checks: at most 5e-6 for the file), applied to μ̂'s standard error.
+per check, nine checks: at most 9e-6 for the file), applied to μ̂'s standard error. The
+distributed checks run N_d = 400 a side: σ halved (μ ≈ 1.54 against the bar 0.77 + 4.89·0.073
+= 1.13, standard error 0.083) still clears its bar by 5 standard errors.
 """
 
 from __future__ import annotations
@@ -32,21 +39,44 @@ from client.canary import canary_candidates, choose_canary, plant_canary
 from client.data import SiteDataset, load_dataset
 from client.models import LoadedModel, load_model, save_tiny_model
 from client.synthetic import write_task_datasets
+from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadLayout
 from dpmtv_common.privacy.auditing import epsilon_of_gdp
 from dpmtv_common.privacy.noise import secure_noise
-from protocol import PROTOCOL_VERSION, ReleaseOrder, ReleasePlan, SelectionMode
+from protocol import (
+    PROTOCOL_VERSION,
+    NoiseMode,
+    ReleaseOrder,
+    ReleasePlan,
+    SelectionMode,
+    plan_distributed_calibration,
+)
 
 pytestmark = pytest.mark.statistical
 
 Z_BOUND = float(stats.norm.isf(1e-6 / 2))
 RUNS = 600
+DISTRIBUTED_RUNS = 400  # each run encodes two shares: fewer runs keep the file fast
 CHUNK_SEED = 2**200 + 12345  # a fixed "secret" shuffle: the test must be reproducible
 LAYOUT = HeadLayout(2, 4)  # the tiny LLaVA: 2 layers x 4 heads, every layer carries heads
 
 
-def _standard_error(mu: float) -> float:
-    return math.sqrt(2 / RUNS + mu * mu / (4 * RUNS))
+def _standard_error(mu: float, runs: int = RUNS) -> float:
+    return math.sqrt(2 / runs + mu * mu / (4 * runs))
+
+
+def _distributed_plan(
+    loaded: LoadedModel, clip_norm: float, *, max_chunks_per_site: int = 5
+) -> ReleasePlan:
+    """The same configuration in distributed mode: shares sized for t = 2 honest sites."""
+    fields = dict(_plan(loaded, clip_norm)) | {
+        "noise_mode": NoiseMode.DISTRIBUTED,
+        "min_honest": 2,
+        "min_sites": 2,
+        "max_sites": 3,
+        "max_chunks_per_site": max_chunks_per_site,
+    }
+    return ReleasePlan(**fields)
 
 
 def _plan(loaded: LoadedModel, clip_norm: float) -> ReleasePlan:
@@ -139,3 +169,66 @@ def test_skipped_clipping_is_caught_by_the_audit(setting, monkeypatch):
     # Assert: the distance exceeds the bound, and the noisy outputs show it.
     assert unclipped.distance > unclipped.sensitivity
     assert report.mu_hat > report.mu_claimed + Z_BOUND * _standard_error(report.mu_claimed)
+
+
+def test_distributed_noise_shows_the_mu_its_calibration_implies(setting, pair):
+    # Arrange: the clipped sums do not depend on the noise mode, so the pair is reused
+    loaded = setting[0]
+    _, canary = pair
+    plan = _distributed_plan(loaded, clip_norm=0.05)
+    # Act
+    report = audit_pair(plan, canary, noise=secure_noise(), runs=DISTRIBUTED_RUNS, layout=LAYOUT)
+    # Assert: two honest shares, the accounting's claim, and the noise it implies
+    error = _standard_error(report.mu_canary, DISTRIBUTED_RUNS)
+    assert (report.noise_mode, report.honest_shares) == ("distributed", 2)
+    calibration = plan_distributed_calibration(plan)
+    assert report.mu_claimed == pytest.approx(1 / calibration.activation_noise_multiplier)
+    assert report.epsilon_claimed == pytest.approx(plan.epsilon, rel=1e-4)
+    assert abs(report.mu_hat - report.mu_canary) < Z_BOUND * error
+    assert report.mu_hat < report.mu_claimed + Z_BOUND * _standard_error(
+        report.mu_claimed, DISTRIBUTED_RUNS
+    )
+
+
+def test_distributed_halved_noise_is_caught(setting, pair):
+    loaded = setting[0]
+    _, canary = pair
+    plan = _distributed_plan(loaded, clip_norm=0.05)
+    bug = ScaledNoise(secure_noise(), 0.5)  # every site's share halved
+    report = audit_pair(plan, canary, noise=bug, runs=DISTRIBUTED_RUNS, layout=LAYOUT)
+    error = _standard_error(report.mu_canary, DISTRIBUTED_RUNS)
+    assert report.mu_hat > report.mu_canary + Z_BOUND * error
+
+
+@pytest.fixture(scope="module")
+def unclipped(setting) -> CanaryPair:
+    """The pair with clipping skipped in the production extraction path (a planted bug)."""
+    loaded, dataset, neighbour = setting
+    plan = _distributed_plan(loaded, clip_norm=0.025, max_chunks_per_site=50)
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(
+            client.extraction,
+            "clip_per_layer",
+            lambda rows, **_: np.asarray(rows, dtype=np.float64),
+        )
+        return make_canary_pair(loaded, dataset, neighbour, plan, chunk_seed=CHUNK_SEED)
+
+
+def test_distributed_skipped_clipping_is_caught(setting, unclipped):
+    # Arrange: a cap of 50 chunks lets the unclipped sum (coordinates up to ~1.2) onto the
+    # grid (|x| <= 50*C = 1.25), while its layers are 17-33 times C
+    plan = _distributed_plan(setting[0], clip_norm=0.025, max_chunks_per_site=50)
+    # Act
+    report = audit_pair(plan, unclipped, noise=secure_noise(), runs=DISTRIBUTED_RUNS, layout=LAYOUT)
+    # Assert
+    error = _standard_error(report.mu_claimed, DISTRIBUTED_RUNS)
+    assert unclipped.distance > unclipped.sensitivity
+    assert report.mu_hat > report.mu_claimed + Z_BOUND * error
+
+
+def test_distributed_encoder_refuses_an_unclipped_sum_beyond_its_grid(setting, unclipped):
+    # The plan's own cap (5 chunks) bounds a site's coordinates by 5*C = 0.125: the production
+    # encoder refuses the unclipped sum before any share is drawn, so nothing is released.
+    plan = _distributed_plan(setting[0], clip_norm=0.025, max_chunks_per_site=5)
+    with pytest.raises(ConfigError, match="max_abs_site_coordinate"):
+        audit_pair(plan, unclipped, noise=secure_noise(), runs=DISTRIBUTED_RUNS, layout=LAYOUT)
