@@ -19,11 +19,18 @@ import torch
 from tqdm import tqdm
 
 from client.hooks import PatchPolicy, patch_heads
-from client.models import LoadedModel, Prompt
+from client.models import LoadedModel, Prompt, instruction_digest
+from dpmtv_common.artifact import ArtifactManifest
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
 
-__all__ = ["TaskVectorPatch", "first_answer_span", "generate_answers", "rescale_heads"]
+__all__ = [
+    "TaskVectorPatch",
+    "check_instruction",
+    "first_answer_span",
+    "generate_answers",
+    "rescale_heads",
+]
 
 
 def first_answer_span(text: str) -> str:
@@ -49,6 +56,32 @@ def rescale_heads(values: npt.ArrayLike, *, target_norm: float) -> npt.NDArray[n
     rows = np.array(values, dtype=np.float64)
     norms = np.linalg.norm(rows, axis=-1, keepdims=True)
     return np.where(norms > 0, rows * (target_norm / np.where(norms > 0, norms, 1.0)), rows)
+
+
+def check_instruction(manifest: ArtifactManifest, instruction: str | None, *, remedy: str) -> None:
+    """Refuse queries whose instruction is not the one the artifact's prompts carried.
+
+    The released heads were read at the last token of prompts that began with the release's
+    instruction; a query prompted with another one is patched at another prompt. An artifact
+    made before the field existed records none and is not checked.
+
+    Args:
+        manifest: The verified artifact's manifest.
+        instruction: The instruction the queries will be prompted with (None: none).
+        remedy: How the caller's user gives the right one (a flag, a field, a message).
+
+    Raises:
+        ConfigError: The digests differ; the message names both.
+    """
+    expected = manifest.instruction_sha256
+    found = instruction_digest(instruction)
+    if expected is not None and expected != found:
+        raise ConfigError(
+            f"the queries' instruction must be the one the artifact's prompts carried "
+            f"(sha256 {expected}), got sha256 {found} "
+            f"({'no instruction' if not instruction else f'{len(instruction)} characters'}); "
+            f"{remedy}."
+        )
 
 
 @dataclass(frozen=True)

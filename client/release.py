@@ -25,7 +25,7 @@ import numpy as np
 
 from client.chunking import Chunk
 from client.extraction import extract_clipped_sum
-from client.models import LoadedModel, prompt_template_digest
+from client.models import LoadedModel, instruction_digest, prompt_template_digest
 from client.scoring import ScoreMethod, check_answer_vocabulary, chunk_head_votes
 from dpmtv_common.aliases import Float64Array
 from dpmtv_common.artifact import (
@@ -223,6 +223,7 @@ def run_single_holder_release(
                 plan,
                 outcome,
                 prompt_template_sha256=prompt_template_digest(loaded),
+                instruction_sha256=instruction_digest(sums.instruction),
                 dpmtv_versions=[DPMTV_VERSION],
             ),
             signing_key=signing_key,

@@ -68,6 +68,10 @@ class ReleaseRecord(BaseModel):
         model_dtype: The dtype the site extracts in (an artifact of another is refused).
         prompt_template_sha256: Digest of the chat template the site renders prompts with
             (an artifact of another is refused); None in records written before the field.
+        instruction_sha256: Digest of the task instruction the site's prompts carry
+            (``client.models.instruction_digest``; an artifact of another is refused, and the
+            site contributes only while its data still carries it); None in records written
+            before the field.
         sent: Secure-sum stages whose (masked) contribution left the site, in order.
         extract_heads: The heads of the activation sum the site contributed (None: all).
         reference_sha256: Hash of the noisy all-head vector received (release-first order).
@@ -90,6 +94,7 @@ class ReleaseRecord(BaseModel):
     head_layers: tuple[int, ...] | None = None
     model_dtype: str | None = None
     prompt_template_sha256: str | None = None
+    instruction_sha256: str | None = None
     sent: tuple[str, ...] = ()
     extract_heads: tuple[LayerHead, ...] | None = None
     reference_sha256: str | None = None
@@ -124,11 +129,13 @@ class ReleaseRecord(BaseModel):
         head_dim: int,
         model_dtype: str | None = None,
         prompt_template_sha256: str | None = None,
+        instruction_sha256: str | None = None,
     ) -> ReleaseRecord:
         """The record of a plan just accepted, on a model of ``layout`` with ``head_dim``."""
         return cls(
             model_dtype=model_dtype,
             prompt_template_sha256=prompt_template_sha256,
+            instruction_sha256=instruction_sha256,
             release_id=plan.release_id,
             run_id=run_id,
             plan_json=plan.model_dump_json(),

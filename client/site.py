@@ -38,7 +38,12 @@ import numpy as np
 
 from client.chunking import make_chunks, planned_num_chunks
 from client.data import SiteDataset, load_dataset
-from client.models import LoadedModel, default_fingerprint_cache_dir, prompt_template_digest
+from client.models import (
+    LoadedModel,
+    default_fingerprint_cache_dir,
+    instruction_digest,
+    prompt_template_digest,
+)
 from client.release import LocalSums
 from client.release_record import ReleaseRecord, ReleaseRecordStore, SiteReleaseState
 from client.release_states import Settlement, in_step, require_in_step, settlement
@@ -185,6 +190,7 @@ class Site:
         if chunks < 1:
             raise DataError(f"the site must hold at least one chunk of K+1={plan.shots + 1}.")
         template_sha256 = prompt_template_digest(loaded)
+        instruction_sha256 = instruction_digest(dataset.instruction)
         with self.ledger() as ledger:
             reserve_plan(ledger, plan)  # owned by this (long-lived) process
         self.records.create(
@@ -196,6 +202,7 @@ class Site:
                 head_dim=shape.head_dim,
                 model_dtype=loaded.dtype_name,
                 prompt_template_sha256=template_sha256,
+                instruction_sha256=instruction_sha256,
             )
         )
         self.seeds[plan.release_id] = secret_seed()
@@ -218,6 +225,7 @@ class Site:
             model_dtype=loaded.dtype_name,
             head_layers=shape.layout.head_layers,
             prompt_template_sha256=template_sha256,
+            instruction_sha256=instruction_sha256,
             dpmtv_version=DPMTV_VERSION,
         )
 
@@ -251,8 +259,10 @@ class Site:
     ) -> list[np.ndarray]:
         plan = record.plan
         # A record that does not decode (now) must cost its chunk (zeros), never this site's
-        # place in the sum: list, do not re-check, images.
+        # place in the sum: list, do not re-check, images. The data is read again here, so
+        # its instruction must still be the one the site reported with the plan.
         dataset = self._listed_dataset()
+        _check_same_instruction(record, dataset)
         chunk_plan = make_chunks(
             dataset, shots=plan.shots, seed=seed, max_chunks=plan.max_chunks_per_site
         )
@@ -426,6 +436,21 @@ class Site:
             elif rule is Settlement.REFUND:
                 ledger.abort(record.release_id, "no data of this site left it")
             return rule.counts
+
+
+def _check_same_instruction(record: ReleaseRecord, dataset: SiteDataset) -> None:
+    """Refuse to contribute under another instruction than the one the site reported.
+
+    The data is read again at every secure sum; an edited ``dataset.json`` would otherwise
+    prompt the chunks unlike the digest the coordinator checked and the manifest records.
+    """
+    found = instruction_digest(dataset.instruction)
+    if record.instruction_sha256 is not None and found != record.instruction_sha256:
+        raise DataError(
+            f"the dataset's instruction must be the one reported when release "
+            f"{record.release_id!r} was accepted (sha256 {record.instruction_sha256}), got "
+            f"sha256 {found}; restore its dataset.json 'instruction'."
+        )
 
 
 def _write_staged(staged: Path, request: ReleaseRequest) -> None:

@@ -29,7 +29,7 @@ import numpy as np
 from client.release_record import ReleaseRecord
 from client.settings import SiteSettings
 from dpmtv_common.aliases import Float64Array, LayerHead
-from dpmtv_common.artifact import TaskVectorArtifact
+from dpmtv_common.artifact import ArtifactManifest, TaskVectorArtifact
 from dpmtv_common.errors import ConfigError, ModelMismatchError, PolicyError
 from dpmtv_common.heads import HeadLayout, HeadSet
 from dpmtv_common.privacy.distributed import DistributedNoise, check_min_honest
@@ -326,9 +326,7 @@ def check_artifact(
     _same("shots", manifest.shots, plan.shots)
     if manifest.model_dtype is not None:
         _same("model_dtype", manifest.model_dtype, record.model_dtype)
-    if record.prompt_template_sha256 is not None:  # None only in records older than the field
-        template = manifest.prompt_template_sha256  # a manifest without it is refused too
-        _same("prompt_template_sha256", template, record.prompt_template_sha256)
+    _check_prompt_digests(record, manifest)
     parameters = manifest.accountant_parameters
     _same("privacy_unit", parameters.get("privacy_unit"), plan.privacy_unit.value)
     _same("neighbouring", parameters.get("neighbouring"), plan.neighbouring.value)
@@ -344,6 +342,19 @@ def check_artifact(
         )
     if reference is not None:
         _check_values_match_reference(record, artifact, reference)
+
+
+def _check_prompt_digests(record: ReleaseRecord, manifest: ArtifactManifest) -> None:
+    """The chat template and the instruction the site reported must be the artifact's.
+
+    A record holds None only when written before its field existed; a manifest without a
+    digest the record holds is refused too (a coordinator may not drop what pins a prompt).
+    """
+    if record.prompt_template_sha256 is not None:
+        template = manifest.prompt_template_sha256
+        _same("prompt_template_sha256", template, record.prompt_template_sha256)
+    if record.instruction_sha256 is not None:
+        _same("instruction_sha256", manifest.instruction_sha256, record.instruction_sha256)
 
 
 def _recomputed_privacy(record: ReleaseRecord, scope: HeadSet) -> tuple[float, float]:

@@ -9,7 +9,8 @@ configs, ``chat_template.json``, safetensors index), the chat template files
 every weight file. Two sites whose model files render prompts differently therefore never
 share a fingerprint. A directory that ships no chat template is rendered with a template from
 the code (a dpmtv adapter or a plugin), which no file here holds: sites pin that one by its
-digest (``prompt_template_sha256``, reported at plan time and recorded in the manifest).
+digest (``prompt_template_sha256``, reported at plan time and recorded in the manifest), as
+they pin the task instruction their data puts in every prompt (``instruction_sha256``).
 Apart from ``additional_chat_templates/``, only the top level of the directory is walked, as
 ``from_pretrained`` does, so caches (``.cache/``) and extra copies (``original/``)
 that one site downloaded and another did not leave the fingerprint alone. Symbolic links are

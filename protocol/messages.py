@@ -159,6 +159,10 @@ class PlanAccept(WireMessage):
             prompt with (``client.models.prompt_template_digest``): the processor's, which
             the fingerprint covers, or the adapter's built-in one, which it does not. The
             coordinator refuses a consortium that mixes them, and the manifest records it.
+        instruction_sha256: SHA-256 hex of the task instruction the site's prompts carry
+            (``client.models.instruction_digest``: no instruction and an empty one share the
+            digest of the empty string, as they build the same prompts). The coordinator
+            refuses a consortium that mixes them, and the manifest records it.
         dpmtv_version: The dpmtv package version the site runs; recorded in the manifest,
             never refused (the template digest already covers what it changes in a prompt).
         keys: The site's X25519 key for this release's secure sums, signed with its roster
@@ -176,6 +180,7 @@ class PlanAccept(WireMessage):
     model_dtype: Annotated[str, AfterValidator(_dtype_name)] | None = None
     head_layers: Annotated[tuple[int, ...], Field(max_length=MAX_HEADS)] | None = None
     prompt_template_sha256: Annotated[str, AfterValidator(_sha256_hex)]
+    instruction_sha256: Annotated[str, AfterValidator(_sha256_hex)]
     dpmtv_version: Annotated[str, AfterValidator(_package_version)]
     keys: KeyAdvert | None = None
 

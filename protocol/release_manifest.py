@@ -28,6 +28,7 @@ def release_description(
     outcome: ReleaseOutcome,
     *,
     prompt_template_sha256: str,
+    instruction_sha256: str,
     dpmtv_versions: Iterable[str],
     model_dtype: str | None = None,
 ) -> ReleaseDescription:
@@ -35,8 +36,9 @@ def release_description(
 
     Every manifest states its noise mode; a distributed one also t, the grid (γ, Δ̃), the
     share's noise multiplier, the survivors and ε if every survivor is honest. Every one also
-    states the digest of the chat template all prompts were rendered with, and the dpmtv
-    versions that rendered them (``dpmtv_versions``: one per site, repeats allowed).
+    states the digest of the chat template all prompts were rendered with, the digest of the
+    task instruction they carried, and the dpmtv versions that rendered them
+    (``dpmtv_versions``: one per site, repeats allowed).
     """
     parameters = {
         **plan_release_event(plan).to_dict(),
@@ -66,6 +68,7 @@ def release_description(
         noise_std=outcome.noise_std,
         model_dtype=model_dtype,
         prompt_template_sha256=prompt_template_sha256,
+        instruction_sha256=instruction_sha256,
         dpmtv_versions=sorted(set(dpmtv_versions)),
     )
 

@@ -184,7 +184,9 @@ def site_zero_inference(work: Path, model: Path, report, args: argparse.Namespac
     loaded = load_model(model)
     keys = TrustedKeys.from_files([work / "coordinator.pub"])
     artifact = work / "site-0-artifacts" / report.plan.release_id
-    patch = artifact_patch(artifact, loaded=loaded, keys=keys, policy=PatchPolicy.PROMPT_LAST_TOKEN)
+    patch = artifact_patch(
+        artifact, loaded=loaded, keys=keys, policy=PatchPolicy.PROMPT_LAST_TOKEN, instruction=None
+    )
     test = load_dataset(work / "data" / "test").records
     support = load_dataset(work / "data" / "public").records
     for mode, kwargs in (

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -160,6 +160,7 @@ class Coordinator:
             raise ConfigError(f"sites must extract in one dtype, got {sorted(map(str, dtypes))}.")
         self.model_dtype = dtypes.pop() if dtypes else None
         _check_one_prompt_template(self.accepted.values())
+        _check_one_instruction(self.accepted.values())
         versions = sorted({a.dpmtv_version for a in self.accepted.values()})
         if len(versions) > 1:  # recorded, not refused: the template digest covers the prompt
             _log.info("accepting sites run dpmtv versions %s", versions)
@@ -199,6 +200,7 @@ class Coordinator:
         """Sign the artifact, keep a copy, and send it to every site that accepted."""
         if self.settings.signing_key is None:
             raise ConfigError("the coordinator needs DPMTV_SERVER_SIGNING_KEY to sign artifacts.")
+        first = next(iter(self.accepted.values()))  # one digest of each: plan_stage refused others
         path = write_artifact(
             self.settings.artifacts_dir / plan.release_id,
             heads=outcome.heads,
@@ -207,8 +209,8 @@ class Coordinator:
                 plan,
                 outcome,
                 model_dtype=self.model_dtype,
-                # one digest: plan_stage refused any other
-                prompt_template_sha256=next(iter(self.accepted.values())).prompt_template_sha256,
+                prompt_template_sha256=first.prompt_template_sha256,
+                instruction_sha256=first.instruction_sha256,
                 dpmtv_versions=[a.dpmtv_version for a in self.accepted.values()],
             ),
             signing_key=SigningKey.load(self.settings.signing_key),
@@ -319,13 +321,35 @@ def _check_one_prompt_template(accepts: Iterable[PlanAccept]) -> None:
     (dpmtv's or a plugin's) supplies; under two templates the same chunk is another prompt,
     and the sites' activations would not add up to one task vector.
     """
-    sites: dict[str, list[str]] = {}
-    for accept in accepts:
-        sites.setdefault(accept.prompt_template_sha256, []).append(accept.site_name)
+    sites = _sites_by_digest(accepts, lambda accept: accept.prompt_template_sha256)
     if len(sites) > 1:
-        by_digest = {digest: sorted(names) for digest, names in sorted(sites.items())}
         raise ConfigError(
             f"sites must render prompts with one chat template, got prompt_template_sha256 "
-            f"values {by_digest}; ship one chat_template.jinja with every site's model, or "
+            f"values {sites}; ship one chat_template.jinja with every site's model, or "
             "run one dpmtv version and adapter plugin at every site."
         )
+
+
+def _check_one_instruction(accepts: Iterable[PlanAccept]) -> None:
+    """Refuse sites whose prompts carry different task instructions.
+
+    The instruction comes from each site's dataset, outside the fingerprint; under two
+    instructions the same chunk is another prompt, and the sites' activations would not add
+    up to one task vector (nor match the queries of a site that uses the other).
+    """
+    sites = _sites_by_digest(accepts, lambda accept: accept.instruction_sha256)
+    if len(sites) > 1:
+        raise ConfigError(
+            f"sites must prompt with one task instruction, got instruction_sha256 values "
+            f"{sites}; give every site's dataset.json the same 'instruction' (or none)."
+        )
+
+
+def _sites_by_digest(
+    accepts: Iterable[PlanAccept], digest: Callable[[PlanAccept], str]
+) -> dict[str, list[str]]:
+    """The names of the sites that reported each digest, both sorted (for the refusal)."""
+    sites: dict[str, list[str]] = {}
+    for accept in accepts:
+        sites.setdefault(digest(accept), []).append(accept.site_name)
+    return {value: sorted(names) for value, names in sorted(sites.items())}

@@ -154,6 +154,7 @@ class StandInSite:
             num_heads=num_heads,
             head_dim=head_dim,
             prompt_template_sha256="0" * 64,
+            instruction_sha256="0" * 64,
             dpmtv_version="0.1.0",
         )
 

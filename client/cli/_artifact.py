@@ -8,7 +8,7 @@ import numpy as np
 import torch
 
 from client.hooks import PatchPolicy
-from client.inference import TaskVectorPatch, rescale_heads
+from client.inference import TaskVectorPatch, check_instruction, rescale_heads
 from client.models import LoadedModel, prompt_template_digest
 from dpmtv_common.artifact import load_artifact
 from dpmtv_common.crypto import TrustedKeys
@@ -49,12 +49,15 @@ def artifact_patch(
     loaded: LoadedModel,
     keys: TrustedKeys,
     policy: PatchPolicy,
+    instruction: str | None,
     rescale_norm: float | None = None,
 ) -> TaskVectorPatch:
-    """Verify the artifact (signature, integrity, model, dtype, chat template); make its patch.
+    """Verify the artifact (signature, integrity, model, dtype, chat template, instruction).
 
-    ``rescale_norm`` sets every head's vector to that L2 norm (a typical norm measured on
-    public data; post-processing, no privacy cost).
+    ``instruction`` is the one the queries will be prompted with (the evaluated dataset's,
+    or ``--instruction``); it must be the release's. ``rescale_norm`` sets every head's
+    vector to that L2 norm (a typical norm measured on public data; post-processing, no
+    privacy cost).
     """
     artifact = load_artifact(path, trusted_keys=keys, expected_model_fingerprint=loaded.fingerprint)
     made_in = artifact.manifest.model_dtype
@@ -71,6 +74,12 @@ def artifact_patch(
             f"with (sha256 {rendered_with}), got sha256 {prompt_template_digest(loaded)}; use "
             "the model directory and dpmtv version (or adapter plugin) the release used."
         )
+    check_instruction(
+        artifact.manifest,
+        instruction,
+        remedy="prompt the queries with the release's instruction (its dataset.json "
+        "'instruction'; --instruction for infer)",
+    )
     values = np.array(artifact.values, dtype=np.float64)
     if rescale_norm is not None:
         values = rescale_heads(values, target_norm=rescale_norm)

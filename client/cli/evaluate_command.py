@@ -90,6 +90,7 @@ def run(args: argparse.Namespace) -> int:
             loaded=loaded,
             keys=keys,
             policy=PatchPolicy(args.policy),
+            instruction=dataset.instruction,  # the queries are prompted with it
             rescale_norm=args.rescale_norm,
         )
     result = evaluate(

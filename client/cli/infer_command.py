@@ -39,6 +39,11 @@ def register(sub: Any) -> None:
     parser.add_argument("--image", type=Path)
     parser.add_argument("--question")
     parser.add_argument("--batch", type=Path, help="UTF-8 JSONL file of {image, question}")
+    parser.add_argument(
+        "--instruction",
+        help="text put before each query, as the release's dataset.json 'instruction' put it "
+        "before its prompts; must be that instruction (default: none)",
+    )
     add_patch_options(parser)
     parser.set_defaults(handler=run)
 
@@ -112,6 +117,7 @@ def run(args: argparse.Namespace) -> int:
         loaded=loaded,
         keys=keys,
         policy=PatchPolicy(args.policy),
+        instruction=args.instruction,
         rescale_norm=args.rescale_norm,
     )
     loaded = artifact_model(args.artifact, loaded=loaded, keys=keys)  # the release's crop cap
@@ -122,6 +128,7 @@ def run(args: argparse.Namespace) -> int:
         loaded,
         prompts,
         patch=patch,
+        instruction=args.instruction,
         max_new_tokens=args.max_new_tokens,
         batch_size=settings.batch_size,
     )

@@ -115,6 +115,11 @@ def register(sub: Any) -> None:
     ask.add_argument("--release-id", required=True, help="a release whose artifact it stores")
     ask.add_argument("--image", type=Path, action="append", required=True, help="repeatable")
     ask.add_argument("--question", action="append", required=True, help="one per --image")
+    ask.add_argument(
+        "--instruction",
+        help="text put before each question; must be the release's dataset.json "
+        "'instruction' (default: none)",
+    )
     ask.add_argument("--max-new-tokens", type=positive_int, default=10)
     ask.add_argument("--socket", dest="socket_path", type=Path, help="the service's socket")
     ask.add_argument("--state-dir", type=Path, help="default folder of the socket")
@@ -209,6 +214,7 @@ def run_ask(args: argparse.Namespace) -> int:
         "release_id": args.release_id,
         "questions": args.question,
         "images": images,
+        "instruction": args.instruction,
         "max_new_tokens": args.max_new_tokens,
     }
     path = settings_from(args).socket_file

@@ -29,7 +29,13 @@ from client.models.loading import (
     resolve_device,
     resolve_dtype,
 )
-from client.models.prompts import Example, Message, Prompt, prompt_to_messages
+from client.models.prompts import (
+    Example,
+    Message,
+    Prompt,
+    instruction_digest,
+    prompt_to_messages,
+)
 from client.models.tiny import (
     ALL_TINY_ARCHITECTURES,
     TINY_ARCHITECTURES,
@@ -62,6 +68,7 @@ __all__ = [
     "ensure_pad_token",
     "ensure_processor_shim",
     "get_adapter",
+    "instruction_digest",
     "load_adapter_plugins",
     "load_model",
     "prompt_template_digest",

@@ -7,6 +7,7 @@ Rendering and tokenising belong to the model's processor (see ``client.models.ad
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
@@ -15,7 +16,7 @@ from PIL import Image
 
 from dpmtv_common.errors import ConfigError
 
-__all__ = ["Example", "Message", "Prompt", "prompt_to_messages"]
+__all__ = ["Example", "Message", "Prompt", "instruction_digest", "prompt_to_messages"]
 
 Message: TypeAlias = dict[str, Any]
 """One chat turn: ``{"role": "user" | "assistant", "content": [content parts]}``."""
@@ -61,6 +62,17 @@ class Prompt:
     def images(self) -> list[Image.Image]:
         """The images in prompt order: each demonstration's, then the query's."""
         return [example.image for example in (*self.demonstrations, self.query)]
+
+
+def instruction_digest(instruction: str | None) -> str:
+    """Return the SHA-256 hex of the instruction text prompts are built with.
+
+    ``None`` and ``""`` share one digest, that of the empty string: :func:`prompt_to_messages`
+    adds nothing for either, so they build the same prompts. Any other text is hashed exactly
+    (UTF-8, whitespace included), since every character of it enters the prompt. Sites report
+    the digest at plan time and the manifest records it, like the chat template's.
+    """
+    return hashlib.sha256((instruction or "").encode("utf-8")).hexdigest()
 
 
 def _user_turn(example: Example, prefix: str | None) -> Message:

@@ -182,7 +182,9 @@ class ChatApi:
 
     def prepare(self, chat: ChatRequest, parsed: ParsedChat) -> Row:
         """Verify the release, decode the images, tokenise (in a worker thread)."""
-        patch, crops = self.catalogue.patch(chat.model, PatchPolicy(chat.policy))
+        patch, crops = self.catalogue.patch(
+            chat.model, PatchPolicy(chat.policy), instruction=parsed.instruction
+        )
         loaded = self._capped(crops)
         temperature = chat.temperature or 0.0
         return prepare_row(

@@ -26,7 +26,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from client.data import to_rgb
 from client.hooks import PatchPolicy
-from client.inference import TaskVectorPatch, generate_answers
+from client.inference import TaskVectorPatch, check_instruction, generate_answers
 from client.models import Example, Prompt, prompt_template_digest
 from client.site import Site
 from dpmtv_common.artifact import load_artifact
@@ -57,12 +57,17 @@ MAX_IMAGE_BYTES = 4 << 20
 MAX_IMAGE_PIXELS = 2048 * 2048
 """Pixels of one image, read from its header (at most ~16 MiB once decoded to RGBA)."""
 _MAX_QUESTION_CHARS = 2000
+_MAX_INSTRUCTION_CHARS = 8000  # well inside the frame's room for text, beside 8 questions
 MAX_REQUEST_BYTES = (4 * MAX_IMAGES * MAX_IMAGE_BYTES) // 3 + (1 << 20)
 """The largest request frame: the images in base64 and room for the questions (JSON)."""
 
 
 class InferRequest(BaseModel):
-    """Queries for the model patched with the stored artifact of ``release_id``."""
+    """Queries for the model patched with the stored artifact of ``release_id``.
+
+    ``instruction`` is put before each query, as the release's data put it before its prompts;
+    it must be the release's (None: no instruction).
+    """
 
     model_config = ConfigDict(
         frozen=True, extra="forbid", ser_json_bytes="base64", val_json_bytes="base64"
@@ -77,6 +82,7 @@ class InferRequest(BaseModel):
         tuple[Annotated[bytes, Field(max_length=MAX_IMAGE_BYTES)], ...],
         Field(min_length=1, max_length=MAX_IMAGES),
     ]
+    instruction: Annotated[str, Field(max_length=_MAX_INSTRUCTION_CHARS)] | None = None
     max_new_tokens: Annotated[int, Field(ge=1, le=64)] = 10
     policy: Literal["prompt-last-token", "every-call"] = "prompt-last-token"
 
@@ -116,10 +122,12 @@ def check_request(request: InferRequest) -> None:
 def answer_queries(site: Site, request: InferRequest) -> InferAnswers:
     """Check the request, verify the stored artifact, decode the images, answer greedily.
 
-    The images are prompted under the artifact's ``max_image_crops``, as its chunks were.
+    The images are prompted under the artifact's ``max_image_crops`` and with the request's
+    instruction, which must be the one the artifact's chunks were prompted with.
 
     Raises:
-        ConfigError: Questions and images differ in number, or no such artifact is stored.
+        ConfigError: Questions and images differ in number, no such artifact is stored, or
+            the request's instruction is not the artifact's.
         DataError: An image cannot be decoded or is too large.
     """
     check_request(request)  # every bound before the model, the artifact or a pixel
@@ -136,6 +144,7 @@ def answer_queries(site: Site, request: InferRequest) -> InferAnswers:
         loaded,
         prompts,
         patch=patch,
+        instruction=request.instruction,
         max_new_tokens=request.max_new_tokens,
         batch_size=site.settings.batch_size,
     )
@@ -149,6 +158,11 @@ def _patch(site: Site, request: InferRequest) -> tuple[TaskVectorPatch, int | No
             f"release_id must name an artifact this site stores, got {request.release_id!r}."
         )
     artifact, values = verified_artifact(site, folder)
+    check_instruction(
+        artifact.manifest,
+        request.instruction,
+        remedy="ask with the release's instruction (--instruction)",
+    )
     patch = TaskVectorPatch(artifact.heads, values, PatchPolicy(request.policy))
     return patch, artifact.manifest.max_image_crops
 

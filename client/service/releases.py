@@ -3,8 +3,10 @@
 A model name on the HTTP endpoint is a release id (a plain token, so never a path) or
 :data:`PLAIN_MODEL_ID` (the unpatched model; it holds a ``/``, which no release id may).
 A release is listed and served only once its artifact passes the checks of every other use:
-the signature of a trusted key, the tensors' hash, the model's fingerprint and dtype, and
-heads that exist in the loaded model. A verified artifact is kept in memory until one of its
+the signature of a trusted key, the tensors' hash, the model's fingerprint, dtype and chat
+template, and heads that exist in the loaded model. A request is served a release only with
+the instruction the release's prompts carried (its system messages, or none), checked per
+request since each request brings its own. A verified artifact is kept in memory until one of its
 files changes (size or modification time), when it is verified again. Why an artifact fails
 goes to the log only: the reason may name a path of the site.
 """
@@ -19,10 +21,12 @@ import torch
 from pydantic import TypeAdapter, ValidationError
 
 from client.hooks import PatchPolicy
+from client.inference import check_instruction
 from client.models import LoadedModel
 from client.service.inference import verified_artifact
 from client.service.rows import RowPatch
 from client.site import Site
+from dpmtv_common.artifact import ArtifactManifest
 from dpmtv_common.errors import ConfigError, DpmtvError
 from protocol.plan import ReleaseId
 
@@ -34,6 +38,8 @@ PLAIN_MODEL_ID = "dpmtv/plain"
 """The model name that serves the model without any patch."""
 
 _Stamp = tuple[tuple[str, int, int], ...]
+_Served = tuple[RowPatch, int | None, ArtifactManifest]
+"""A verified release: its row patch, its image-crop cap, and its manifest."""
 _RELEASE_ID: TypeAdapter[str] = TypeAdapter(ReleaseId)
 
 
@@ -47,7 +53,7 @@ class ReleaseCatalogue:
     def __init__(self, site: Site) -> None:
         self._site = site
         self._lock = threading.Lock()
-        self._verified: dict[str, tuple[_Stamp, RowPatch, int | None]] = {}
+        self._verified: dict[str, tuple[_Stamp, _Served]] = {}
 
     def model_ids(self) -> list[str]:
         """The plain model's name, then every release whose artifact verifies, sorted."""
@@ -56,12 +62,17 @@ class ReleaseCatalogue:
         verified = [name for name in names if self._lookup(name) is not None]
         return [PLAIN_MODEL_ID, *verified]
 
-    def patch(self, model: str, policy: PatchPolicy) -> tuple[RowPatch | None, int | None]:
+    def patch(
+        self, model: str, policy: PatchPolicy, *, instruction: str | None
+    ) -> tuple[RowPatch | None, int | None]:
         """The row patch and image-crop cap that serving ``model`` takes.
+
+        ``instruction`` is the one the request's prompt carries; the plain model takes any.
 
         Raises:
             UnknownModelError: ``model`` is neither the plain model nor a release whose
                 artifact this site stores and verifies.
+            ConfigError: ``instruction`` is not the one the release's prompts carried.
         """
         if model == PLAIN_MODEL_ID:
             return None, None
@@ -71,12 +82,14 @@ class ReleaseCatalogue:
                 f"model must be {PLAIN_MODEL_ID!r} or a release id this site holds a verified "
                 f"artifact for (GET /v1/models lists them), got {model[:80]!r}."
             )
-        patch, crops = found
+        patch, crops, manifest = found
+        remedy = "send the release's instruction as the system message (or none if it had none)"
+        check_instruction(manifest, instruction, remedy=remedy)
         if policy is not patch.policy:
             patch = RowPatch(patch.release_id, patch.heads, patch.values, policy)
         return patch, crops
 
-    def _lookup(self, name: str) -> tuple[RowPatch, int | None] | None:
+    def _lookup(self, name: str) -> _Served | None:
         try:
             release_id = _check_release_id(name)
         except ValueError:
@@ -88,15 +101,15 @@ class ReleaseCatalogue:
         with self._lock:
             cached = self._verified.get(release_id)
             if cached is not None and cached[0] == stamp:
-                return cached[1], cached[2]
+                return cached[1]
             try:
-                patch, crops = _load_patch(self._site, folder, release_id)
+                served = _load_patch(self._site, folder, release_id)
             except (DpmtvError, OSError) as exc:  # the reason may name a path: log only
                 _log.warning("release %s is not served: %s", release_id, exc)
                 self._verified.pop(release_id, None)
                 return None
-            self._verified[release_id] = (stamp, patch, crops)
-            return patch, crops
+            self._verified[release_id] = (stamp, served)
+            return served
 
 
 def _check_release_id(name: str) -> str:
@@ -117,11 +130,11 @@ def _stamp(folder: Path) -> _Stamp:
         return ()
 
 
-def _load_patch(site: Site, folder: Path, release_id: str) -> tuple[RowPatch, int | None]:
+def _load_patch(site: Site, folder: Path, release_id: str) -> _Served:
     artifact, values = verified_artifact(site, folder)
     _check_heads(site.model(), artifact.heads.heads, values)
     patch = RowPatch(release_id, artifact.heads, values, PatchPolicy.PROMPT_LAST_TOKEN)
-    return patch, artifact.manifest.max_image_crops
+    return patch, artifact.manifest.max_image_crops, artifact.manifest
 
 
 def _check_heads(

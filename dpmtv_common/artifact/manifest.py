@@ -42,7 +42,13 @@ FORMAT_VERSION = 1
 _MODEL_DTYPES = ("bfloat16", "float16", "float32")
 """Values of ``ReleaseDescription.model_dtype`` (torch dtype names without ``torch.``)."""
 
-_OPTIONAL_FIELDS = ("model_dtype", "max_image_crops", "prompt_template_sha256", "dpmtv_versions")
+_OPTIONAL_FIELDS = (
+    "model_dtype",
+    "max_image_crops",
+    "prompt_template_sha256",
+    "instruction_sha256",
+    "dpmtv_versions",
+)
 """Fields added after the first artifacts were signed: left out of the signed bytes when None."""
 
 _SHA256_HEX = re.compile(r"[0-9a-f]{64}")
@@ -112,6 +118,12 @@ class ReleaseDescription(BaseModel):
             was rendered with (the sites agreed on it), or None in artifacts made before the
             field existed. The fingerprint covers a template shipped with the model, not one
             a dpmtv adapter or plugin supplies; a site refuses an artifact of another digest.
+        instruction_sha256: SHA-256 hex of the task instruction every prompt of the release
+            carried (the sites agreed on it; no instruction is the digest of the empty
+            string, ``client.models.instruction_digest``), or None in artifacts made before
+            the field existed. The instruction lives in each site's data, outside the
+            fingerprint; a site refuses an artifact of another digest, and inference one whose
+            digest is not that of the instruction its queries carry.
         dpmtv_versions: The distinct dpmtv versions the contributing sites ran, sorted, or
             None in artifacts made before the field existed. Recorded, never refused.
     """
@@ -135,13 +147,14 @@ class ReleaseDescription(BaseModel):
     model_dtype: str | None = None
     max_image_crops: int | None = None
     prompt_template_sha256: str | None = None
+    instruction_sha256: str | None = None
     dpmtv_versions: list[str] | None = None
 
-    @field_validator("prompt_template_sha256")
+    @field_validator("prompt_template_sha256", "instruction_sha256")
     @classmethod
-    def _template_digest(cls, value: str | None) -> str | None:
+    def _prompt_digest(cls, value: str | None, info: ValidationInfo) -> str | None:
         valid = value is None or _SHA256_HEX.fullmatch(value) is not None
-        _require(valid, "prompt_template_sha256", "be 64 lowercase hex digits or None", value)
+        _require(valid, _name(info), "be 64 lowercase hex digits or None", value)
         return value
 
     @field_validator("dpmtv_versions")
@@ -286,8 +299,8 @@ def manifest_to_canonical_bytes(manifest: ArtifactManifest) -> bytes:
     """Return the bytes the signature covers: the manifest as canonical, ASCII JSON.
 
     An unset optional field (``model_dtype``, ``max_image_crops``, ``prompt_template_sha256``,
-    ``dpmtv_versions``) is left out, so artifacts signed before the field existed still
-    verify (their signed bytes never held the key).
+    ``instruction_sha256``, ``dpmtv_versions``) is left out, so artifacts signed before the
+    field existed still verify (their signed bytes never held the key).
     """
     document = manifest.model_dump(mode="json")
     for optional in _OPTIONAL_FIELDS:

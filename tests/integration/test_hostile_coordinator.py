@@ -30,7 +30,7 @@ import pytest
 from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.common import Array
 
-from client.models import load_model, prompt_template_digest, save_tiny_model
+from client.models import instruction_digest, load_model, prompt_template_digest, save_tiny_model
 from client.release_record import SiteReleaseState
 from client.service.inprocess import open_in_process_sites
 from client.service.server import SiteService
@@ -302,11 +302,13 @@ def signed_request(
     release_id: str | None = None,
     model_dtype: str | None = None,
     prompt_template_sha256: str | None = "",
+    instruction_sha256: str | None = "",
     values: np.ndarray | None = None,
 ) -> ReleaseRequest:
     """An artifact as a coordinator would sign it; fields may be forged.
 
-    ``prompt_template_sha256`` left empty is the sites' own digest; None leaves it out.
+    A digest left empty is the sites' own (their data carry no instruction); None leaves it
+    out.
     """
     from dpmtv_common.artifact import ReleaseDescription
 
@@ -337,6 +339,9 @@ def signed_request(
             sites_template_sha256(world.model)
             if prompt_template_sha256 == ""
             else prompt_template_sha256
+        ),
+        instruction_sha256=(
+            instruction_digest(None) if instruction_sha256 == "" else instruction_sha256
         ),
     )
     path = write_artifact(
@@ -591,6 +596,8 @@ def contributed(consortium: Consortium) -> ReleasePlan:
         "dtype",
         "prompt-template",
         "no-prompt-template",
+        "instruction",
+        "no-instruction",
     ],
 )
 def test_an_artifact_unlike_the_plan_is_refused_and_nothing_is_stored(
@@ -613,6 +620,10 @@ def test_an_artifact_unlike_the_plan_is_refused_and_nothing_is_stored(
             world, tmp, plan, prompt_template_sha256="0" * 64
         ),
         "no-prompt-template": lambda: signed_request(world, tmp, plan, prompt_template_sha256=None),
+        "instruction": lambda: signed_request(
+            world, tmp, plan, instruction_sha256=instruction_digest("Answer with one word.")
+        ),
+        "no-instruction": lambda: signed_request(world, tmp, plan, instruction_sha256=None),
     }[forgery]()
     # Act
     reply = consortium.ask(0, "query.release", forged)

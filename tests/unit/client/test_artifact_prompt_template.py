@@ -60,6 +60,7 @@ def apply_with_cli(path: Path, loaded: LoadedModel, tmp_path: Path, monkeypatch)
         loaded=loaded,
         keys=TrustedKeys([KEY.verify_key]),
         policy=PatchPolicy.PROMPT_LAST_TOKEN,
+        instruction=None,
     )
 
 

@@ -9,7 +9,7 @@ import pytest
 
 import client.release as release_module
 from client.chunking import Chunk, make_chunks
-from client.models import LoadedModel
+from client.models import LoadedModel, instruction_digest
 from client.release import LocalSums, run_single_holder_release
 from dpmtv_common.artifact import load_artifact
 from dpmtv_common.crypto import SigningKey, TrustedKeys
@@ -143,6 +143,18 @@ def test_release_writes_a_verifiable_artifact_and_commits_its_cost(
     assert spent is not None
     assert spent.epsilon == pytest.approx(epsilon_bound([calibration.event], delta=DELTA).epsilon)
     assert spent.epsilon <= plan.epsilon * (1 + 1e-6)
+
+
+@pytest.mark.parametrize("instruction", ["Answer with one word.", None])
+def test_the_manifest_records_the_digest_of_the_instruction_the_chunks_were_prompted_with(
+    loaded, chunks, ledger, key, tmp_path, instruction
+):
+    plan = make_plan(loaded, SelectionMode.ALL)
+    sums = SpySums(loaded, chunks, plan, instruction=instruction, progress=False)
+
+    result = release(plan, sums, ledger, key, tmp_path / "artifact")
+
+    assert result.manifest.instruction_sha256 == instruction_digest(instruction)
 
 
 @pytest.mark.parametrize("order", list(ReleaseOrder))

@@ -101,7 +101,7 @@ class ModelFreeSite(Site):
         return SHAPE
 
     def _listed_dataset(self) -> SiteDataset:
-        return cast(SiteDataset, SimpleNamespace(privacy_unit="example"))
+        return cast(SiteDataset, SimpleNamespace(privacy_unit="example", instruction=None))
 
     def _compute(
         self, record: ReleaseRecord, request: SecureSumRequest, seed: int

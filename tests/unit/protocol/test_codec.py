@@ -77,6 +77,7 @@ EXAMPLES: list[WireMessage] = [
         num_heads=4,
         head_dim=16,
         prompt_template_sha256="a" * 64,
+        instruction_sha256="b" * 64,
         dpmtv_version="0.1.0",
     ),
     ErrorReply(code=ErrorCode.REFUSED, reason="not today"),
@@ -169,7 +170,7 @@ def test_body_kind_must_match_envelope_kind() -> None:
         message_from_record(_tampered(ABORT, kind="error"))
 
 
-@pytest.mark.parametrize("version", ["3.0", "5.0", "0.9", "one", ""])
+@pytest.mark.parametrize("version", ["4.0", "6.0", "0.9", "one", ""])
 def test_other_major_version_is_refused_before_the_body_is_read(version: str) -> None:
     record = _tampered(ABORT, protocol_version=version, body="{not json")
 
@@ -178,12 +179,12 @@ def test_other_major_version_is_refused_before_the_body_is_read(version: str) ->
 
 
 def test_same_major_other_minor_is_accepted() -> None:
-    assert message_from_record(_tampered(ABORT, protocol_version="4.7")) == ABORT
+    assert message_from_record(_tampered(ABORT, protocol_version="5.7")) == ABORT
 
 
 def test_check_compatible_message_shows_both_versions() -> None:
-    with pytest.raises(VersionMismatchError, match=r"got '5\.1' \(local version '4\.0'\)"):
-        check_compatible("5.1")
+    with pytest.raises(VersionMismatchError, match=r"got '6\.1' \(local version '5\.0'\)"):
+        check_compatible("6.1")
 
 
 def test_record_without_envelope_is_a_decode_error() -> None:
@@ -322,7 +323,7 @@ def test_a_sum_message_body_of_another_kind_is_refused() -> None:
 
 def test_a_sum_message_from_another_major_version_is_refused() -> None:
     # Arrange
-    record = _tampered(SUM_EXAMPLES[0], protocol_version="5.1", body="{not json")
+    record = _tampered(SUM_EXAMPLES[0], protocol_version="6.1", body="{not json")
 
     # Act / Assert
     with pytest.raises(VersionMismatchError):

@@ -22,6 +22,7 @@ def accept(**overrides: object) -> PlanAccept:
         "num_heads": 2,
         "head_dim": 8,
         "prompt_template_sha256": "a" * 64,
+        "instruction_sha256": "b" * 64,
         "dpmtv_version": "0.1.0",
     }
     return PlanAccept(**(fields | overrides))  # type: ignore[arg-type]

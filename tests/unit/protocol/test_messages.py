@@ -71,6 +71,7 @@ messages = st.one_of(
         num_heads=st.integers(1, 64),
         head_dim=st.integers(1, 256),
         prompt_template_sha256=st.text("0123456789abcdef", min_size=64, max_size=64),
+        instruction_sha256=st.text("0123456789abcdef", min_size=64, max_size=64),
         dpmtv_version=st.from_regex(r"[0-9A-Za-z.+!_-]{1,64}", fullmatch=True),
     ),
     st.builds(ErrorReply, code=st.sampled_from(ErrorCode), reason=st.text()),
@@ -238,6 +239,7 @@ def test_plan_accept_refuses_negative_chunk_count() -> None:
             num_heads=4,
             head_dim=16,
             prompt_template_sha256="a" * 64,
+            instruction_sha256="b" * 64,
             dpmtv_version="0.1.0",
         )
 
@@ -261,6 +263,7 @@ def test_messages_are_frozen_and_strict() -> None:
             num_heads=4,
             head_dim=16,
             prompt_template_sha256="a" * 64,
+            instruction_sha256="b" * 64,
             dpmtv_version="0.1.0",
         )
 

@@ -64,6 +64,7 @@ def accept(site: int, head_layers: tuple[int, ...] | None) -> PlanAccept:
         head_dim=16,
         head_layers=head_layers,
         prompt_template_sha256="a" * 64,
+        instruction_sha256="b" * 64,
         dpmtv_version="0.1.0",
     )
 

@@ -60,7 +60,7 @@ def unsigned_keys(node: int, release_id: str) -> KeyAdvert:
     )
 
 
-def accept(site: int, template: str, version: str = "0.1.0") -> PlanAccept:
+def accept(site: int, template: str, version: str = "0.1.0", instruction: str = ONE) -> PlanAccept:
     return PlanAccept(
         release_id="r1",
         site_name=f"site-{site}",
@@ -69,6 +69,7 @@ def accept(site: int, template: str, version: str = "0.1.0") -> PlanAccept:
         num_heads=HEADS,
         head_dim=DIM,
         prompt_template_sha256=template,
+        instruction_sha256=instruction,
         dpmtv_version=version,
     )
 

@@ -44,6 +44,7 @@ def accept(node: int, advert: KeyAdvert | None) -> PlanAccept:
         num_heads=4,
         head_dim=16,
         prompt_template_sha256="a" * 64,
+        instruction_sha256="b" * 64,
         dpmtv_version="0.1.0",
         keys=advert,
     )

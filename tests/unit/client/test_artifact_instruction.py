@@ -1,0 +1,175 @@
+"""Inference applies an artifact only to queries that carry the instruction its prompts did.
+
+Three entries: the CLI (``infer`` and ``evaluate`` go through ``artifact_patch``), the
+service's ``ask`` (``answer_queries``) and its HTTP endpoint (``ReleaseCatalogue.patch``).
+"""
+
+from __future__ import annotations
+
+import io
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+from PIL import Image
+
+import client.service.inference as service_inference
+import client.site
+from client.cli._artifact import artifact_patch
+from client.hooks import PatchPolicy
+from client.models import LoadedModel, build_tiny_model, get_adapter, instruction_digest
+from client.service.inference import InferRequest, answer_queries
+from client.service.releases import ReleaseCatalogue
+from client.settings import SiteSettings
+from client.site import Site
+from dpmtv_common.artifact import ReleaseDescription, write_artifact
+from dpmtv_common.crypto import SigningKey, TrustedKeys
+from dpmtv_common.errors import ConfigError
+from dpmtv_common.heads import HeadSet
+
+KEY = SigningKey.generate()
+RELEASE = "r-instruction"
+INSTRUCTION = "Answer with one word."
+
+
+@pytest.fixture(scope="module")
+def tiny_llava() -> LoadedModel:
+    model, processor = build_tiny_model("llava", seed=0)
+    return LoadedModel(model, processor, get_adapter("llava"), "sha256:test-llava")
+
+
+@pytest.fixture
+def site(tiny_llava: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Site:
+    KEY.verify_key.save(tmp_path / "site.pub", overwrite=True)
+    monkeypatch.setattr(client.site, "cached_model", lambda settings: tiny_llava)
+    return Site(SiteSettings(state_dir=tmp_path / "state", trusted_keys=(tmp_path / "site.pub",)))
+
+
+def store(site: Site, instruction_sha256: str | None) -> Path:
+    """A signed artifact in the site's folder whose manifest records ``instruction_sha256``."""
+    loaded = site.model()
+    release = ReleaseDescription(
+        protocol_version="5.0",
+        release_id=RELEASE,
+        model_fingerprint=loaded.fingerprint,
+        task="shapes",
+        plan={"shots": 2},
+        epsilon=1.0,
+        delta=1e-5,
+        accountant="rdp",
+        accountant_parameters={},
+        num_chunks=4,
+        shots=2,
+        clip_norm=1.0,
+        noise_std=1.0,
+        instruction_sha256=instruction_sha256,
+    )
+    return write_artifact(
+        site.settings.artifacts_folder / RELEASE,
+        heads=HeadSet.of([(0, 1), (1, 2)]),
+        values=np.full((2, 16), 0.1, dtype=np.float32),
+        release=release,
+        signing_key=KEY,
+    )
+
+
+def apply_with_cli(site: Site, path: Path, instruction: str | None) -> object:
+    keys = TrustedKeys([KEY.verify_key])
+    policy = PatchPolicy.PROMPT_LAST_TOKEN
+    return artifact_patch(
+        path, loaded=site.model(), keys=keys, policy=policy, instruction=instruction
+    )
+
+
+def apply_with_ask(site: Site, path: Path, instruction: str | None) -> object:
+    png = io.BytesIO()
+    Image.new("RGB", (28, 28), "red").save(png, format="PNG")
+    request = InferRequest(
+        release_id=RELEASE,
+        questions=("What colour?",),
+        images=(png.getvalue(),),
+        instruction=instruction,
+        max_new_tokens=1,
+    )
+    return answer_queries(site, request)
+
+
+def apply_with_http(site: Site, path: Path, instruction: str | None) -> object:
+    catalogue = ReleaseCatalogue(site)
+    return catalogue.patch(RELEASE, PatchPolicy.PROMPT_LAST_TOKEN, instruction=instruction)
+
+
+APPLY: dict[str, Callable[[Site, Path, str | None], object]] = {
+    "cli": apply_with_cli,
+    "ask": apply_with_ask,
+    "http": apply_with_http,
+}
+
+
+@pytest.fixture
+def generated(monkeypatch: pytest.MonkeyPatch) -> list[dict[str, Any]]:
+    """The keyword arguments ``ask`` generates with (no generation runs)."""
+    calls: list[dict[str, Any]] = []
+
+    def spy(loaded: LoadedModel, prompts: Any, **kwargs: Any) -> list[str]:
+        calls.append(kwargs)
+        return ["red"] * len(prompts)
+
+    monkeypatch.setattr(service_inference, "generate_answers", spy)
+    return calls
+
+
+@pytest.mark.parametrize("entry", sorted(APPLY))
+@pytest.mark.parametrize(
+    ("made_with", "queried_with"),
+    [(INSTRUCTION, None), (None, INSTRUCTION), (INSTRUCTION, INSTRUCTION + " ")],
+    ids=["queries-without-it", "queries-with-one-it-lacked", "another-text"],
+)
+def test_an_artifact_of_another_instruction_is_refused_naming_both_digests(
+    site, generated, entry, made_with, queried_with
+):
+    # Arrange
+    expected, found = instruction_digest(made_with), instruction_digest(queried_with)
+    path = store(site, expected)
+
+    # Act / Assert
+    with pytest.raises(ConfigError, match="instruction must be the one") as info:
+        APPLY[entry](site, path, queried_with)
+    assert f"sha256 {expected}" in str(info.value)
+    assert f"sha256 {found}" in str(info.value)
+    assert not generated
+
+
+@pytest.mark.parametrize("entry", sorted(APPLY))
+@pytest.mark.parametrize(
+    ("recorded", "queried_with"),
+    [("own", INSTRUCTION), ("own", None), ("own", ""), (None, INSTRUCTION)],
+    ids=["same-text", "none", "empty-as-none", "made-before-the-field"],
+)
+def test_an_artifact_of_the_queries_instruction_or_of_none_applies(
+    site, generated, entry, recorded, queried_with
+):
+    digest = instruction_digest(queried_with) if recorded == "own" else None
+    path = store(site, digest)
+
+    assert APPLY[entry](site, path, queried_with) is not None
+
+
+def test_ask_prompts_its_queries_with_the_instruction_it_was_given(site, generated):
+    path = store(site, instruction_digest(INSTRUCTION))
+
+    apply_with_ask(site, path, INSTRUCTION)
+
+    assert [call["instruction"] for call in generated] == [INSTRUCTION]
+
+
+def test_the_plain_model_is_served_under_any_instruction(site):
+    store(site, instruction_digest(INSTRUCTION))
+
+    patch, crops = ReleaseCatalogue(site).patch(
+        "dpmtv/plain", PatchPolicy.PROMPT_LAST_TOKEN, instruction="Anything."
+    )
+
+    assert (patch, crops) == (None, None)
