@@ -4,6 +4,13 @@ Usage (writes docs/benchmarks/distributed.md; a few minutes on 2 cores):
 
     .venv/bin/python benchmarks/distributed.py [--task colour] [--draws 20]
 
+The federation curve to a thousand small sites (20 examples, 4 chunks each; writes its own
+page):
+
+    .venv/bin/python benchmarks/distributed.py --task colour --per-site 20 \
+        --curve-sites 3 10 30 100 300 1000 --no-epsilon-sweep \
+        --out docs/benchmarks/federation-curve-colour.md
+
 Each of up to 30 sites holds 100 examples of the embedded model's task (content-disjoint test
 scenes, client.synthetic); every site's clipped sums and votes come from the production
 last-token hooks (per-chunk activations, clipped per layer to C for each head scope) and the
@@ -65,6 +72,7 @@ from protocol import (
 
 EPSILONS = (0.5, 1.0, 2.0, 4.0, 8.0)
 CURVE_SITES = (3, 10, 30)
+DEFAULT_OUT = REPO / "docs" / "benchmarks" / "distributed.md"
 
 
 @dataclass
@@ -202,12 +210,12 @@ def accuracy_of(
     return scores
 
 
-def settings_to_run() -> list[Setting]:
+def settings_to_run(curve_sites: tuple[int, ...], epsilon_sweep: bool) -> list[Setting]:
     rows = []
-    for epsilon in EPSILONS:
+    for epsilon in EPSILONS if epsilon_sweep else ():
         rows.append(Setting(f"10 sites, ε={epsilon:g}", NoiseMode.CENTRAL, 10, epsilon, 2))
         rows.append(Setting(f"10 sites, ε={epsilon:g}", NoiseMode.DISTRIBUTED, 10, epsilon, 2))
-    for sites in CURVE_SITES:
+    for sites in curve_sites:
         rows.append(Setting(f"{sites} sites, ε=1", NoiseMode.CENTRAL, sites, 1.0, 2))
         rows.append(Setting(f"{sites} sites, ε=1", NoiseMode.DISTRIBUTED, sites, 1.0, 2))
         half = math.ceil(sites / 2)
@@ -219,7 +227,7 @@ def settings_to_run() -> list[Setting]:
 def prepare(args) -> tuple[LoadedModel, list[SiteCache], QuerySet, float]:
     root = args.workdir
     write_task_datasets(
-        root, task=args.task, sites=max(CURVE_SITES), per_site=args.per_site, public=100,
+        root, task=args.task, sites=max(args.curve_sites), per_site=args.per_site, public=100,
         test=args.test, seed=args.seed,
     )  # fmt: skip
     loaded = load_model(args.model, device="cpu")
@@ -228,7 +236,7 @@ def prepare(args) -> tuple[LoadedModel, list[SiteCache], QuerySet, float]:
         public_activations(loaded, public, progress=False).flatten(2).norm(dim=-1).median()
     )
     caches = []
-    for index in range(max(CURVE_SITES)):
+    for index in range(max(args.curve_sites)):
         dataset = load_dataset(root / f"site-{index}")
         chunks = make_chunks(dataset, shots=args.shots, seed=1000 + index).chunks
         plan = make_plan(
@@ -249,8 +257,8 @@ def write_report(
     lines = [
         "# Central vs distributed noise (benchmarks/distributed.py)",
         "",
-        f"Command: `.venv/bin/python benchmarks/distributed.py --task {args.task} "
-        f"--draws {args.draws}` ({seconds / 60:.1f} min on 2 cores). Embedded model, task "
+        f"Command: `.venv/bin/python benchmarks/distributed.py {_options(args)}` "
+        f"({seconds / 60:.1f} min on 2 cores). Embedded model, task "
         f"`{args.task}`, {args.per_site} examples a site (K = {args.shots}: "
         f"{args.per_site // (args.shots + 1)} chunks), private select-first selection of "
         f"k = {args.heads} heads, δ = 1e-5, C = {clip:.3g} (public data), {len(rows[0][1])} noise "
@@ -283,6 +291,22 @@ def write_report(
     args.out.write_text("\n".join(lines) + "\n", encoding="utf-8")
 
 
+def _options(args: argparse.Namespace) -> str:
+    """The command-line options that made this page (defaults left out)."""
+    options = [f"--task {args.task}", f"--draws {args.draws}"]
+    if args.per_site != 100:
+        options.append(f"--per-site {args.per_site}")
+    if tuple(args.curve_sites) != CURVE_SITES:
+        options.append("--curve-sites " + " ".join(map(str, args.curve_sites)))
+    if args.no_epsilon_sweep:
+        options.append("--no-epsilon-sweep")
+    if args.out != DEFAULT_OUT:
+        options.append(
+            f"--out {args.out.relative_to(REPO) if args.out.is_relative_to(REPO) else args.out}"
+        )
+    return " ".join(options)
+
+
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -295,8 +319,20 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--test", type=int, default=200)
     parser.add_argument("--draws", type=int, default=20)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--curve-sites",
+        type=int,
+        nargs="+",
+        default=list(CURVE_SITES),
+        help="consortium sizes of the federation curve at ε = 1 (default 3 10 30)",
+    )
+    parser.add_argument(
+        "--no-epsilon-sweep",
+        action="store_true",
+        help="skip the ε sweep at 10 sites (only the federation curve)",
+    )
     parser.add_argument("--workdir", type=Path, default=REPO / "benchmark-run" / "distributed")
-    parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "distributed.md")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
     return parser.parse_args()
 
 
@@ -305,7 +341,7 @@ def main() -> int:
     started = time.monotonic()
     loaded, caches, test, clip = prepare(args)
     rows = []
-    for setting in settings_to_run():
+    for setting in settings_to_run(tuple(args.curve_sites), not args.no_epsilon_sweep):
         scores = accuracy_of(setting, caches, loaded, test, args, clip)
         rows.append((setting, scores))
         print(f"{setting.label:18} {setting.mode.value:11} t={setting.min_honest:<3} "

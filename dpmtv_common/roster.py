@@ -31,7 +31,7 @@ import re
 import tomllib
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import lru_cache
+from functools import cached_property, lru_cache
 from pathlib import Path
 from types import MappingProxyType
 
@@ -83,9 +83,13 @@ class Roster:
                 )
         object.__setattr__(self, "members", MappingProxyType(dict(self.members)))
 
-    @property
+    @cached_property
     def fingerprint(self) -> str:
-        """SHA-256 (hex) of the consortium and its sorted members: compare it out of band."""
+        """SHA-256 (hex) of the consortium and its sorted members: compare it out of band.
+
+        Computed once per roster (it is frozen): every advertisement of every sum is compared
+        with it, so recomputing it made a sum's checks grow with the cube of the sites.
+        """
         lines = [f"{self.consortium}\n".encode()]
         for name in sorted(self.members):
             lines.append(f"{name} {_b64(self.members[name].raw_bytes)}\n".encode())
