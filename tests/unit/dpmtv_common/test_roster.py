@@ -241,3 +241,24 @@ def test_a_name_with_a_trailing_newline_is_refused(where: str) -> None:
     # Act / Assert
     with pytest.raises(ConfigError, match="must match"):
         Roster(consortium, members)
+
+
+def test_the_fingerprint_is_computed_once_per_roster(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Every advertisement of every sum is compared with it: recomputing it (one pass over the
+    # members each time) made a thousand-site sum's checks grow with the cube of the sites.
+    import dpmtv_common.roster as roster_module
+
+    encoded: list[bytes] = []
+    real = roster_module._b64
+    def counting(raw: bytes) -> str:
+        encoded.append(raw)
+        return real(raw)
+
+    monkeypatch.setattr(roster_module, "_b64", counting)
+    members = roster()
+
+    first = members.fingerprint
+    again = [members.fingerprint for _ in range(10)]
+
+    assert again == [first] * 10
+    assert len(encoded) == len(KEYS)  # one pass over the members, for the first read only
