@@ -12,7 +12,7 @@ resident set of the whole process, and how many models the process loaded (sites
 Usage (from the repository root)::
 
     .venv/bin/python benchmarks/scale.py --sites 3 10 30 100 [--modes central distributed]
-        [--output docs/benchmarks/scale.md]
+        [--output docs/benchmarks/scale.md]   # and scale.png beside it
 
 One configuration only (what the parent runs; prints one JSON line)::
 
@@ -217,6 +217,8 @@ def report(rows: list[Row | tuple[int, str, str]], args: argparse.Namespace) -> 
             "",
             *table(rows),
             "",
+            "![CPU seconds and peak memory against sites](scale.png)",
+            "",
             "CPU is the figure to compare between runs: on shared cores the wall time also counts "
             "the time other processes held them (the load average above). Peak RSS is mostly "
             "torch and transformers themselves; one model serves every site, so it stays flat as "
@@ -235,6 +237,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--output", type=Path, help="write the markdown page here")
     parser.add_argument("--one", nargs=2, metavar=("SITES", "MODE"), help=argparse.SUPPRESS)
     parser.add_argument("--workdir", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--plot-only",
+        type=Path,
+        metavar="PAGE",
+        help="redraw the plot beside an existing page from its table, without running",
+    )
     return parser.parse_args()
 
 
@@ -242,6 +250,9 @@ def main() -> int:
     logging.basicConfig(level=logging.WARNING)
     logging.getLogger("flwr").setLevel(logging.WARNING)  # SecAgg+ logs every stage at DEBUG
     args = parse_args()
+    if args.plot_only is not None:
+        _plot_beside(args.plot_only)
+        return 0
     if args.one is not None:
         sites, mode = int(args.one[0]), args.one[1]
         print(json.dumps(asdict(run_one(sites, mode, args.workdir, args.per_site))))
@@ -255,8 +266,16 @@ def main() -> int:
     page = report(rows, args)
     if args.output is not None:
         args.output.write_text(page, encoding="utf-8")
+        _plot_beside(args.output)
     print(page)
     return 0
+
+
+def _plot_beside(page: Path) -> None:
+    """``scale.png`` beside the page, drawn from the page's own table."""
+    from benchmarks._scale_plot import plot, points_from_page
+
+    plot(points_from_page(page.read_text(encoding="utf-8")), page.with_suffix(".png"))
 
 
 if __name__ == "__main__":
