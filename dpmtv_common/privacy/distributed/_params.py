@@ -49,6 +49,8 @@ MAX_QUANTIZATION_RANGE = 2**30  # flwr's stochastic rounding casts to int32
 MAX_MODULUS_RANGE = 2**62  # int64 masks (server._secagg_settings uses the same cap)
 _MAX_EXACT_SUM = 2**52  # flwr dequantises the modular sum in float64
 _ROUNDING_MARGIN = 2.0**-20
+_KLS21_MIN_SHARE_STD = 0.5  # grid units: where KLS21's Theorem 1 starts
+_MAX_INTEGRAL_SCALE = 2.0**20  # bounds the search; _check_ranges refuses a γ that does not fit
 
 
 class SecAggRangeError(ConfigError):
@@ -80,7 +82,9 @@ class DistributedNoise:
         clipping_range: c = Q/2, Flower's per-coordinate clipping range.
         quantization_range: Q, a power of two ≤ 2³⁰ (grid step 2c/Q = 1).
         modulus_range: M, the smallest power of two > max_sites·Q.
-        integral: True when inputs are integers already (votes): no scaling, no rounding.
+        integral: True when inputs are integers already (votes): no rounding; γ is 1 unless
+            the shares would be too coarse for KLS21's τ (then the smallest power of two that
+            is not; see :func:`_integral_scale`).
     """
 
     scale: float
@@ -160,8 +164,9 @@ def distributed_noise_for(
     """Choose γ, c, Q and M so a distributed sum is exact and never wraps (module docstring).
 
     γ is the largest power of two whose worst site value B fits c ≤ 2²⁹ (the finest grid,
-    the least rounding inflation); c is the smallest power of two ≥ B, Q = 2c, M the next
-    power of two above max_sites·Q.
+    the least rounding inflation); for integer inputs it is 1, or the smallest power of two
+    whose shares pass KLS21's τ (:func:`_integral_scale`). c is the smallest power of two ≥ B,
+    Q = 2c, M the next power of two above max_sites·Q.
 
     Raises:
         ConfigError: on an argument out of range.
@@ -183,7 +188,8 @@ def distributed_noise_for(
         raise ConfigError(f"max_sites must be an int >= max(2, min_honest), got {max_sites!r}.")
     tail = _tail_multiplier(max_sites, dimension, overflow_probability)
     if integral:
-        scale, grid_sens = 1.0, l2_sensitivity
+        scale = _integral_scale(l2_sensitivity, noise_multiplier, min_honest, max_sites, dimension)
+        grid_sens = scale * l2_sensitivity
     else:
         scale = _finest_scale(
             l2_sensitivity, max_abs_site_coordinate, dimension, noise_multiplier, min_honest, tail
@@ -226,6 +232,27 @@ def _finest_scale(
             f"the dimension or the noise, or raise min_honest."
         )
     return _largest_power_of_two_at_most(room / per_unit)
+
+
+def _integral_scale(sensitivity: float, z: float, t: int, max_sites: int, dimension: int) -> float:
+    """γ for integer inputs (votes): 1, or the smallest power of two whose shares pass KLS21's τ.
+
+    With many honest shares (large t) each share's std z·Δ₂/√t falls to a grid unit or two,
+    where the sum of discrete Gaussians is far from a discrete Gaussian (τ·d above the reserve).
+    Multiplying the integer votes by a power of two keeps them integers, needs no rounding, and
+    scales Δ̃ and σ_l alike: the same z, so the same privacy, with shares coarse enough for τ.
+    """
+    scale = 1.0
+    while scale <= _MAX_INTEGRAL_SCALE:
+        share_std = z * scale * sensitivity / math.sqrt(t)
+        # KLS21's bound holds from half a grid unit; below it, only a larger scale can help.
+        if share_std >= _KLS21_MIN_SHARE_STD and (
+            kls21_tau_upper_bound(share_noise_std=share_std, max_shares=max_sites) * dimension
+            <= XI_RESERVE
+        ):
+            return scale
+        scale *= 2.0
+    return _MAX_INTEGRAL_SCALE  # _check_tau then refuses it, naming the share std
 
 
 def _check_ranges(quantization: int, max_sites: int, bound: float) -> None:

@@ -9,6 +9,7 @@ import pytest
 from dpmtv_common.errors import ConfigError, IntegrityError
 from dpmtv_common.privacy.distributed import (
     MAX_QUANTIZATION_RANGE,
+    XI_RESERVE,
     DistributedNoise,
     SecAggRangeError,
     activation_noise,
@@ -16,6 +17,7 @@ from dpmtv_common.privacy.distributed import (
     decode_noisy_sum,
     distributed_noise_for,
     encode_site_share,
+    kls21_tau_upper_bound,
     top_k_from_noisy_votes,
     vote_noise,
 )
@@ -132,17 +134,61 @@ def test_headroom_refuses_sums_beyond_float64_exactness():
         params(max_sites=2**23)
 
 
-def test_headroom_refuses_shares_too_small_for_kls21():
-    with pytest.raises(SecAggRangeError, match="tau"):
+def test_headroom_refuses_shares_too_small_for_kls21_at_every_scale():
+    # z = 1e-8: even votes x 2^20 leave shares of 0.007 grid units, where no bound holds.
+    with pytest.raises((SecAggRangeError, ConfigError), match="KLS21"):
         distributed_noise_for(
             l2_sensitivity=1.0,
             max_abs_site_coordinate=3.0,
             dimension=10,
-            noise_multiplier=0.8,
+            noise_multiplier=1e-8,
             min_honest=2,
             max_sites=4,
             integral=True,
         )
+
+
+def _coarse_votes(**overrides: Any) -> Any:
+    # Shares of z*sqrt(2)/sqrt(t) ~ 0.8 grid units at scale 1: too coarse for KLS21's tau.
+    arguments: dict[str, Any] = {
+        "l2_sensitivity": math.sqrt(2.0),
+        "max_abs_site_coordinate": 4.0,
+        "dimension": 12,
+        "noise_multiplier": 9.0,
+        "min_honest": 150,
+        "max_sites": 300,
+        "integral": True,
+    }
+    return distributed_noise_for(**{**arguments, **overrides})
+
+
+def test_votes_of_many_honest_shares_get_the_smallest_power_of_two_scale_that_passes_tau():
+    p = _coarse_votes()
+    tau = kls21_tau_upper_bound
+    assert p.scale > 1.0
+    assert math.log2(p.scale).is_integer()
+    assert tau(share_noise_std=p.share_noise_std, max_shares=300) * 12 <= XI_RESERVE
+    half = p.share_noise_std / 2  # the next smaller power of two would not pass
+    assert tau(share_noise_std=half, max_shares=300) * 12 > XI_RESERVE
+
+
+def test_scaling_the_votes_keeps_their_privacy():
+    # Delta~ = gamma * Delta exactly (integers need no rounding), so the released noise over
+    # the real sensitivity is z at t honest shares, as at scale 1.
+    p = _coarse_votes()
+    assert p.grid_l2_sensitivity == pytest.approx(p.scale * math.sqrt(2.0), rel=1e-15)
+    assert p.effective_noise_multiplier(150) == pytest.approx(9.0, rel=1e-12)
+
+
+def test_scaled_votes_encode_to_integers_and_decode_to_vote_units():
+    p = _coarse_votes()
+    votes = np.array([4.0, 0.0, 3.0, 1.0] * 3)
+    encoded = [encode_site_share(votes, params=p, noise=SeededNoise(seed)) for seed in range(300)]
+    assert all(np.array_equal(share, np.rint(share)) for share in encoded)
+    decoded = decode_noisy_sum(np.sum(encoded, axis=0), params=p, num_sites=300)
+    # 300 shares, each of std sigma_l / gamma in vote units: 300 x votes within 6 sd
+    spread = p.released_noise_std(300)
+    assert np.all(np.abs(decoded - 300 * votes) < 6 * spread)
 
 
 @pytest.mark.parametrize(
