@@ -250,6 +250,7 @@ def test_the_fingerprint_is_computed_once_per_roster(monkeypatch: pytest.MonkeyP
 
     encoded: list[bytes] = []
     real = roster_module._b64
+
     def counting(raw: bytes) -> str:
         encoded.append(raw)
         return real(raw)
