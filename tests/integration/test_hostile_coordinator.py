@@ -21,7 +21,6 @@ import json
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
@@ -77,6 +76,7 @@ from server.messaging import Exchange
 from server.secure_sum import SecureSumSession, SumResult
 from server.simulation import FIRST_NODE_ID, InProcessGrid
 from tests.flower_harness import flower_process_state
+from tests.plans import make_plan as base_plan
 
 pytestmark = pytest.mark.integration
 
@@ -250,26 +250,13 @@ def consortium(world: World, tmp_path: Path) -> Iterator[Consortium]:
 
 def make_plan(world: World, release_id: str = "r1", **overrides: Any) -> ReleasePlan:
     fields: dict[str, Any] = {
-        "protocol_version": PROTOCOL_VERSION,
         "release_id": release_id,
-        "task": "colour",
         "model_fingerprint": world.fingerprint,
-        "epsilon": 1.0,
-        "delta": 1e-5,
         "shots": SHOTS,
-        "clip_norm": 1.0,
-        "selection": SelectionMode.ALL,
-        "order": ReleaseOrder.SELECT_FIRST,
-        "num_selected_heads": 2,
-        "public_heads": None,
-        "selection_share": 0.3,
-        "score_top_r": 2,
         "min_sites": 3,
         "max_chunks_per_site": None,
-        "created": datetime.now(UTC).isoformat(),
     }
-    fields.update(overrides)
-    return ReleasePlan(**fields)
+    return base_plan(**(fields | overrides))
 
 
 def extract_request(release_id: str = "r1", **overrides: Any) -> SecureSumRequest:

@@ -11,7 +11,6 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import pytest
 from PIL import Image
 
@@ -24,10 +23,9 @@ from client.service.inference import InferRequest, answer_queries
 from client.service.releases import ReleaseCatalogue
 from client.settings import SiteSettings
 from client.site import Site
-from dpmtv_common.artifact import ReleaseDescription, write_artifact
 from dpmtv_common.crypto import SigningKey, TrustedKeys
 from dpmtv_common.errors import ConfigError
-from dpmtv_common.heads import HeadSet
+from tests.unit.client.signed_artifact import write_signed_artifact
 
 KEY = SigningKey.generate()
 RELEASE = "r-instruction"
@@ -49,29 +47,13 @@ def site(tiny_llava: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatc
 
 def store(site: Site, instruction_sha256: str | None) -> Path:
     """A signed artifact in the site's folder whose manifest records ``instruction_sha256``."""
-    loaded = site.model()
-    release = ReleaseDescription(
-        protocol_version="5.0",
+    return write_signed_artifact(
+        site.settings.artifacts_folder,
         release_id=RELEASE,
-        model_fingerprint=loaded.fingerprint,
-        task="shapes",
-        plan={"shots": 2},
-        epsilon=1.0,
-        delta=1e-5,
-        accountant="rdp",
-        accountant_parameters={},
-        num_chunks=4,
-        shots=2,
-        clip_norm=1.0,
-        noise_std=1.0,
-        instruction_sha256=instruction_sha256,
-    )
-    return write_artifact(
-        site.settings.artifacts_folder / RELEASE,
-        heads=HeadSet.of([(0, 1), (1, 2)]),
-        values=np.full((2, 16), 0.1, dtype=np.float32),
-        release=release,
+        model_fingerprint=site.model().fingerprint,
         signing_key=KEY,
+        protocol_version="5.0",
+        instruction_sha256=instruction_sha256,
     )
 
 

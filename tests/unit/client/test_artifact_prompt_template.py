@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import pytest
 
 import client.site
@@ -14,10 +13,9 @@ from client.models import LoadedModel, build_tiny_model, get_adapter, prompt_tem
 from client.service.inference import verified_artifact
 from client.settings import SiteSettings
 from client.site import Site
-from dpmtv_common.artifact import ReleaseDescription, write_artifact
 from dpmtv_common.crypto import SigningKey, TrustedKeys
 from dpmtv_common.errors import ConfigError
-from dpmtv_common.heads import HeadSet
+from tests.unit.client.signed_artifact import write_signed_artifact
 
 KEY = SigningKey.generate()
 
@@ -29,28 +27,13 @@ def tiny_llava() -> LoadedModel:
 
 
 def write(folder: Path, loaded: LoadedModel, template_sha256: str | None) -> Path:
-    release = ReleaseDescription(
-        protocol_version="4.0",
+    return write_signed_artifact(
+        folder,
         release_id="r-template",
         model_fingerprint=loaded.fingerprint,
-        task="shapes",
-        plan={"shots": 2},
-        epsilon=1.0,
-        delta=1e-5,
-        accountant="rdp",
-        accountant_parameters={},
-        num_chunks=4,
-        shots=2,
-        clip_norm=1.0,
-        noise_std=1.0,
-        prompt_template_sha256=template_sha256,
-    )
-    return write_artifact(
-        folder / "r-template",
-        heads=HeadSet.of([(0, 1), (1, 2)]),
-        values=np.full((2, 16), 0.1, dtype=np.float32),
-        release=release,
         signing_key=KEY,
+        protocol_version="4.0",
+        prompt_template_sha256=template_sha256,
     )
 
 

@@ -38,15 +38,12 @@ from dpmtv_common.errors import LedgerError
 from dpmtv_common.heads import HeadLayout
 from dpmtv_common.privacy.ledger import ReleaseState
 from protocol import (
-    PROTOCOL_VERSION,
     AbortNotice,
-    ReleaseOrder,
-    ReleasePlan,
     ReleaseRequest,
     SecureSumRequest,
-    SelectionMode,
     StageOrderError,
 )
+from tests.plans import make_plan
 
 RUN = 7
 M_I = 3
@@ -57,29 +54,6 @@ EXTRACT = SecureSumRequest(
 ARTIFACT = ReleaseRequest(release_id="r1", manifest_json="{}", tensors=b"t", signature=b"s")
 OPEN = (SiteReleaseState.PLANNED, SiteReleaseState.CONTRIBUTED)
 FINAL = (SiteReleaseState.RELEASED, SiteReleaseState.ABORTED)
-
-
-def make_plan(release_id: str = "r1") -> ReleasePlan:
-    fields: dict[str, Any] = {
-        "protocol_version": PROTOCOL_VERSION,
-        "release_id": release_id,
-        "task": "colour",
-        "model_fingerprint": "sha256:" + "0" * 64,
-        "epsilon": 1.0,
-        "delta": 1e-5,
-        "shots": 2,
-        "clip_norm": 1.0,
-        "selection": SelectionMode.ALL,
-        "order": ReleaseOrder.SELECT_FIRST,
-        "num_selected_heads": 2,
-        "public_heads": None,
-        "selection_share": 0.3,
-        "score_top_r": 2,
-        "min_sites": 2,
-        "max_chunks_per_site": 100,
-        "created": datetime.now(UTC).isoformat(),
-    }
-    return ReleasePlan(**fields)
 
 
 @dataclass(frozen=True)
@@ -136,7 +110,7 @@ def assert_in_table(site: Site, release_id: str = "r1") -> None:
 
 
 def accepted(site: Site, release_id: str = "r1") -> None:
-    site.accept_plan(make_plan(release_id), run_id=RUN)
+    site.accept_plan(make_plan(release_id=release_id), run_id=RUN)
 
 
 def contributed(site: Site) -> None:
@@ -247,23 +221,18 @@ def test_a_contribution_leaves_contributed_beside_exposed(site: ModelFreeSite) -
     assert_in_table(site)
 
 
-def test_a_stored_artifact_after_a_contribution_is_released_and_committed(
-    site: ModelFreeSite,
+@pytest.mark.parametrize(
+    ("step", "expected"),
+    [(contributed, ReleaseState.COMMITTED), (accepted, ReleaseState.ABORTED)],
+    ids=["after-a-contribution-committed", "with-nothing-sent-refunded"],
+)
+def test_a_stored_artifact_is_released_and_settles_by_what_was_sent(
+    site: ModelFreeSite, step: Any, expected: ReleaseState
 ) -> None:
-    contributed(site)
+    step(site)
     site.finish(ARTIFACT, run_id=RUN)
     assert pair(site)[0].state is SiteReleaseState.RELEASED
-    assert ledger_state(site) is ReleaseState.COMMITTED
-    assert_in_table(site)
-
-
-def test_a_stored_artifact_with_nothing_sent_is_released_and_refunded(
-    site: ModelFreeSite,
-) -> None:
-    accepted(site)
-    site.finish(ARTIFACT, run_id=RUN)
-    assert pair(site)[0].state is SiteReleaseState.RELEASED
-    assert ledger_state(site) is ReleaseState.ABORTED
+    assert ledger_state(site) is expected
     assert_in_table(site)
 
 

@@ -8,7 +8,6 @@ or computed anything before it refused.
 from __future__ import annotations
 
 import dataclasses
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, cast
 
@@ -20,7 +19,6 @@ from client.site import Site
 from dpmtv_common.crypto import SigningKey
 from dpmtv_common.errors import ConfigError, DpmtvError, PolicyError
 from protocol import (
-    PROTOCOL_VERSION,
     AddressedBox,
     NodeBytes,
     NoiseMode,
@@ -38,35 +36,12 @@ from protocol import (
     UnmaskRequest,
 )
 from tests.flower_harness import StandInSite, stand_in_sites
+from tests.plans import make_plan
 
 RANGES = SumRanges(clipping_range=1.0, quantization_range=2**20, modulus_range=2**40)
 EXTRACT = SecureSumRequest(
     release_id="r1", stage="extract", heads=None, clip_norm=1.0, score_top_r=None
 )
-
-
-def make_plan(**overrides: Any) -> ReleasePlan:
-    fields: dict[str, Any] = {
-        "protocol_version": PROTOCOL_VERSION,
-        "release_id": "r1",
-        "task": "colour",
-        "model_fingerprint": "sha256:" + "0" * 64,
-        "epsilon": 1.0,
-        "delta": 1e-5,
-        "shots": 2,
-        "clip_norm": 1.0,
-        "selection": SelectionMode.ALL,
-        "order": ReleaseOrder.SELECT_FIRST,
-        "num_selected_heads": 2,
-        "public_heads": None,
-        "selection_share": 0.3,
-        "score_top_r": 2,
-        "min_sites": 2,
-        "max_chunks_per_site": 100,
-        "created": datetime.now(UTC).isoformat(),
-    }
-    fields.update(overrides)
-    return ReleasePlan(**fields)
 
 
 def zeros(index: int, request: SecureSumRequest) -> list[np.ndarray]:

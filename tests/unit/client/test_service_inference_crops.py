@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 
-import numpy as np
 import pytest
 from PIL import Image
 
@@ -14,36 +13,19 @@ from client.models import LoadedModel
 from client.service.inference import InferRequest, answer_queries
 from client.settings import SiteSettings
 from client.site import Site
-from dpmtv_common.artifact import ReleaseDescription, write_artifact
 from dpmtv_common.crypto import SigningKey
-from dpmtv_common.heads import HeadSet
+from tests.unit.client.signed_artifact import write_signed_artifact
 from tests.unit.client.test_image_crops import _idefics_tiles, splitting_model
 
 
 def store_artifact(site: Site, loaded: LoadedModel, key: SigningKey, cap: int | None) -> None:
-    plan = {"shots": 2} if cap is None else {"shots": 2, "max_image_crops": cap}
-    release = ReleaseDescription(
-        protocol_version="1.0",
+    write_signed_artifact(
+        site.settings.artifacts_folder,
         release_id="r-ask",
         model_fingerprint=loaded.fingerprint,
-        task="shapes",
-        plan=plan,
-        epsilon=1.0,
-        delta=1e-5,
-        accountant="rdp",
-        accountant_parameters={},
-        num_chunks=4,
-        shots=2,
-        clip_norm=1.0,
-        noise_std=1.0,
-    )
-    heads = HeadSet.of([(0, 1), (1, 2)])
-    write_artifact(
-        site.settings.artifacts_folder / "r-ask",
-        heads=heads,
-        values=np.full((2, 16), 0.1, dtype=np.float32),
-        release=release,
         signing_key=key,
+        protocol_version="1.0",
+        plan={"shots": 2} if cap is None else {"shots": 2, "max_image_crops": cap},
     )
 
 

@@ -8,8 +8,6 @@ from typing import Any
 import pytest
 from pydantic import ValidationError
 
-from dpmtv_common.heads import HeadLayout
-from dpmtv_common.privacy.testing import SeededNoise
 from protocol import (
     DPMTV_VERSION,
     PlanAccept,
@@ -18,9 +16,8 @@ from protocol import (
     expect,
     message_to_record,
     release_description,
-    run_release,
 )
-from tests.unit.protocol.test_release import HEADS, LAYERS, FakeSums, make_plan
+from tests.unit.protocol.test_release import make_plan, seeded_release
 
 DIGEST = "0123456789abcdef" * 4
 INSTRUCTION = "fedcba9876543210" * 4
@@ -88,13 +85,7 @@ def test_the_running_version_is_a_valid_one():
 def test_release_description_records_the_digests_and_the_distinct_versions_sorted():
     # Arrange
     plan = make_plan(SelectionMode.ALL, ReleaseOrder.SELECT_FIRST)
-    outcome = run_release(
-        plan,
-        sums=FakeSums(),
-        layout=HeadLayout(LAYERS, HEADS),
-        noise=SeededNoise(0),
-        on_first_noise=lambda: None,
-    )
+    outcome = seeded_release(plan)
 
     # Act
     description = release_description(

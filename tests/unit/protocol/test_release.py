@@ -14,6 +14,7 @@ from protocol import (
     ActivationSum,
     NoiseMode,
     ReleaseOrder,
+    ReleaseOutcome,
     ReleasePlan,
     SelectionMode,
     VoteSum,
@@ -66,6 +67,17 @@ class FakeSums:
         total = np.zeros(LAYERS * HEADS)
         total[[5, 9]] = 1e6  # (1, 1) and (2, 1) win whatever the Gumbel noise
         return VoteSum(total, self.num_chunks)
+
+
+def seeded_release(plan: ReleasePlan) -> ReleaseOutcome:
+    """``plan`` released on ``FakeSums`` with seeded noise."""
+    return run_release(
+        plan,
+        sums=FakeSums(),
+        layout=HeadLayout(LAYERS, HEADS),
+        noise=SeededNoise(0),
+        on_first_noise=lambda: None,
+    )
 
 
 class CountingNoise(SeededNoise):

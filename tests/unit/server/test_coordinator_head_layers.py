@@ -2,17 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
-
 import pytest
 
 from dpmtv_common.errors import ConfigError
-from dpmtv_common.privacy.testing import SeededNoise
-from protocol import PlanAccept, ReleasePlan
-from protocol.sum_keys import KeyAdvert
-from server.coordinator import Coordinator, build_plan
-from server.messaging import Replies
-from server.settings import CoordinatorSettings, RunConfig
+from protocol import PlanAccept
+from server.settings import RunConfig
+from tests.unit.server.coordinator_world import planned
 
 RUN = RunConfig.from_context(
     {
@@ -24,34 +19,6 @@ RUN = RunConfig.from_context(
         "max-chunks-per-site": 0,  # the plan's own round trip (FixedExchange answers it)
     }
 )
-
-
-class FixedExchange:
-    """Answers the plan broadcast with the given PlanAccepts (no grid, no sites)."""
-
-    def __init__(self, accepts: list[PlanAccept]) -> None:
-        self.accepts = accepts
-
-    def broadcast(self, *args: Any) -> Replies:
-        message = args[1]  # ("plan", PlanRequest, nodes, ...) or ("release", ReleaseRequest, ...)
-        release_id = message.plan.release_id if hasattr(message, "plan") else message.release_id
-        answers = {
-            node: accept.model_copy(update={"keys": unsigned_keys(node, release_id)})
-            for node, accept in enumerate(self.accepts, start=1)
-        }
-        return Replies(answers=dict(answers), failures={})
-
-
-def unsigned_keys(node: int, release_id: str) -> KeyAdvert:
-    """A key advertisement of the right shape (the coordinator does not verify it)."""
-    return KeyAdvert(
-        member=f"site-{node}",
-        node_id=node,
-        release_id=release_id,
-        roster_sha256="0" * 64,
-        public_key=bytes(32),
-        signature=bytes(64),
-    )
 
 
 def accept(site: int, head_layers: tuple[int, ...] | None) -> PlanAccept:
@@ -70,17 +37,8 @@ def accept(site: int, head_layers: tuple[int, ...] | None) -> PlanAccept:
 
 
 def plan_stage(monkeypatch: pytest.MonkeyPatch, layers: list[tuple[int, ...] | None]):
-    coordinator = Coordinator(
-        grid=None,  # type: ignore[arg-type]
-        context=None,  # type: ignore[arg-type]
-        run=RUN,
-        settings=CoordinatorSettings(),
-        noise=SeededNoise(0),
-    )
-    exchange = FixedExchange([accept(i, head_layers) for i, head_layers in enumerate(layers)])
-    monkeypatch.setattr(coordinator, "_exchange", lambda: exchange)
-    plan: ReleasePlan = build_plan(RUN)
-    coordinator.plan_stage(plan, [1, 2, 3])
+    accepts = [accept(i, head_layers) for i, head_layers in enumerate(layers)]
+    coordinator, _ = planned(monkeypatch, RUN, accepts)
     return coordinator
 
 

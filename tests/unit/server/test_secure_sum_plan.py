@@ -12,6 +12,7 @@ from protocol import ErrorCode, ErrorReply, KeyAdvert, PlanAccept, WireMessage
 from server.coordinator import Coordinator, build_plan
 from server.messaging import Replies
 from server.settings import CoordinatorSettings, RunConfig
+from tests.unit.server.coordinator_world import unsigned_keys
 
 RUN = RunConfig(
     model_fingerprint="sha256:" + "0" * 64,
@@ -25,14 +26,7 @@ RUN = RunConfig(
 
 def keys(node: int, release_id: str = "r1") -> KeyAdvert:
     """A key advertisement of the right shape (the coordinator relays, the sites verify)."""
-    return KeyAdvert(
-        member=f"site-{node}",
-        node_id=node,
-        release_id=release_id,
-        roster_sha256="0" * 64,
-        public_key=bytes(32),
-        signature=bytes(64),
-    )
+    return unsigned_keys(node, release_id)
 
 
 def accept(node: int, advert: KeyAdvert | None) -> PlanAccept:
