@@ -324,15 +324,7 @@ class _CentralMode:
     ) -> ReleaseOutcome:
         """The calibrated release: σ of the draw and the calibration's (ε, δ)."""
         noise_std = self._gaussian(summed.heads).noise_std
-        return ReleaseOutcome(
-            heads=released,
-            values=values,
-            num_chunks=summed.num_chunks,
-            noise_std=noise_std,
-            gaussian_heads=summed.heads,
-            calibration=self.calibration,
-            signal_to_noise=_snr(values, noise_std, summed.num_chunks),
-        )
+        return _outcome(summed, released, values, noise_std, calibration=self.calibration)
 
 
 @dataclass(frozen=True)
@@ -374,22 +366,36 @@ class _DistributedMode:
             head_dim=int(summed.total.shape[1]),
         )
         survivors = summed.num_sites or self.plan.min_honest
-        noise_std = release.noise_std(summed.heads)
-        return ReleaseOutcome(
-            heads=released,
-            values=values,
-            num_chunks=summed.num_chunks,
-            noise_std=noise_std,
-            gaussian_heads=summed.heads,
-            calibration=None,
-            signal_to_noise=_snr(values, noise_std, summed.num_chunks),
-            distributed=DistributedOutcome(
-                release=release,
-                bound=release.bound(summed.heads, honest_shares=self.plan.min_honest),
-                survivors=survivors,
-                bound_if_all_honest=release.bound(summed.heads, honest_shares=survivors),
-            ),
+        distributed = DistributedOutcome(
+            release=release,
+            bound=release.bound(summed.heads, honest_shares=self.plan.min_honest),
+            survivors=survivors,
+            bound_if_all_honest=release.bound(summed.heads, honest_shares=survivors),
         )
+        noise_std = release.noise_std(summed.heads)
+        return _outcome(summed, released, values, noise_std, distributed=distributed)
+
+
+def _outcome(
+    summed: ActivationSum,
+    released: HeadSet,
+    values: Float64Array,
+    noise_std: float,
+    *,
+    calibration: ReleaseCalibration | None = None,
+    distributed: DistributedOutcome | None = None,
+) -> ReleaseOutcome:
+    """What both modes report: the released rows, the σ on them, and their signal/noise."""
+    return ReleaseOutcome(
+        heads=released,
+        values=values,
+        num_chunks=summed.num_chunks,
+        noise_std=noise_std,
+        gaussian_heads=summed.heads,
+        calibration=calibration,
+        signal_to_noise=_snr(values, noise_std, summed.num_chunks),
+        distributed=distributed,
+    )
 
 
 def _noise_strategy(plan: ReleasePlan, layout: HeadLayout, noise: NoiseSource) -> _NoiseStrategy:
