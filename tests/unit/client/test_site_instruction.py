@@ -23,13 +23,13 @@ from dpmtv_common.crypto import SigningKey, TrustedKeys
 from dpmtv_common.errors import DataError
 from dpmtv_common.privacy.ledger import ReleaseState
 from protocol import PlanMismatchError, ReleasePlan, plan_calibration
+from tests.plans import make_plan
 from tests.unit.client.test_release_states import (
     EXTRACT,
     M_I,
     RUN,
     SHAPE,
     ModelFreeSite,
-    make_plan,
 )
 
 INSTRUCTION = "Answer with one word."
