@@ -11,11 +11,21 @@ of the public chunks is patched into the chosen heads and scored on public zero-
 ``keep`` (default 90 %) of the unclipped mean's gain over zero-shot: the smallest, because
 the Gaussian noise of a release scales with C (sensitivity 2·C·√L under replace-one).
 
-Everything here reads public data only; it costs no privacy budget.
+That rule sees only the clipping's bias, not the noise, so it picks the same C for 60 chunks
+as for 6,000. When the release's size and budget are known (a :class:`PlannedNoise`: the
+plan's noise multiplier z, the chunk count m and the layers in scope, all public), each C is
+instead scored as the release would come out: the clipped public mean plus Gaussian noise of
+the planned std 2·z·C·√L / m per coordinate, averaged over a few draws, and the C with the
+best public accuracy is suggested (the smallest on ties). Few chunks then favour a small C
+(less noise), many chunks a large one (less bias).
+
+Everything here reads public data and public plan numbers only; it costs no privacy budget.
+The simulated noise is drawn from ``dpmtv_common.privacy.noise`` and never leaves the site.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -30,10 +40,64 @@ from client.public_selection import suggested_clip_norm
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.mechanisms import clip_per_layer
+from dpmtv_common.privacy.noise import NoiseSource, secure_noise
+from protocol import ReleasePlan, plan_noise_multiplier
 
-__all__ = ["CLIP_FACTORS", "ClipCandidate", "ClipChoice", "choose_clip_norm", "clipped_mean"]
+__all__ = [
+    "CLIP_FACTORS",
+    "ClipCandidate",
+    "ClipChoice",
+    "PlannedNoise",
+    "choose_clip_norm",
+    "clipped_mean",
+]
 
 CLIP_FACTORS = (1.0, 2.0, 4.0, 8.0, 16.0)
+
+
+@dataclass(frozen=True)
+class PlannedNoise:
+    """The Gaussian a planned release adds to its mean, from public plan numbers only.
+
+    The release adds N(0, σ²) to every coordinate of the clipped sum with σ = z·Δ₂ and
+    Δ₂ = 2·C·√L (replace-one, per-layer clipping, L layers in scope), then divides by m: the
+    mean carries std 2·z·C·√L / m. ``draws`` simulated releases score each C.
+
+    Attributes:
+        noise_multiplier: z of the plan (``protocol.predict_signal_to_noise`` reports it).
+        num_chunks: m, the chunks the release will sum.
+        layers_in_scope: L, the layers of the heads the Gaussian covers.
+        draws: Simulated releases a tried C is scored on.
+    """
+
+    noise_multiplier: float
+    num_chunks: int
+    layers_in_scope: int
+    draws: int = 4
+
+    def __post_init__(self) -> None:
+        if not self.noise_multiplier > 0 or self.num_chunks < 1:
+            raise ConfigError(
+                "planned noise needs noise_multiplier > 0 and num_chunks >= 1, got "
+                f"{self.noise_multiplier!r} and {self.num_chunks!r}."
+            )
+        if self.layers_in_scope < 1 or self.draws < 1:
+            raise ConfigError(
+                "planned noise needs layers_in_scope >= 1 and draws >= 1, got "
+                f"{self.layers_in_scope!r} and {self.draws!r}."
+            )
+
+    @classmethod
+    def for_plan(
+        cls, plan: ReleasePlan, *, num_chunks: int, layers_in_scope: int, draws: int = 4
+    ) -> PlannedNoise:
+        """The noise ``plan`` adds to a release of ``num_chunks`` over ``layers_in_scope``."""
+        return cls(plan_noise_multiplier(plan), num_chunks, layers_in_scope, draws)
+
+    def mean_std(self, clip_norm: float) -> float:
+        """Std of the noise on each coordinate of the released mean at ``clip_norm``."""
+        sensitivity = 2.0 * clip_norm * math.sqrt(self.layers_in_scope)
+        return self.noise_multiplier * sensitivity / self.num_chunks
 
 
 @dataclass(frozen=True)
@@ -54,9 +118,11 @@ class ClipChoice:
         median: The public median per-layer norm (factor 1).
         zero_shot: Public accuracy with no patch.
         unclipped: Public accuracy of the unclipped public mean.
-        candidates: Every C tried, smallest first.
+        candidates: Every C tried, smallest first (accuracies with the planned noise, when
+            one was given).
         kept_gain: Whether the suggestion keeps the asked share of the unclipped gain (False:
-            none did, and the largest C tried is suggested).
+            none did, and the largest C tried, or the best with planned noise, is suggested).
+        planned: The planned noise the C were scored with, or None (noise-free rule).
     """
 
     clip_norm: float
@@ -65,11 +131,19 @@ class ClipChoice:
     unclipped: float
     candidates: tuple[ClipCandidate, ...]
     kept_gain: bool
+    planned: PlannedNoise | None = None
 
     def as_record(self) -> dict[str, object]:
         """JSON-ready fields for the heads file."""
+        rule = "smallest f x median keeping the public gain of the unclipped mean"
+        if self.planned is not None:
+            rule = (
+                f"best public accuracy of the clipped mean plus the planned noise (z = "
+                f"{self.planned.noise_multiplier:.4g}, m = {self.planned.num_chunks}, L = "
+                f"{self.planned.layers_in_scope}, {self.planned.draws} draws)"
+            )
         return {
-            "clip_norm_rule": "smallest f x median keeping the public gain of the unclipped mean",
+            "clip_norm_rule": rule,
             "clip_norm_median": self.median,
             "clip_norm_public_accuracy": {
                 "zero_shot": self.zero_shot,
@@ -100,8 +174,10 @@ def choose_clip_norm(
     instruction: str | None = None,
     factors: Sequence[float] = CLIP_FACTORS,
     keep: float = 0.9,
+    planned: PlannedNoise | None = None,
+    noise: NoiseSource | None = None,
 ) -> ClipChoice:
-    """The smallest tried C keeping ``keep`` of the unclipped public mean's gain.
+    """The smallest tried C keeping ``keep`` of the gain, or the best under ``planned`` noise.
 
     Args:
         activations: Public chunks' last-token activations, ``(m, L, H, D)``.
@@ -109,6 +185,9 @@ def choose_clip_norm(
         queries: Public records (``client.data.Record``) scored zero-shot, first token.
         factors: Multiples of the public median to try, tried smallest first.
         keep: Share of (unclipped − zero-shot) accuracy the clipped mean must keep.
+        planned: The planned release's noise: every factor is then scored with it (module
+            docstring) and the best is suggested, the smallest on ties.
+        noise: Source of the simulated noise (default: the CSPRNG-backed one).
 
     Raises:
         ConfigError: no query, no factor, or ``keep`` outside (0, 1].
@@ -130,11 +209,50 @@ def choose_clip_norm(
     # No gain to keep (the unclipped mean does no better than zero-shot): every C keeps it,
     # so the smallest is suggested; the record shows why.
     target = zero + keep * (unclipped - zero)
+    evidence = (median, zero, unclipped)
+    if planned is not None:
+        source = noise if noise is not None else secure_noise()
+        return _best_under_noise(loaded, activations, heads, scored, factors, evidence,
+                                 target=target, planned=planned, noise=source)  # fmt: skip
     tried: list[ClipCandidate] = []
     for factor in sorted(factors):
         clip = factor * median
         accuracy = scored.accuracy(loaded, (heads, clipped_mean(activations, heads, clip)))
         tried.append(ClipCandidate(factor, clip, accuracy))
         if accuracy >= target:
-            return ClipChoice(clip, median, zero, unclipped, tuple(tried), kept_gain=True)
-    return ClipChoice(tried[-1].clip_norm, median, zero, unclipped, tuple(tried), kept_gain=False)
+            return ClipChoice(clip, *evidence, tuple(tried), kept_gain=True)
+    return ClipChoice(tried[-1].clip_norm, *evidence, tuple(tried), kept_gain=False)
+
+
+def _best_under_noise(
+    loaded: LoadedModel,
+    activations: torch.Tensor,
+    heads: HeadSet,
+    scored: QuerySet,
+    factors: Sequence[float],
+    evidence: tuple[float, float, float],
+    *,
+    target: float,
+    planned: PlannedNoise,
+    noise: NoiseSource,
+) -> ClipChoice:
+    """Every factor scored on ``planned.draws`` simulated releases; the best, smallest on ties."""
+    median = evidence[0]
+    tried = []
+    for factor in sorted(factors):
+        clip = factor * median
+        mean = clipped_mean(activations, heads, clip)
+        std = planned.mean_std(clip)
+        accuracy = float(
+            np.mean(
+                [
+                    scored.accuracy(loaded, (heads, noise.add_gaussian(mean, noise_std=std)))
+                    for _ in range(planned.draws)
+                ]
+            )
+        )
+        tried.append(ClipCandidate(factor, clip, accuracy))
+    best = max(tried, key=lambda c: (c.accuracy, -c.factor))  # ties: the smallest C
+    return ClipChoice(
+        best.clip_norm, *evidence, tuple(tried), kept_gain=best.accuracy >= target, planned=planned
+    )

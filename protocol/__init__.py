@@ -90,7 +90,11 @@ from protocol.secure_sum import (
     ranges_for,
     survivors_signed_bytes,
 )
-from protocol.signal_estimate import SignalEstimate, predict_signal_to_noise
+from protocol.signal_estimate import (
+    SignalEstimate,
+    plan_noise_multiplier,
+    predict_signal_to_noise,
+)
 from protocol.stages import ALLOWED_TRANSITIONS, Stage, StageTracker
 from protocol.sum_graph import (
     CORRECTNESS_FAILURE,
@@ -204,6 +208,7 @@ __all__ = [
     "plan_hash",
     "plan_release_event",
     "planned_sum_count",
+    "plan_noise_multiplier",
     "predict_signal_to_noise",
     "quantise",
     "ranges_for",

@@ -29,7 +29,7 @@ from protocol.calibration import plan_calibration
 from protocol.distributed import plan_distributed_calibration
 from protocol.plan import NoiseMode, ReleaseOrder, ReleasePlan, SelectionMode
 
-__all__ = ["SignalEstimate", "predict_signal_to_noise"]
+__all__ = ["SignalEstimate", "plan_noise_multiplier", "predict_signal_to_noise"]
 
 
 @dataclass(frozen=True)
@@ -57,7 +57,8 @@ class SignalEstimate:
         return math.ceil(target / per_chunk)
 
 
-def _noise_multiplier(plan: ReleasePlan) -> float:
+def plan_noise_multiplier(plan: ReleasePlan) -> float:
+    """Z of the plan's Gaussian: σ = z·Δ₂ on the sum (distributed: the least the plan allows)."""
     if plan.noise_mode is NoiseMode.DISTRIBUTED:
         # At exactly t honest shares, the least noise the plan allows: an upper bound on SNR.
         return plan_distributed_calibration(plan).activation_noise_multiplier
@@ -81,7 +82,7 @@ def predict_signal_to_noise(
     for name, value in sizes.items():
         if value < 1:
             raise ConfigError(f"{name} must be >= 1, got {value!r}.")
-    z = _noise_multiplier(plan)
+    z = plan_noise_multiplier(plan)
     select_first = (
         plan.order is ReleaseOrder.SELECT_FIRST and plan.selection is not SelectionMode.ALL
     )

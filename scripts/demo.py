@@ -36,18 +36,19 @@ apply_thread_policy()  # before torch loads: its thread pool must not spin on sh
 
 from client.chunking import make_chunks, planned_num_chunks
 from client.cli._artifact import artifact_patch
+from client.clip_choice import PlannedNoise, choose_clip_norm
 from client.data import load_dataset
 from client.evaluation import EvaluationMode, evaluate
 from client.hooks import PatchPolicy
 from client.models import load_model, save_tiny_model
 from client.models.embedded import EMBEDDED_MODEL_DIR
-from client.public_selection import public_activations
+from client.public_selection import public_activations, select_heads_attribution
 from client.service.inprocess import in_process_sites, site_settings_for_partition
 from client.synthetic import TASKS, write_task_datasets
 from dpmtv_common.crypto import SigningKey, TrustedKeys
 from dpmtv_common.fingerprint import fingerprint_model_dir
 from dpmtv_common.privacy.noise import require_cryptographic, secure_noise
-from server.coordinator import run_coordinated_release
+from server.coordinator import build_plan, run_coordinated_release
 from server.settings import CoordinatorSettings, RunConfig
 from server.simulation import InProcessGrid, make_server_context
 
@@ -63,7 +64,17 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--epsilon", type=float, default=1.0)
     parser.add_argument("--shots", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
-    parser.add_argument("--clip-norm", type=float, help="default: median layer norm on public data")
+    parser.add_argument(
+        "--clip-norm",
+        type=float,
+        help="default: what `dpmtv-site select-heads` suggests on the public data",
+    )
+    parser.add_argument(
+        "--candidates",
+        type=int,
+        help="private selection picks among the N heads attribution ranks first on the public "
+        "data (default: 2 x --heads; 0: every head)",
+    )
     parser.add_argument(
         "--tiny-random-model", action="store_true", help="use a tiny random LLaVA instead"
     )
@@ -134,47 +145,90 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path]:
     return work, model
 
 
-def public_clip_norm(work: Path, model: Path, shots: int) -> float:
-    """C from PUBLIC data only: the median per-layer norm of all heads (no privacy cost)."""
+def public_choices(work: Path, model: Path, args: argparse.Namespace) -> None:
+    """C and the candidate set from PUBLIC data only, as `select-heads` makes them (no cost).
+
+    Candidates: the heads attribution ranks first with the public chunks' mean. C: the
+    multiple of the public median layer norm of the top ``--heads`` whose clipped public mean,
+    plus the noise this very release will add (its plan's z, the sites' m), scores best on the
+    public queries (``client.clip_choice``; `select-heads --for-epsilon --for-chunks`).
+    """
     loaded = load_model(model)
-    chunks = make_chunks(load_dataset(work / "data" / "public"), shots=shots, seed=0).chunks
-    activations = public_activations(loaded, chunks, progress=False)
-    return float(activations.flatten(2).norm(dim=-1).median())
+    public = load_dataset(work / "data" / "public")
+    chunks = make_chunks(public, shots=args.shots, seed=0).chunks
+    activations = public_activations(loaded, chunks, progress=False, instruction=public.instruction)
+    queries = [chunk.query for chunk in chunks]
+    mean = activations.mean(0)
+    carried = len(loaded.adapter.head_shape(loaded.model).layout().all_heads())
+    if args.candidates is None:
+        args.candidates = min(2 * args.heads, carried)
+    if args.candidates:
+        ranked = select_heads_attribution(
+            loaded, mean, queries, k=args.candidates, instruction=public.instruction
+        )
+        args.candidate_heads = ",".join(f"{layer}:{head}" for layer, head in ranked.heads)
+    if args.clip_norm is None:
+        top = select_heads_attribution(
+            loaded, mean, queries, k=args.heads, instruction=public.instruction
+        )
+        planned = PlannedNoise.for_plan(
+            build_plan(RunConfig.from_context(run_config(args, model, clip_norm=1.0))),
+            num_chunks=sum(site_chunks(args)),
+            layers_in_scope=top.num_layers_in_scope,
+        )  # C scales the noise; z, m and L do not depend on it
+        choice = choose_clip_norm(
+            loaded,
+            activations,
+            top,
+            list(public.records),
+            instruction=public.instruction,
+            planned=planned,
+        )
+        args.clip_norm = choice.clip_norm
+        args.clip_factor = choice.clip_norm / choice.median
 
 
-def largest_site_chunks(args: argparse.Namespace) -> int:
-    """The most chunks any site cuts (a public count: it sizes the distributed grid)."""
+def site_chunks(args: argparse.Namespace) -> list[int]:
+    """The chunks each site cuts (public counts: they size the noise and the grid)."""
     data = args.workdir / "data"
-    return max(
+    return [
         planned_num_chunks(load_dataset(data / f"site-{i}"), args.shots, None)
         for i in range(args.sites)
-    )
+    ]
 
 
-def federated_release(args: argparse.Namespace, model: Path):
-    run_config = {
+def run_config(args: argparse.Namespace, model: Path, *, clip_norm: float) -> dict:
+    """The coordinator's run config for this release."""
+    config: dict[str, object] = {
         "task": args.task,
         "model-fingerprint": fingerprint_model_dir(model),
         "epsilon": args.epsilon,
         "shots": args.shots,
-        "clip-norm": args.clip_norm,
+        "clip-norm": clip_norm,
         "num-selected-heads": args.heads,
         "expected-sites": args.sites,
         "min-sites": min(args.sites, 3),
         "noise-mode": args.noise_mode,
     }
+    if args.candidates:
+        config["candidate-heads"] = args.candidate_heads
     if args.noise_mode == "distributed":  # bounds every site's sum on SecAgg+'s grid
-        run_config["max-chunks-per-site"] = largest_site_chunks(args)
+        config["max-chunks-per-site"] = max(site_chunks(args))
+    return config
+
+
+def federated_release(args: argparse.Namespace, model: Path):
+    config = run_config(args, model, clip_norm=args.clip_norm)
     noise = secure_noise()
     require_cryptographic(noise)
     # Every site is a real site service behind a real relay, in this process.
     settings = [site_settings_for_partition(i) for i in range(args.sites)]
     with in_process_sites(settings) as sites:
-        grid = InProcessGrid(sites.relays, num_nodes=args.sites, run_config=run_config)
+        grid = InProcessGrid(sites.relays, num_nodes=args.sites, run_config=config)
         return run_coordinated_release(
             grid,
-            make_server_context(run_config),
-            RunConfig.from_context(run_config),
+            make_server_context(config),
+            RunConfig.from_context(config),
             CoordinatorSettings(),
             noise,
         )
@@ -210,8 +264,8 @@ def main() -> int:
     started = time.monotonic()
     print("[1/3] preparing data, model and keys ...", flush=True)
     work, model = prepare(args)
-    if args.clip_norm is None:
-        args.clip_norm = public_clip_norm(work, model, args.shots)
+    args.clip_factor = None
+    public_choices(work, model, args)
     print(f"[1/3] data, model and keys ready in {work} ({time.monotonic() - started:.1f} s)")
     if args.tiny_random_model:
         print("      model: a TINY RANDOM LLaVA: accuracies show the pipeline, not utility.")
@@ -219,7 +273,11 @@ def main() -> int:
         print(f"      model: {model}; data: {args.data or 'synthetic shapes'};")
     else:
         print(f"      model: the embedded shapes VLM ({model}); task {args.task!r};")
-    print(f"      clip norm C = {args.clip_norm:.3g} (median layer norm on public data)")
+    chosen = "given"
+    if args.clip_factor is not None:
+        chosen = f"{args.clip_factor:g} x public median, best with this release's noise"
+    print(f"      clip norm C = {args.clip_norm:.3g} ({chosen}); private selection among ", end="")
+    print(f"{args.candidates or 'all'} public candidate heads")
     print(
         f"[2/3] federated release over {args.sites} site services: plan, SecAgg+ secure sums, "
         "one noise draw, head selection, signed artifact ... (the longest phase: tens of "

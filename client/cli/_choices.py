@@ -9,6 +9,7 @@ from __future__ import annotations
 
 __all__ = [
     "ATTENTION_CHOICES",
+    "DEFAULT_SELECTION_SHARE",
     "DTYPES",
     "EVALUATION_MODES",
     "PATCH_POLICIES",
@@ -34,3 +35,5 @@ RELEASE_ORDERS = ("select-first", "release-first")
 """``protocol.ReleaseOrder``."""
 ATTENTION_CHOICES = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 """``client.models.ATTENTION_IMPLEMENTATIONS``."""
+
+DEFAULT_SELECTION_SHARE = 0.3  # share of epsilon private selection spends unless told

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from client.cli._choices import RELEASE_ORDERS, SELECTION_MODES
+from client.cli._choices import DEFAULT_SELECTION_SHARE, RELEASE_ORDERS, SELECTION_MODES
 from client.cli._common import (
     add_image_crops_option,
     add_model_options,
@@ -88,7 +88,7 @@ def register(sub: Any) -> None:
     parser.add_argument("--order", choices=RELEASE_ORDERS, default="release-first")
     parser.add_argument("--heads", type=positive_int, default=8, help="k (private selection)")
     parser.add_argument("--public-heads", type=Path, help="head list from select-heads")
-    parser.add_argument("--selection-share", type=open_unit_float, default=0.3)
+    parser.add_argument("--selection-share", type=open_unit_float, default=DEFAULT_SELECTION_SHARE)
     parser.add_argument("--top-r", type=positive_int, help="votes a chunk (default: k)")
     parser.add_argument(
         "--max-chunks",

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from client.cli._choices import RELEASE_ORDERS, SELECTION_MODES
+from client.cli._choices import DEFAULT_SELECTION_SHARE, RELEASE_ORDERS, SELECTION_MODES
 from client.cli._common import (
     add_image_crops_option,
     add_model_options,
@@ -99,7 +99,7 @@ def _signal_lines(args: argparse.Namespace, num_chunks: int, loaded: Any) -> lis
         order=ReleaseOrder(args.order),
         num_selected_heads=min(args.heads, len(shape.all_heads())),
         public_heads=public,
-        selection_share=0.3,
+        selection_share=DEFAULT_SELECTION_SHARE,
         score_top_r=min(args.heads, len(shape.all_heads())),
         min_sites=1,
         max_chunks_per_site=None,

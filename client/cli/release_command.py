@@ -16,7 +16,12 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from client.cli._choices import RELEASE_ORDERS, SCORE_METHODS, SELECTION_MODES
+from client.cli._choices import (
+    DEFAULT_SELECTION_SHARE,
+    RELEASE_ORDERS,
+    SCORE_METHODS,
+    SELECTION_MODES,
+)
 from client.cli._common import (
     add_image_crops_option,
     add_model_options,
@@ -103,8 +108,9 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--selection-share",
         type=open_unit_float,
-        default=0.3,
-        help="share of epsilon spent on private selection, in (0, 1) (default 0.3)",
+        default=DEFAULT_SELECTION_SHARE,
+        help="share of epsilon spent on private selection, in (0, 1) "
+        f"(default {DEFAULT_SELECTION_SHARE})",
     )
     parser.add_argument(
         "--top-r",

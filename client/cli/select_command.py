@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from client.cli._choices import SELECTION_METHODS
+from client.cli._choices import DEFAULT_SELECTION_SHARE, SELECTION_METHODS
 from client.cli._common import (
     add_image_crops_option,
     add_model_options,
@@ -15,7 +15,7 @@ from client.cli._common import (
     settings_from,
     write_heads_file,
 )
-from client.cli._types import non_negative_int, open_unit_float, positive_int
+from client.cli._types import non_negative_int, open_unit_float, positive_float, positive_int
 from dpmtv_common.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -33,7 +33,10 @@ def register(sub: Any) -> None:
         "suggests a clip norm C: the smallest of 1, 2, 4, 8 and 16 times the public median "
         "per-layer norm of the chosen heads whose clipped (noise-free) public mean keeps "
         "--clip-keep of the unclipped mean's gain over zero-shot on the public queries. "
-        "`release` uses it when --clip-norm is not given.",
+        "With --for-epsilon and --for-chunks it instead scores each C with the noise the "
+        "planned release will add (a central private select-first release of --k heads) and "
+        "suggests the best: few chunks favour a small C, many a large one. "
+        "`release` uses the suggestion when --clip-norm is not given.",
     )
     add_model_options(parser)
     parser.add_argument("--data", type=Path, help="PUBLIC labelled dataset folder")
@@ -52,6 +55,19 @@ def register(sub: Any) -> None:
         type=open_unit_float,
         default=0.9,
         help="share of the unclipped public gain the suggested C must keep (default 0.9)",
+    )
+    parser.add_argument(
+        "--for-epsilon",
+        type=positive_float,
+        help="epsilon of the planned release: score each C with its noise (needs --for-chunks)",
+    )
+    parser.add_argument(
+        "--for-chunks",
+        type=positive_int,
+        help="chunks the planned release will pool, all sites together (needs --for-epsilon)",
+    )
+    parser.add_argument(
+        "--for-delta", type=open_unit_float, default=1e-5, help="delta of the planned release"
     )
     parser.add_argument("--seed", type=non_negative_int, default=0)
     add_image_crops_option(parser, purpose="as the release will (written to the heads file)")
@@ -75,9 +91,14 @@ def run(args: argparse.Namespace) -> int:
     if settings.data_path is None:
         raise ConfigError("select-heads needs --data DIR (a PUBLIC dataset).")
     _check_out(args.out)
+    if (args.for_epsilon is None) != (args.for_chunks is None):
+        raise ConfigError(
+            "--for-epsilon and --for-chunks must be given together, got "
+            f"--for-epsilon {args.for_epsilon} and --for-chunks {args.for_chunks}."
+        )
     # Imported here: the data and model side need PIL, torch and transformers.
     from client.chunking import make_chunks
-    from client.clip_choice import choose_clip_norm
+    from client.clip_choice import PlannedNoise, choose_clip_norm
     from client.data import load_dataset
     from client.public_selection import (
         ReinforceSettings,
@@ -118,8 +139,19 @@ def run(args: argparse.Namespace) -> int:
         heads = select_heads_attribution(
             loaded, mean, queries, k=args.k, instruction=dataset.instruction, progress=True
         )
+    planned = None
+    if args.for_epsilon is not None:
+        planned = PlannedNoise(
+            _central_noise_multiplier(args), args.for_chunks, heads.num_layers_in_scope
+        )
     choice = choose_clip_norm(
-        loaded, acts, heads, queries, instruction=dataset.instruction, keep=args.clip_keep
+        loaded,
+        acts,
+        heads,
+        queries,
+        instruction=dataset.instruction,
+        keep=args.clip_keep,
+        planned=planned,
     )
     write_heads_file(
         args.out,
@@ -137,12 +169,30 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
+def _central_noise_multiplier(args: argparse.Namespace) -> float:
+    """Z of a central private select-first release of ``--k`` heads at the planned budget."""
+    from dpmtv_common.privacy import ReleaseCalibration
+
+    calibration = ReleaseCalibration.for_budget(
+        epsilon=args.for_epsilon,
+        delta=args.for_delta,
+        private_picks=args.k,
+        selection_share=DEFAULT_SELECTION_SHARE,
+    )
+    return calibration.noise_multiplier
+
+
 def _print_clip_choice(choice: ClipChoice) -> None:
     tried = ", ".join(f"{c.factor:g}x {c.accuracy:.2f}" for c in choice.candidates)
     print(
         f"public first-token accuracy: zero-shot {choice.zero_shot:.2f}, unclipped mean "
         f"{choice.unclipped:.2f}; clipped at f x median {choice.median:.4g}: {tried}"
     )
+    if choice.planned is not None:
+        print(
+            f"(each with the planned release's noise: m = {choice.planned.num_chunks}, "
+            f"z = {choice.planned.noise_multiplier:.3g}, {choice.planned.draws} draws)"
+        )
     print(f"suggested clip norm C = {choice.clip_norm:.4g}")
     if not choice.kept_gain:
         print(

@@ -124,6 +124,32 @@ def number_after(label: str, text: str) -> float:
     return float(match.group(1))
 
 
+def test_select_heads_for_a_planned_release_scores_every_bound_with_its_noise(workspace, capsys):
+    # Arrange
+    ws, heads_file = workspace, workspace.root / "planned-heads.json"
+
+    # Act
+    code = main(
+        [
+            "select-heads", *ws.model_args(), "--data", str(ws.public), "--out", str(heads_file),
+            "--k", "3", "--shots", "2", "--queries", "4",
+            "--for-epsilon", "1", "--for-chunks", "40",
+        ]
+    )  # fmt: skip
+    printed = capsys.readouterr().out
+
+    # Assert: every factor was tried (no early stop) and the best public accuracy was chosen
+    assert code == 0
+    selected = json.loads(heads_file.read_text())
+    accuracy = selected["clip_norm_public_accuracy"]
+    tried = {key: value for key, value in accuracy.items() if key.endswith("x")}
+    assert list(tried) == ["1x", "2x", "4x", "8x", "16x"]
+    factor = selected["clip_norm_suggestion"] / selected["clip_norm_median"]
+    assert tried[f"{factor:g}x"] == max(tried.values())
+    assert "m = 40" in selected["clip_norm_rule"]
+    assert "planned release's noise: m = 40" in printed
+
+
 def test_site_commands_select_release_infer_evaluate_and_show_the_ledger(workspace, capsys):
     # Arrange
     ws, out = workspace, workspace.root / "run"

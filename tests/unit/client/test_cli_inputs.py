@@ -237,6 +237,14 @@ def test_make_tiny_model_refuses_to_overwrite_a_model_without_overwrite(tmp_path
         (["infer", "--artifact", "a"], ["--image", "--question", "--batch"]),
         (["select-heads", "--out", "h.json"], ["--data"]),
         (["select-heads", "--out", "nowhere/h.json", "--data", "d"], ["--out", "directory"]),
+        (
+            ["select-heads", "--out", "h.json", "--data", "d", "--for-epsilon", "1"],
+            ["--for-epsilon", "--for-chunks", "together"],
+        ),
+        (
+            ["select-heads", "--out", "h.json", "--data", "d", "--for-chunks", "200"],
+            ["--for-epsilon", "--for-chunks", "together"],
+        ),
     ],
     ids=[
         "artifact-mode",
@@ -246,6 +254,8 @@ def test_make_tiny_model_refuses_to_overwrite_a_model_without_overwrite(tmp_path
         "infer-no-query",
         "no-public",
         "out-dir",
+        "epsilon-without-chunks",
+        "chunks-without-epsilon",
     ],
 )
 def test_a_missing_or_misplaced_option_is_one_line_before_any_model_is_loaded(argv, words, capsys):

@@ -7,11 +7,13 @@ import pytest
 import torch
 
 from client.chunking import Chunk, make_chunks
-from client.clip_choice import CLIP_FACTORS, choose_clip_norm, clipped_mean
+from client.clip_choice import CLIP_FACTORS, PlannedNoise, choose_clip_norm, clipped_mean
 from client.evaluation.first_token import QuerySet
 from client.public_selection import public_activations, suggested_clip_norm
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
+from protocol import NoiseMode, SelectionMode, plan_calibration, plan_noise_multiplier
+from tests.plans import make_plan
 from tests.site_data import write_site
 
 ONE_ARCH = pytest.mark.parametrize("tiny", ["llava"], indirect=True)
@@ -161,3 +163,125 @@ def test_bad_settings_are_refused_before_any_forward_pass(loaded, chunks, acts, 
 def test_no_query_is_refused(loaded, acts):
     with pytest.raises(ConfigError, match="queries"):
         choose_clip_norm(loaded, acts, HEADS, [])
+
+
+class _RecordingNoise:
+    """Adds nothing; remembers each std asked for (the scripted accuracy reads it)."""
+
+    def __init__(self) -> None:
+        self.stds: list[float] = []
+
+    @property
+    def is_cryptographic(self) -> bool:
+        return False
+
+    def add_gaussian(self, values: np.ndarray, *, noise_std: float) -> np.ndarray:
+        self.stds.append(noise_std)
+        return np.array(values, dtype=np.float64)
+
+    def discrete_gaussian(self, size: int, *, noise_std: float) -> np.ndarray:
+        raise NotImplementedError("the clip choice draws only continuous Gaussian noise")
+
+    def gumbel_top_k(self, scores: np.ndarray, *, k: int, scale: float) -> tuple[int, ...]:
+        raise NotImplementedError("the clip choice selects no heads")
+
+
+def _noise_limited_accuracy(lengths: dict[float, float], noise: _RecordingNoise, limit: float):
+    """0.8 from the 4x length on, 0.5 from the 2x length on, 0.2 below; 0.2 past ``limit``."""
+
+    def accuracy(self, loaded, patch=None):
+        if patch is None:
+            return 0.2
+        length = float(np.linalg.norm(np.asarray(patch[1])))
+        if noise.stds and noise.stds[-1] > limit:
+            return 0.2
+        if length >= lengths[4.0] * 0.999:
+            return 0.8
+        return 0.5 if length >= lengths[2.0] * 0.999 else 0.2
+
+    return accuracy
+
+
+@ONE_ARCH
+@pytest.mark.parametrize(("chunks_planned", "expected"), [(100_000, 4.0), (40, 2.0)])
+def test_with_planned_noise_many_chunks_take_the_unbiased_bound_and_few_the_quiet_one(
+    loaded, chunks, monkeypatch, chunks_planned, expected
+):
+    # Arrange: the 4x bound answers best but only while the noise stays under a limit that
+    # sits between the 2x and 4x bounds' planned noise at m = 40
+    acts = _spread_acts()
+    median = suggested_clip_norm(acts, HEADS)
+    lengths = {
+        f: float(np.linalg.norm(clipped_mean(acts, HEADS, f * median))) for f in CLIP_FACTORS
+    }
+    planned = PlannedNoise(noise_multiplier=2.0, num_chunks=chunks_planned, layers_in_scope=2)
+    at_40 = PlannedNoise(noise_multiplier=2.0, num_chunks=40, layers_in_scope=2)
+    limit = (at_40.mean_std(2 * median) + at_40.mean_std(4 * median)) / 2
+    noise = _RecordingNoise()
+    monkeypatch.setattr(QuerySet, "accuracy", _noise_limited_accuracy(lengths, noise, limit))
+
+    # Act
+    choice = choose_clip_norm(
+        loaded, acts, HEADS, [c.query for c in chunks], planned=planned, noise=noise
+    )
+
+    # Assert: every factor was scored, with the planned std at its own C, draws times each
+    assert choice.clip_norm == pytest.approx(expected * median)
+    assert [c.factor for c in choice.candidates] == list(CLIP_FACTORS)
+    expected_stds = [planned.mean_std(f * median) for f in CLIP_FACTORS for _ in range(4)]
+    assert noise.stds == pytest.approx(expected_stds)
+    assert choice.planned == planned
+    assert "planned noise" in str(choice.as_record()["clip_norm_rule"])
+
+
+def test_planned_noise_is_2_z_c_root_l_over_m():
+    planned = PlannedNoise(noise_multiplier=1.5, num_chunks=200, layers_in_scope=4)
+
+    assert planned.mean_std(3.0) == pytest.approx(1.5 * 2 * 3.0 * 2 / 200)
+
+
+@pytest.mark.parametrize(
+    "kwargs",
+    [
+        {"noise_multiplier": 0.0, "num_chunks": 10, "layers_in_scope": 1},
+        {"noise_multiplier": 1.0, "num_chunks": 0, "layers_in_scope": 1},
+        {"noise_multiplier": 1.0, "num_chunks": 10, "layers_in_scope": 0},
+        {"noise_multiplier": 1.0, "num_chunks": 10, "layers_in_scope": 1, "draws": 0},
+    ],
+)
+def test_impossible_planned_noise_is_refused(kwargs):
+    with pytest.raises(ConfigError, match="planned noise"):
+        PlannedNoise(**kwargs)
+
+
+@ONE_ARCH
+def test_on_a_real_model_planned_noise_scores_every_bound_and_suggests_the_best(
+    loaded, chunks, acts
+):
+    planned = PlannedNoise(noise_multiplier=1.0, num_chunks=50, layers_in_scope=2, draws=2)
+
+    choice = choose_clip_norm(loaded, acts, HEADS, [c.query for c in chunks], planned=planned)
+
+    best = max(c.accuracy for c in choice.candidates)
+    assert len(choice.candidates) == len(CLIP_FACTORS)
+    chosen = [c for c in choice.candidates if c.clip_norm == choice.clip_norm]
+    assert chosen[0].accuracy == best
+    assert all(c.accuracy < best for c in choice.candidates if c.factor < chosen[0].factor)
+
+
+@pytest.mark.parametrize("mode", ["central", "distributed"])
+def test_planned_noise_of_a_plan_carries_the_plans_noise_multiplier(mode):
+    extra = {
+        "noise_mode": NoiseMode(mode),
+        "min_honest": 2,
+        "max_sites": 4,
+        "max_chunks_per_site": 20,
+    }
+    plan = make_plan(selection=SelectionMode.PRIVATE, **(extra if mode == "distributed" else {}))
+
+    planned = PlannedNoise.for_plan(plan, num_chunks=200, layers_in_scope=3)
+
+    assert planned.noise_multiplier == pytest.approx(plan_noise_multiplier(plan))
+    if mode == "central":
+        assert planned.noise_multiplier == pytest.approx(plan_calibration(plan).noise_multiplier)
+    assert (planned.num_chunks, planned.layers_in_scope) == (200, 3)
