@@ -15,9 +15,10 @@ That rule sees only the clipping's bias, not the noise, so it picks the same C f
 as for 6,000. When the release's size and budget are known (a :class:`PlannedNoise`: the
 plan's noise multiplier z, the chunk count m and the layers in scope, all public), each C is
 instead scored as the release would come out: the clipped public mean plus Gaussian noise of
-the planned std 2·z·C·√L / m per coordinate, averaged over a few draws, and the C with the
-best public accuracy is suggested (the smallest on ties). Few chunks then favour a small C
-(less noise), many chunks a large one (less bias).
+the planned std 2·z·C·√L / m per coordinate, averaged over a few draws, and the smallest C
+keeping ``keep`` of the best one's gain over zero-shot is suggested. Few chunks then favour a
+small C (less noise), many chunks a large one (less bias); taking the smallest near-best
+rather than the best keeps a noisy estimate from drifting to a large C when all score alike.
 
 Everything here reads public data and public plan numbers only; it costs no privacy budget.
 The simulated noise is drawn from ``dpmtv_common.privacy.noise`` and never leaves the site.
@@ -73,7 +74,7 @@ class PlannedNoise:
     noise_multiplier: float
     num_chunks: int
     layers_in_scope: int
-    draws: int = 4
+    draws: int = 8
 
     def __post_init__(self) -> None:
         if not self.noise_multiplier > 0 or self.num_chunks < 1:
@@ -89,7 +90,7 @@ class PlannedNoise:
 
     @classmethod
     def for_plan(
-        cls, plan: ReleasePlan, *, num_chunks: int, layers_in_scope: int, draws: int = 4
+        cls, plan: ReleasePlan, *, num_chunks: int, layers_in_scope: int, draws: int = 8
     ) -> PlannedNoise:
         """The noise ``plan`` adds to a release of ``num_chunks`` over ``layers_in_scope``."""
         return cls(plan_noise_multiplier(plan), num_chunks, layers_in_scope, draws)
@@ -186,7 +187,7 @@ def choose_clip_norm(
         factors: Multiples of the public median to try, tried smallest first.
         keep: Share of (unclipped − zero-shot) accuracy the clipped mean must keep.
         planned: The planned release's noise: every factor is then scored with it (module
-            docstring) and the best is suggested, the smallest on ties.
+            docstring) and the smallest keeping ``keep`` of the best one's gain is suggested.
         noise: Source of the simulated noise (default: the CSPRNG-backed one).
 
     Raises:
@@ -212,8 +213,10 @@ def choose_clip_norm(
     evidence = (median, zero, unclipped)
     if planned is not None:
         source = noise if noise is not None else secure_noise()
-        return _best_under_noise(loaded, activations, heads, scored, factors, evidence,
-                                 target=target, planned=planned, noise=source)  # fmt: skip
+        return _best_under_noise(
+            loaded, activations, heads, scored, factors, evidence,
+            target=target, keep=keep, planned=planned, noise=source,
+        )  # fmt: skip
     tried: list[ClipCandidate] = []
     for factor in sorted(factors):
         clip = factor * median
@@ -233,10 +236,14 @@ def _best_under_noise(
     evidence: tuple[float, float, float],
     *,
     target: float,
+    keep: float,
     planned: PlannedNoise,
     noise: NoiseSource,
 ) -> ClipChoice:
-    """Every factor scored on ``planned.draws`` simulated releases; the best, smallest on ties."""
+    """Every factor scored on ``planned.draws`` simulated releases; the smallest near-best.
+
+    Near-best: keeping ``keep`` of the best factor's gain over zero-shot.
+    """
     median = evidence[0]
     tried = []
     for factor in sorted(factors):
@@ -252,7 +259,14 @@ def _best_under_noise(
             )
         )
         tried.append(ClipCandidate(factor, clip, accuracy))
-    best = max(tried, key=lambda c: (c.accuracy, -c.factor))  # ties: the smallest C
+    zero = evidence[1]
+    best = max(c.accuracy for c in tried)
+    near_best = zero + keep * (best - zero)
+    chosen = next(c for c in tried if c.accuracy >= near_best)
     return ClipChoice(
-        best.clip_norm, *evidence, tuple(tried), kept_gain=best.accuracy >= target, planned=planned
+        chosen.clip_norm,
+        *evidence,
+        tuple(tried),
+        kept_gain=chosen.accuracy >= target,
+        planned=planned,
     )

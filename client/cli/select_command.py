@@ -35,7 +35,8 @@ def register(sub: Any) -> None:
         "--clip-keep of the unclipped mean's gain over zero-shot on the public queries. "
         "With --for-epsilon and --for-chunks it instead scores each C with the noise the "
         "planned release will add (a central private select-first release of --k heads) and "
-        "suggests the best: few chunks favour a small C, many a large one. "
+        "suggests the smallest keeping --clip-keep of the best one's gain: few chunks favour "
+        "a small C, many a large one. "
         "`release` uses the suggestion when --clip-norm is not given.",
     )
     add_model_options(parser)
