@@ -2,7 +2,8 @@
 
     .venv/bin/python benchmarks/report.py
 
-Reads docs/benchmarks/utility-{small,deep}.json (benchmarks/utility.py; one run per task
+Reads docs/benchmarks/headline-{small,deep,pretrained}.json (benchmarks/headline.py),
+docs/benchmarks/utility-{small,deep}.json (benchmarks/utility.py; one run per task
 family), docs/benchmarks/untrained-candidates.json (benchmarks/untrained_candidates.py),
 docs/benchmarks/audit-small.json (benchmarks/audit.py) and each model's training.json; every
 figure in the page comes from those files, and the page names the command behind each.
@@ -24,6 +25,13 @@ from dpmtv_common.thread_policy import apply_thread_policy
 
 apply_thread_policy()  # before torch loads: its thread pool must not spin on shared cores
 
+from _report_headline import (
+    choices_table,
+    commands,
+    headline_table,
+    load_headlines,
+    plot_headline,
+)
 from _utility_lib import headline_ratios
 
 from client.models.embedded import ARCHITECTURES, EMBEDDED_MODEL_DIRS
@@ -268,12 +276,50 @@ def _audit_section(audit: dict) -> list[str]:
     return lines
 
 
+def _three_models(headlines: dict[str, dict[str, Any]]) -> list[str]:
+    """The headline on every model, single holder and federated, with its plot."""
+    if not headlines:
+        return []
+    plot_headline(headlines, DATA / "headline.png")
+    return [
+        "## Headline on three models: eps = 1, delta = 1e-5, single holder and federated",
+        "",
+        "**(DP-MTV - zero-shot) / (MTV with its own head selection - zero-shot)**, in bold, "
+        "with DP-MTV's accuracy in brackets; the paper reports 75 % on VizWiz. Sites of 100 "
+        "examples (20 chunks of K = 4 + 1), so 10 sites pool m = 200 chunks: in central mode "
+        "that row *is* the single-holder release of those chunks (one Gaussian draw on the "
+        "same sum). Private select-first selection of k heads (4 / 8 / 16 by model) among the "
+        "2k heads attribution ranks first on PUBLIC data; C chosen on public data for each "
+        "consortium size with the noise that size's release will add (`select-heads "
+        "--for-epsilon --for-chunks`, `client.clip_choice`); no rescaling; `distributed`: every "
+        "site adds its own discrete-Gaussian share, sized for t honest sites (t = n/2 is t = 2 "
+        "at 3 sites). MTV's own selection: the unclipped mean of every site's chunks in the "
+        "k heads attribution ranks first on validation queries (non-private). Commands:",
+        "",
+        *commands(headlines),
+        "",
+        *headline_table(headlines),
+        "",
+        "![ratio against consortium size](benchmarks/headline.png)",
+        "",
+        "What each public choice adds, at 10 sites in central mode (ratio, accuracy), side by "
+        "side in the same run: the clip norm and candidate set used before (C = the public "
+        "median layer norm over every head, every head a candidate), the planned-noise C "
+        "alone, the candidates with the noise-free rule's C (`select-heads` without "
+        "`--for-*`), and both choices (the headline).",
+        "",
+        *choices_table(headlines),
+        "",
+    ]
+
+
 def main() -> int:
     utility = {size: r["families"] for size in SIZES if (r := _load(f"utility-{size}.json"))}
     candidates = _load("untrained-candidates.json")
     audit = _load("audit-small.json")
+    headlines = load_headlines(DATA)
     lines = [
-        "# Utility and privacy audit of DP-MTV on the embedded models",
+        "# Utility and privacy audit of DP-MTV",
         "",
         "Every figure below comes from one run of the commands named with it (JSON in "
         "docs/benchmarks/); this page is written by `.venv/bin/python benchmarks/report.py`. "
@@ -306,13 +352,19 @@ def main() -> int:
         "patch collapsed the model to one answer (compare with the majority-class rate). "
         "*Oracle recall*: share of the oracle heads that private selection found.",
         "",
-        "Every DP row runs the single-holder path (`client.release.LocalSums` and "
-        "`protocol.run_release`, the code a federated release also runs after its secure sum) "
-        "on 1000 pooled examples, m = 200 chunks of K = 4 + 1; the federated path itself "
-        "(SecAgg+ sums, timings) is measured by `benchmarks/secure_sum.py` "
-        "([secure_sum.md](benchmarks/secure_sum.md)), not here.",
+        "The three-model headline combines the sites' production sums as the federation does "
+        "(central: plain sum, one Gaussian draw; distributed: every site's discrete-Gaussian "
+        "share on the SecAgg+ grid). Every DP row of the single-holder tables after it runs "
+        "the single-holder path (`client.release.LocalSums` and `protocol.run_release`, the "
+        "code a federated release also runs after its secure sum) on 1000 pooled examples, "
+        "m = 200 chunks of K = 4 + 1. The secure sum itself (masks, timings) is measured by "
+        "`benchmarks/secure_sum.py` ([secure_sum.md](benchmarks/secure_sum.md)), not here.",
         "",
-        "Elsewhere: the pretrained-decoder model (270 heads) in "
+        "Elsewhere: the headline of each model per task and consortium size in "
+        "[headline-small.md](benchmarks/headline-small.md), "
+        "[headline-deep.md](benchmarks/headline-deep.md) and "
+        "[headline-pretrained.md](benchmarks/headline-pretrained.md); "
+        "the pretrained-decoder model (270 heads) in "
         "[pretrained.md](benchmarks/pretrained.md) (MTV with its own selection, DP-MTV, and "
         "private selection's recall against the number of heads, with a plot) and "
         "[pretrained-curve.md](benchmarks/pretrained-curve.md) (DP-MTV against the pooled "
@@ -335,7 +387,8 @@ def main() -> int:
         "usage lines and retrains the small model's schedule up to step 200 to compare with "
         "its documented checkpoint.",
         "",
-        "## Headline: eps = 1, delta = 1e-5, private selection",
+        *_three_models(headlines),
+        "## Single holder in detail: eps = 1, delta = 1e-5, private selection (embedded models)",
         "",
         "(DP-MTV - zero-shot) / (MTV with its own head selection - zero-shot), in bold; the "
         "same-heads ratio beside it is a diagnostic (a bad private pick lowers its numerator and "
