@@ -294,7 +294,10 @@ def _three_models(headlines: dict[str, dict[str, Any]]) -> list[str]:
         "--for-epsilon --for-chunks`, `client.clip_choice`); no rescaling; `distributed`: every "
         "site adds its own discrete-Gaussian share, sized for t honest sites (t = n/2 is t = 2 "
         "at 3 sites). MTV's own selection: the unclipped mean of every site's chunks in the "
-        "k heads attribution ranks first on validation queries (non-private). Commands:",
+        "k heads attribution ranks first on validation queries (non-private). A ratio is n/a "
+        "where that MTV gains less than 0.2 over zero-shot (the pretrained decoder's shape and "
+        "count-word: MTV itself gives 0.08-0.10 there), since it would divide by test noise. "
+        "Commands:",
         "",
         *commands(headlines),
         "",
