@@ -35,6 +35,7 @@ from client.fixed_shape import fixed_shape_heads
 from client.hooks import capture_last_token_heads
 from client.models import Example, LoadedModel, Prompt
 from dpmtv_common.aliases import Float64Array
+from dpmtv_common.centre import ActivationCentre
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.mechanisms import clip_per_layer
@@ -42,6 +43,7 @@ from dpmtv_common.privacy.mechanisms import clip_per_layer
 __all__ = [
     "ClippedSum",
     "batched",
+    "check_centre_shape",
     "check_heads_in_model",
     "chunk_contributions",
     "chunk_prompt",
@@ -158,13 +160,18 @@ def log_replaced_chunks(stage: str, failures: Counter[str], num_chunks: int) -> 
 
 
 def _clipped(
-    acts: torch.Tensor | Exception, heads: HeadSet, clip_norm: float
+    acts: torch.Tensor | Exception,
+    heads: HeadSet,
+    clip_norm: float,
+    centre_rows: Float64Array | None,
 ) -> Float64Array | Exception:
     if isinstance(acts, Exception):
         return acts
     rows = select_heads(acts.unsqueeze(0), heads)[0]
     if not np.isfinite(rows).all():
         return FloatingPointError("non-finite activations")
+    if centre_rows is not None:  # a centred plan clips the shift from the public centre
+        rows = rows - centre_rows
     return clip_per_layer(rows, row_layers=heads.row_layers(), clip_norm=clip_norm)
 
 
@@ -177,8 +184,13 @@ def chunk_contributions(
     instruction: str | None = None,
     batch_size: int = 4,
     failures: Counter[str] | None = None,
+    centre: ActivationCentre | None = None,
 ) -> Iterator[Float64Array]:
     """Each chunk's clipped contribution ``(len(heads), D)``, in chunk order.
+
+    With a ``centre`` (a centred plan), a chunk contributes ``clip(a - r)``: the same bound C
+    per layer, so the same sensitivity (``dpmtv_common.centre``); a failed chunk's zeros then
+    stand for "exactly the centre".
 
     Chunks run in fixed-shape batches (module docstring): ``batch_size`` consecutive chunks
     at a time, grouped by :func:`_signature`, each group one pass of shape
@@ -195,9 +207,10 @@ def chunk_contributions(
     clip_per_layer(
         np.zeros((len(heads), head_dim)), row_layers=heads.row_layers(), clip_norm=clip_norm
     )
+    centre_rows = None if centre is None else _centre_rows(loaded, centre, heads)
     builders = [functools.partial(chunk_prompt, chunk) for chunk in chunks]
     for acts in fixed_shape_heads(loaded, builders, batch_size=batch_size, instruction=instruction):
-        result = _clipped(acts, heads, clip_norm)
+        result = _clipped(acts, heads, clip_norm, centre_rows)
         if isinstance(result, Exception):
             # Whatever goes wrong inside one chunk (a decoder, the processor, the model) is
             # a function of that chunk's records: it must cost that chunk only.
@@ -206,6 +219,26 @@ def chunk_contributions(
             yield np.zeros((len(heads), head_dim))
         else:
             yield result
+
+
+def check_centre_shape(loaded: LoadedModel, centre: ActivationCentre) -> None:
+    """Refuse a centre made for another model shape than ``loaded``'s ``(L, H, D)``.
+
+    Raises:
+        ConfigError: The shapes differ.
+    """
+    shape = loaded.adapter.head_shape(loaded.model)
+    expected = (shape.num_layers, shape.num_heads, shape.head_dim)
+    if centre.shape != expected:
+        raise ConfigError(
+            f"centre must have the model's shape (layers, heads, head_dim) = {expected}, got "
+            f"{centre.shape}."
+        )
+
+
+def _centre_rows(loaded: LoadedModel, centre: ActivationCentre, heads: HeadSet) -> Float64Array:
+    check_centre_shape(loaded, centre)
+    return centre.rows(heads)
 
 
 def extract_clipped_sum(
@@ -217,12 +250,14 @@ def extract_clipped_sum(
     batch_size: int = 4,
     instruction: str | None = None,
     progress: bool = True,
+    centre: ActivationCentre | None = None,
 ) -> ClippedSum:
     """Run every chunk's K-shot prompt once, clip its in-scope heads per layer, sum them.
 
     Each chunk is clipped on its own before the sum, so one chunk moves the sum by at most
     ``clip_norm`` per layer (the sensitivity the Gaussian mechanism is calibrated to); a
-    failed chunk adds zeros and still counts in ``num_chunks`` (module docstring).
+    failed chunk adds zeros and still counts in ``num_chunks`` (module docstring). A centred
+    plan's ``centre`` is subtracted from each chunk before its clip.
     """
     head_dim = loaded.adapter.head_shape(loaded.model).head_dim
     total = np.zeros((len(heads), head_dim))
@@ -235,6 +270,7 @@ def extract_clipped_sum(
         instruction=instruction,
         batch_size=batch_size,
         failures=failures,
+        centre=centre,
     )
     for contribution in tqdm(
         contributions, total=len(chunks), desc="extract", unit="chunk", disable=not progress

@@ -24,7 +24,7 @@ from pathlib import Path
 import numpy as np
 
 from client.chunking import Chunk
-from client.extraction import extract_clipped_sum
+from client.extraction import check_centre_shape, extract_clipped_sum
 from client.models import LoadedModel, instruction_digest, prompt_template_digest
 from client.scoring import ScoreMethod, check_answer_vocabulary, chunk_head_votes
 from dpmtv_common.aliases import Float64Array
@@ -34,6 +34,7 @@ from dpmtv_common.artifact import (
     load_artifact,
     write_artifact,
 )
+from dpmtv_common.centre import ActivationCentre
 from dpmtv_common.crypto import SigningKey, TrustedKeys
 from dpmtv_common.errors import ConfigError, ModelMismatchError
 from dpmtv_common.heads import HeadSet
@@ -45,6 +46,7 @@ from protocol import (
     ReleaseOutcome,
     ReleasePlan,
     VoteSum,
+    check_plan_centre,
     check_plan_scope,
     plan_calibration,
     release_description,
@@ -71,6 +73,8 @@ class LocalSums:
         loaded: The holder's model, its processor under the plan's crop cap.
         batch_size: Chunks a forward pass in extraction and shift scoring (a speed setting:
             the fixed padded shape makes each chunk's result independent of its batch-mates).
+        centre: The public centre of a centred plan, subtracted from each chunk before its
+            clip (``dpmtv_common.centre``); None for a plain plan.
 
     Raises:
         ConfigError: The model's processor cannot meet the plan's ``max_image_crops``.
@@ -83,6 +87,7 @@ class LocalSums:
     batch_size: int = 4
     instruction: str | None = None
     progress: bool = True
+    centre: ActivationCentre | None = None
 
     def __post_init__(self) -> None:
         self.loaded = self.loaded.with_image_crops(self.plan.max_image_crops)
@@ -97,6 +102,7 @@ class LocalSums:
             batch_size=self.batch_size,
             instruction=self.instruction,
             progress=self.progress,
+            centre=self.centre,
         )
         return ActivationSum(summed.heads, summed.total, summed.num_chunks)
 
@@ -132,8 +138,10 @@ def check_release_inputs(
 
     Raises:
         ModelMismatchError: The plan names another model.
+        PlanMismatchError: The centre is not the one the plan pins.
         ConfigError: No chunks; heads, k or top-r do not fit the heads the model carries
-            (:func:`protocol.check_plan_scope`: none in a headless layer); the output path
+            (:func:`protocol.check_plan_scope`: none in a headless layer); a centre of
+            another shape than the model's (L, H, D); the output path
             exists (without ``overwrite``), is not a folder, lies under a file or cannot be
             written; or the plan cannot be calibrated.
     """
@@ -146,6 +154,9 @@ def check_release_inputs(
     if not sums.chunks:
         raise ConfigError("chunks must hold at least one chunk, got none.")
     check_plan_scope(plan, loaded.adapter.head_shape(loaded.model).layout())
+    check_plan_centre(plan, sums.centre)
+    if sums.centre is not None:
+        check_centre_shape(loaded, sums.centre)
     answers = [record.answer for chunk in sums.chunks for record in chunk.records]
     check_answer_vocabulary(loaded, answers)
     _check_output(output, overwrite=overwrite)
@@ -214,6 +225,7 @@ def run_single_holder_release(
             layout=layout,
             noise=noise,
             on_first_noise=mark_exposed,
+            centre=sums.centre,
         )
         path = write_artifact(
             output,

@@ -66,6 +66,7 @@ from dpmtv_common.artifact import (
     clean_stale_staging,
     load_artifact,
 )
+from dpmtv_common.centre import ActivationCentre
 from dpmtv_common.crypto import TrustedKeys
 from dpmtv_common.errors import ConfigError, DataError, LedgerError
 from dpmtv_common.heads import HeadSet
@@ -82,6 +83,7 @@ from protocol import (
     ReleaseRequest,
     SecureSumRequest,
     StageOrderError,
+    check_plan_centre,
     reserve_plan,
 )
 from protocol.secure_sum import SumRanges
@@ -117,12 +119,15 @@ class Site:
         settings: The site admin's settings.
         seeds: Secret chunk seed of each open release (memory only: a restarted service
             cannot contribute to a release it accepted before, and resolves it instead).
+        centres: The public centre of each open centred release, checked against its plan
+            (memory only, like the seeds).
         references: The noisy all-head vector of each open release-first release.
         last_seen: When a message of each run last arrived (idle releases are resolved).
     """
 
     settings: SiteSettings
     seeds: dict[str, int] = field(default_factory=dict)
+    centres: dict[str, ActivationCentre] = field(default_factory=dict)
     references: dict[str, Float64Array] = field(default_factory=dict)
     last_seen: dict[int, float] = field(default_factory=dict)
 
@@ -170,12 +175,19 @@ class Site:
         """The site's own ledger (open it in a ``with`` block)."""
         return PrivacyLedger.open(self.settings.ledger_file, self.settings.budget)
 
-    def accept_plan(self, plan: ReleasePlan, *, run_id: int) -> PlanAccept:
-        """Check the plan against this site, reserve its cost, and report m_i."""
+    def accept_plan(
+        self, plan: ReleasePlan, *, run_id: int, centre: Float64Array | None = None
+    ) -> PlanAccept:
+        """Check the plan against this site, reserve its cost, and report m_i.
+
+        ``centre`` is the flat public centre that rode beside a centred plan: refused unless
+        its digest is the plan's and its shape the site model's (before any reservation).
+        """
         if self.records.get(plan.release_id) is not None:
             raise StageOrderError(f"release_id must be new to this site, got {plan.release_id!r}.")
         loaded, shape = self.model(), self.shape()
         loaded = loaded.with_image_crops(plan.max_image_crops)  # refused here, before any cost
+        checked_centre = self._checked_centre(plan, centre, loaded)
         # Listed, not decoded: a record's content (an image that no longer decodes, its answer)
         # must never decide whether this site takes part; check_data ran at service start.
         dataset = self._listed_dataset()
@@ -206,6 +218,8 @@ class Site:
             )
         )
         self.seeds[plan.release_id] = secret_seed()
+        if checked_centre is not None:
+            self.centres[plan.release_id] = checked_centre
         _log.info(
             "release %s: plan accepted (run %d, epsilon=%g, delta=%g, m_i=%d, selection=%s)",
             plan.release_id,
@@ -228,6 +242,26 @@ class Site:
             instruction_sha256=instruction_sha256,
             dpmtv_version=DPMTV_VERSION,
         )
+
+    def _checked_centre(
+        self, plan: ReleasePlan, flat: Float64Array | None, loaded: LoadedModel
+    ) -> ActivationCentre | None:
+        """The centre a centred plan pins, rebuilt for this site's model; None otherwise.
+
+        Raises:
+            PlanMismatchError: A centre without a centred plan, none for one, or another
+                digest than the plan's.
+            ConfigError: The values do not fit the site model's (L, H, D) or are not finite.
+        """
+        if flat is None:
+            check_plan_centre(plan, None)
+            return None
+        shape = loaded.adapter.head_shape(loaded.model)
+        centre = ActivationCentre.from_flat(
+            flat, shape=(shape.num_layers, shape.num_heads, shape.head_dim)
+        )
+        check_plan_centre(plan, centre)
+        return centre
 
     def contribution(
         self, request: SecureSumRequest, *, run_id: int, ranges: SumRanges | None = None
@@ -273,6 +307,7 @@ class Site:
             batch_size=self.settings.batch_size,
             instruction=dataset.instruction,
             progress=False,
+            centre=self._centre_of(record),
         )
         if request.stage == "extract":
             heads = record.layout.all_heads()  # None: every head the model carries
@@ -287,6 +322,12 @@ class Site:
         if count != record.num_chunks:  # m_i is public: it must be what the plan stage said
             raise DataError(f"the site must contribute {record.num_chunks} chunks, got {count}.")
         return [total, np.array([float(count)])]
+
+    def _centre_of(self, record: ReleaseRecord) -> ActivationCentre | None:
+        """The centre kept at acceptance; a centred plan without it cannot be served."""
+        centre = self.centres.get(record.release_id)
+        check_plan_centre(record.plan, centre)  # fail closed: never clip uncentred by mistake
+        return centre
 
     def _mark_sent(self, record: ReleaseRecord, request: SecureSumRequest) -> None:
         # Durable before the arrays are handed to SecAgg+: from here on they may leave. The
@@ -412,6 +453,7 @@ class Site:
         )
         self.seeds.pop(record.release_id, None)
         self.references.pop(record.release_id, None)
+        self.centres.pop(record.release_id, None)
         _log.info("release %s: %s: %s; budget %s", record.release_id, state.value, why, verdict)
 
     def _settle_ledger(self, record: ReleaseRecord) -> bool:

@@ -30,6 +30,7 @@ from protocol.errors import (
     VersionMismatchError,
 )
 from protocol.messages import (
+    CENTRE_ARRAY_KEY,
     AbortNotice,
     AnyMessage,
     ErrorReply,
@@ -61,6 +62,7 @@ from protocol.release import (
     ReleaseSums,
     VoteSum,
     check_candidate_picks,
+    check_plan_centre,
     check_plan_scope,
     run_release,
 )
@@ -127,6 +129,7 @@ __all__ = [
     "AnyMessage",
     "AnySumMessage",
     "Box",
+    "CENTRE_ARRAY_KEY",
     "CORRECTNESS_FAILURE",
     "DEFAULT_CORRUPT_FRACTION",
     "DEFAULT_DROPOUT_FRACTION",
@@ -193,6 +196,7 @@ __all__ = [
     "array_from_record",
     "check_candidate_picks",
     "check_compatible",
+    "check_plan_centre",
     "check_plan_scope",
     "dequantise",
     "expect",

@@ -50,6 +50,7 @@ from protocol.sum_keys import KeyAdvert
 __all__ = [
     "AbortNotice",
     "AnyMessage",
+    "CENTRE_ARRAY_KEY",
     "ErrorReply",
     "PlanAccept",
     "PlanRequest",
@@ -134,8 +135,17 @@ class WireMessage(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", strict=True)
 
 
+CENTRE_ARRAY_KEY = "dpmtv-centre"
+"""Where a centred plan's public centre travels beside its ``PlanRequest`` (flat float64)."""
+
+
 class PlanRequest(WireMessage):
-    """Coordinator to site: the plan of this release, for the site to accept or refuse."""
+    """Coordinator to site: the plan of this release, for the site to accept or refuse.
+
+    A centred plan (``plan.centre_sha256``) carries its public centre beside the message, as
+    a flat float64 array under :data:`CENTRE_ARRAY_KEY`; the site refuses one whose digest
+    is not the plan's.
+    """
 
     kind: Literal["plan-request"] = "plan-request"
     plan: ReleasePlan

@@ -149,6 +149,12 @@ HeadList = Annotated[tuple[LayerHead, ...], AfterValidator(_canonical_heads)]
 """A non-empty, sorted, duplicate-free tuple of ``(layer, head)`` pairs."""
 
 
+def _sha256_hex(value: str, info: ValidationInfo) -> str:
+    if re.fullmatch(r"[0-9a-f]{64}", value) is None:
+        raise ValueError(f"{_name(info)} must be 64 lowercase hex digits, got {value[:80]!r}.")
+    return value
+
+
 def _version(value: str, info: ValidationInfo) -> str:
     if re.fullmatch(r"\d+\.\d+", value) is None:
         raise ValueError(f"{_name(info)} must be 'MAJOR.MINOR', got {value!r}.")
@@ -253,6 +259,12 @@ class ReleasePlan(BaseModel):
             would prompt differently; a site whose processor cannot meet the cap refuses
             the plan. Left out of the canonical JSON when ``None``, so plans without a cap
             hash as they did before the field existed.
+        centre_sha256: Digest (``ActivationCentre.digest``) of the public centre a centred
+            release subtracts from every chunk's activations before clipping and adds back to
+            the noisy mean, or ``None`` for a plain release. The centre travels beside the
+            plan and every site refuses one whose digest is not this; its values never change
+            the sensitivity or the calibration (``dpmtv_common.centre``). Left out of the
+            canonical JSON when ``None``, so plans without it hash as they did before.
         created: ISO-8601 timestamp with a UTC offset.
     """
 
@@ -286,6 +298,7 @@ class ReleasePlan(BaseModel):
         Annotated[int, AfterValidator(_at_least_one), AfterValidator(_at_most(MAX_IMAGE_CROPS))]
         | None
     ) = None
+    centre_sha256: Annotated[str, AfterValidator(_sha256_hex)] | None = None
     created: Annotated[str, AfterValidator(_timestamp)]
 
     @model_serializer(mode="wrap")
@@ -293,7 +306,7 @@ class ReleasePlan(BaseModel):
         # Plans (and ledgers, records and artifacts that hash them) made before the field
         # existed never held the key: an unset cap must serialise, and hash, as they did.
         document: dict[str, Any] = handler(self)
-        for optional in ("max_image_crops", "candidate_heads"):
+        for optional in ("max_image_crops", "candidate_heads", "centre_sha256"):
             if getattr(self, optional) is None:
                 document.pop(optional, None)
         return document

@@ -37,6 +37,11 @@ replace-one (one unit is replaced, which changes one chunk's contribution to eve
 * Distributed mode, private selection: the vote histogram arrives noised the same way
   (sensitivity Δ₂ = √(2r)); taking its top k is post-processing and adds no noise.
 
+Centred plans (``plan.centre_sha256``): every chunk contributes ``clip(a - r)`` for the
+public centre r the plan pins; the sensitivities above hold unchanged (each layer of a
+contribution still has norm at most C), and r's rows are added back to the noisy mean, a
+post-processing step (:mod:`dpmtv_common.centre`).
+
 Head scope: "all heads" is ``layout.all_heads()``, the heads of the decoder layers that carry
 them (a hybrid's linear-attention or convolution layers carry none). The noise of an
 all-heads sum is calibrated to those layers only (L_scope), public heads elsewhere are
@@ -48,12 +53,13 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
 
 from dpmtv_common.aliases import Float64Array, LayerHead
+from dpmtv_common.centre import ActivationCentre
 from dpmtv_common.errors import ConfigError, InsufficientSharesError
 from dpmtv_common.heads import HeadLayout, HeadSet
 from dpmtv_common.privacy.accounting import EpsilonBound
@@ -73,6 +79,7 @@ __all__ = [
     "DistributedOutcome",
     "VoteSum",
     "check_candidate_picks",
+    "check_plan_centre",
     "check_plan_scope",
     "run_release",
 ]
@@ -264,6 +271,28 @@ def check_plan_scope(plan: ReleasePlan, layout: HeadLayout) -> None:
         )
 
 
+def check_plan_centre(plan: ReleasePlan, centre: ActivationCentre | None) -> None:
+    """Refuse a centre that is not the one the plan pins (or one the plan does not name).
+
+    Raises:
+        PlanMismatchError: The plan names a centre and none (or another) is given, or the
+            plan names none and one is given.
+    """
+    if plan.centre_sha256 is None:
+        if centre is not None:
+            raise PlanMismatchError(
+                "centre must be None for a plan without centre_sha256, got a centre with digest "
+                f"{centre.digest()[:16]}..."
+            )
+        return
+    digest = None if centre is None else centre.digest()
+    if digest != plan.centre_sha256:
+        raise PlanMismatchError(
+            f"centre must have the plan's digest {plan.centre_sha256[:16]}..., got "
+            f"{'no centre' if digest is None else digest[:16] + '...'}."
+        )
+
+
 class _NoiseStrategy(Protocol):
     """What one noise mode does at the release flow's three private steps."""
 
@@ -415,6 +444,13 @@ class _Released:
     values: Float64Array
 
 
+def _recentred(
+    values: Float64Array, heads: HeadSet, centre: ActivationCentre | None
+) -> Float64Array:
+    """The noisy mean of centred contributions plus the public centre (post-processing)."""
+    return values if centre is None else values + centre.rows(heads)
+
+
 def _fixed_scope(plan: ReleasePlan, layout: HeadLayout) -> HeadSet:
     """The heads released without private selection: the public list, else all heads."""
     return HeadSet(plan.public_heads) if plan.public_heads else layout.all_heads()
@@ -426,6 +462,7 @@ def _select_first(
     layout: HeadLayout,
     mode: _NoiseStrategy,
     exposed: Callable[[], None],
+    centre: ActivationCentre | None,
 ) -> _Released:
     """Select (privately, or the fixed scope), then noise the sum over the selection only."""
     scope = _fixed_scope(plan, layout)
@@ -437,7 +474,7 @@ def _select_first(
         scope = mode.select(votes)
     summed = _require_chunks(sums.activation_sum(scope))
     exposed()  # a no-op when the votes were marked above
-    return _Released(summed, scope, mode.noisy_mean(summed))
+    return _Released(summed, scope, _recentred(mode.noisy_mean(summed), scope, centre))
 
 
 def _release_first(
@@ -446,12 +483,13 @@ def _release_first(
     layout: HeadLayout,
     mode: _NoiseStrategy,
     exposed: Callable[[], None],
+    centre: ActivationCentre | None,
 ) -> _Released:
     """Noise the sum over all heads once, then keep the rows of the released heads."""
     all_heads = layout.all_heads()
     summed = _require_chunks(sums.activation_sum(all_heads))
     exposed()
-    noisy_all = mode.noisy_mean(summed)
+    noisy_all = _recentred(mode.noisy_mean(summed), all_heads, centre)
     released = _fixed_scope(plan, layout)
     if plan.selection is SelectionMode.PRIVATE:
         # Votes are scored against the noisy vector, so selection reads no raw activation.
@@ -466,6 +504,7 @@ def run_release(
     layout: HeadLayout,
     noise: NoiseSource,
     on_first_noise: Callable[[], None],
+    centre: ActivationCentre | None = None,
 ) -> ReleaseOutcome:
     """Run the plan's selection and release in its order, in either noise mode.
 
@@ -476,20 +515,30 @@ def run_release(
         noise: The randomness of central mode's draws (unused in distributed mode, whose
             noise the sites added).
         on_first_noise: Called exactly once, right before the first noisy output exists.
+        centre: The public centre of a centred plan (``plan.centre_sha256``): the sums are
+            of centred contributions, and the centre's rows are added back to the noisy mean
+            (post-processing; ``dpmtv_common.centre``). The signal/noise diagnostic is of the
+            centred part, the part the private data carries.
 
     Raises:
         ConfigError: The plan's heads do not fit the layout (:func:`check_plan_scope`),
             raised before any sum is asked for.
+        PlanMismatchError: The centre is not the one the plan pins.
         InsufficientSharesError: The activation sum covers no chunk, raised before the
             release is marked exposed.
     """
     check_plan_scope(plan, layout)
+    check_plan_centre(plan, centre)
     mode = _noise_strategy(plan, layout, noise)
     exposed = _once(on_first_noise)
     # With every head released the two orders ask for the same sum and keep every row, so
     # all-heads selection takes the select-first path in either order.
     if plan.order is ReleaseOrder.SELECT_FIRST or plan.selection is SelectionMode.ALL:
-        released = _select_first(plan, sums, layout, mode, exposed)
+        released = _select_first(plan, sums, layout, mode, exposed, centre)
     else:
-        released = _release_first(plan, sums, layout, mode, exposed)
-    return mode.outcome(released.summed, released.heads, released.values)
+        released = _release_first(plan, sums, layout, mode, exposed, centre)
+    outcome = mode.outcome(released.summed, released.heads, released.values)
+    if centre is None:
+        return outcome
+    centred = released.values - centre.rows(released.heads)
+    return replace(outcome, signal_to_noise=_snr(centred, outcome.noise_std, outcome.num_chunks))

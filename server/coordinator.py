@@ -22,11 +22,13 @@ from flwr.app import Context
 from flwr.serverapp import Grid
 
 from dpmtv_common.artifact import MANIFEST_FILE, SIGNATURE_FILE, TENSORS_FILE, write_artifact
+from dpmtv_common.centre import ActivationCentre
 from dpmtv_common.crypto import SigningKey
 from dpmtv_common.errors import ConfigError, InsufficientSharesError
 from dpmtv_common.privacy.ledger import PrivacyLedger
 from dpmtv_common.privacy.noise import NoiseSource
 from protocol import (
+    CENTRE_ARRAY_KEY,
     PROTOCOL_VERSION,
     AbortNotice,
     NoiseMode,
@@ -63,8 +65,8 @@ class ReleaseReport:
     stage_seconds: dict[str, float]
 
 
-def build_plan(run: RunConfig) -> ReleasePlan:
-    """The release plan of a run config (validated by ``ReleasePlan``)."""
+def build_plan(run: RunConfig, centre: ActivationCentre | None = None) -> ReleasePlan:
+    """The release plan of a run config (validated by ``ReleasePlan``), pinning ``centre``."""
     public = run.heads()
     mode = NoiseMode(run.noise_mode)
     distributed = mode is NoiseMode.DISTRIBUTED
@@ -98,6 +100,7 @@ def build_plan(run: RunConfig) -> ReleasePlan:
         else None,
         max_chunks_per_site=run.max_chunks_per_site or None,
         max_image_crops=run.max_image_crops or None,
+        centre_sha256=None if centre is None else centre.digest(),
         created=datetime.now(UTC).isoformat(timespec="seconds"),
     )
 
@@ -117,6 +120,7 @@ class Coordinator:
     model_dtype: str | None = None
     sums: FederatedSums | None = None
     planned: list[int] = field(default_factory=list)
+    centre: ActivationCentre | None = None
 
     def wait_for_sites(self) -> list[int]:
         """Poll until ``expected-sites`` nodes are connected, or the timeout; then go on."""
@@ -139,8 +143,9 @@ class Coordinator:
         agreement a release, ``server.secure_sum``): no key round trip of its own.
         """
         self.planned = list(nodes)
+        centre = {} if self.centre is None else {CENTRE_ARRAY_KEY: self.centre.flat()}
         replies = self._exchange().broadcast(
-            "plan", PlanRequest(plan=plan), nodes, PlanAccept, f"{plan.release_id}-plan"
+            "plan", PlanRequest(plan=plan), nodes, PlanAccept, f"{plan.release_id}-plan", centre
         )
         self.accepted = _with_keys(replies, plan.release_id)
         for node, reason in replies.failures.items():
@@ -194,6 +199,7 @@ class Coordinator:
             layout=layout,
             noise=self.noise,
             on_first_noise=on_first_noise,
+            centre=self.centre,
         )
 
     def broadcast_stage(self, plan: ReleasePlan, outcome: ReleaseOutcome) -> tuple[Path, list[str]]:
@@ -260,8 +266,9 @@ def run_coordinated_release(
     grid: Grid, context: Context, run: RunConfig, settings: CoordinatorSettings, noise: NoiseSource
 ) -> ReleaseReport:
     """Plan → secure sums and noise → signed broadcast; abort notices on any failure."""
-    plan = build_plan(run)
-    coordinator = Coordinator(grid, context, run, settings, noise)
+    centre = run.centre()
+    plan = build_plan(run, centre)
+    coordinator = Coordinator(grid, context, run, settings, noise, centre=centre)
     started = time.monotonic()
     nodes = coordinator.wait_for_sites()
     coordinator.timed("wait", started)

@@ -13,8 +13,9 @@ from dataclasses import dataclass, field
 from flwr.app import Message, RecordDict
 from flwr.serverapp import Grid
 
+from dpmtv_common.aliases import Float64Array
 from dpmtv_common.errors import DpmtvError
-from protocol import WireMessage, expect, message_to_record
+from protocol import WireMessage, expect, message_to_record, with_array
 from server.prompt_grid import site_label
 
 __all__ = ["Exchange", "Replies"]
@@ -80,11 +81,17 @@ class Exchange:
         node_ids: Iterable[int],
         expected: type[WireMessage],
         group_id: str,
+        arrays: Mapping[str, Float64Array] | None = None,
     ) -> Replies:
-        """Send the same message to every site."""
-        return self.send(
-            action, {n: message_to_record(message) for n in node_ids}, expected, group_id
-        )
+        """Send the same message to every site, with ``arrays`` (key: flat float64) beside it."""
+
+        def record() -> RecordDict:
+            content = message_to_record(message)
+            for key, values in (arrays or {}).items():
+                with_array(content, key, values)
+            return content
+
+        return self.send(action, {n: record() for n in node_ids}, expected, group_id)
 
 
 def _decode(reply: Message, expected: type[WireMessage]) -> WireMessage | str:

@@ -15,6 +15,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from dpmtv_common.centre import ActivationCentre
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.budget import PrivacyBudget
@@ -46,6 +47,8 @@ class RunConfig(BaseModel):
     num_selected_heads: int = 8
     public_heads: str = ""
     candidate_heads: str = ""  # private selection's public candidate set, "layer:head,..."
+    # A centred release: the public centre file (select-heads --centre-out) on this machine.
+    centre_path: str = ""
     selection_share: float = 0.3
     score_top_r: int = 0
     min_sites: int = Field(default=2, ge=2)  # a secure sum of one site is that site's vector
@@ -91,6 +94,16 @@ class RunConfig(BaseModel):
     def candidates(self) -> HeadSet | None:
         """``candidate-heads`` ("layer:head,layer:head") as a head set, or None."""
         return _head_list("candidate-heads", self.candidate_heads)
+
+    def centre(self) -> ActivationCentre | None:
+        """The public centre of a centred release (``centre-path``), or None.
+
+        Raises:
+            ConfigError: The file cannot be read as a centre.
+        """
+        if not self.centre_path.strip():
+            return None
+        return ActivationCentre.load(Path(self.centre_path).expanduser())
 
     def resolved_release_id(self) -> str:
         """The given release id, or a fresh random one."""

@@ -71,14 +71,22 @@ class SiteSums:
     site: Site
     sessions: dict[str, SiteSumSession] = field(default_factory=dict)
 
-    def accept(self, plan: ReleasePlan, *, node_id: int, run_id: int) -> PlanAccept:
+    def accept(
+        self,
+        plan: ReleasePlan,
+        *,
+        node_id: int,
+        run_id: int,
+        centre: Float64Array | None = None,
+    ) -> PlanAccept:
         """Accept the plan (``Site.accept_plan``) and advertise this release's signed key.
 
         The roster and identity key are loaded first: a site that cannot take part in a
-        secure sum refuses before anything is reserved.
+        secure sum refuses before anything is reserved. ``centre`` is the flat public centre
+        that rode beside a centred plan.
         """
         roster, identity = self._membership()
-        accept = self.site.accept_plan(plan, run_id=run_id)
+        accept = self.site.accept_plan(plan, run_id=run_id, centre=centre)
         session = SiteSumSession(
             release_id=plan.release_id,
             node_id=node_id,

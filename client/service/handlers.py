@@ -2,8 +2,9 @@
 
 Message types (the coordinator's ``server.app`` sends them in this order):
 
-* ``query.plan`` — a ``PlanRequest``; replies ``PlanAccept`` with the site's signed key for
-  the release's secure sums, or ``ErrorReply``.
+* ``query.plan`` — a ``PlanRequest`` (a centred plan's public centre rides beside it);
+  replies ``PlanAccept`` with the site's signed key for the release's secure sums, or
+  ``ErrorReply``.
 * ``query.sum_shares`` — every participant's key; the site checks them against its roster,
   shares its self-mask seeds and replies ``MaskedInput`` (sealed shares, and its masked
   input to the first sum in an array beside it).
@@ -34,6 +35,7 @@ from client.site import Site
 from dpmtv_common.aliases import Float64Array, Int64Array
 from dpmtv_common.errors import DpmtvError
 from protocol import (
+    CENTRE_ARRAY_KEY,
     AbortNotice,
     ErrorReply,
     MessageDecodeError,
@@ -80,7 +82,8 @@ def _add_release_handlers(app: ClientApp, site: Site, sums: SiteSums) -> None:
         def handle() -> WireMessage:
             request = expect(msg.content, PlanRequest)
             node, run = msg.metadata.dst_node_id, msg.metadata.run_id
-            return sums.accept(request.plan, node_id=node, run_id=run)
+            centre = _array_beside(msg, CENTRE_ARRAY_KEY)
+            return sums.accept(request.plan, node_id=node, run_id=run, centre=centre)
 
         return _reply(msg, handle)
 
@@ -144,14 +147,23 @@ def _add_sum_handlers(app: ClientApp, sums: SiteSums) -> None:
 
 def _reference(msg: Message) -> Float64Array | None:
     """The noisy vector a release-first select sum carries, if any (float64, no pickles)."""
-    if REFERENCE_ARRAY_KEY not in msg.content.array_records:
+    return _array_beside(msg, REFERENCE_ARRAY_KEY)
+
+
+def _array_beside(msg: Message, key: str) -> Float64Array | None:
+    """The one float64 vector under ``key`` beside the message, if any (no pickles).
+
+    Raises:
+        MessageDecodeError: Any other array rides beside the message.
+    """
+    if key not in msg.content.array_records:
         _no_reference(msg)
         return None
-    if set(msg.content.array_records) != {REFERENCE_ARRAY_KEY}:
+    if set(msg.content.array_records) != {key}:
         raise MessageDecodeError(
-            f"a request may carry only the noisy vector, got {sorted(msg.content.array_records)}."
+            f"a request may carry only the array {key!r}, got {sorted(msg.content.array_records)}."
         )
-    values = array_from_record(msg.content, REFERENCE_ARRAY_KEY, dtype="float64")
+    values = array_from_record(msg.content, key, dtype="float64")
     return np.asarray(values, dtype=np.float64)
 
 

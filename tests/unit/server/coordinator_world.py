@@ -24,7 +24,7 @@ class FixedExchange:
     def __init__(self, accepts: list[PlanAccept]) -> None:
         self.accepts = accepts
 
-    def broadcast(self, *args: Any) -> Replies:
+    def broadcast(self, *args: Any, **kwargs: Any) -> Replies:
         message = args[1]  # ("plan", PlanRequest, nodes, ...) or ("release", ReleaseRequest, ...)
         release_id = message.plan.release_id if hasattr(message, "plan") else message.release_id
         answers = {
