@@ -1,41 +1,35 @@
-"""The headline: DP-MTV at eps = 1 against MTV with its own heads, single holder and federated.
+"""The honest headline: what a consortium's private examples teach that public data cannot.
 
-Models (``--model``): ``small`` (3 x 4 = 12 heads, k = 4) and ``deep`` (8 x 8 = 64 heads,
-k = 8), the embedded models; ``pretrained``, the pretrained-decoder LLaVA
-(SmolLM2-135M-Instruct, 30 x 9 = 270 heads, k = 16; assemble it with
-``scripts/assemble_pretrained_model``). Per task, everything a site admin would choose is
-chosen on PUBLIC data with the product's own code, before any private data is read:
+Per model and private task, everything a consortium chooses is chosen on PUBLIC data that
+holds **no example labelled with the private task's answers** (task-agnostic: labelled public
+sets of the family's other tasks, ``client.public_tasks``): the centre r, the k heads and the
+clip norm C' of a centred release, by leave-one-public-task-out under the noise each
+consortium size's release will add. Sites hold ``--per-site`` examples (K = 4: 20 chunks at
+100); for 3, 10 and 30 sites the release is central (one Gaussian draw on the secure sum) or
+distributed (each site's discrete-Gaussian share on the plan's SecAgg+ grid, sized for
+t = ceil(n/2) honest sites), public heads, eps = 1, delta = 1e-5, ``--draws`` noise draws a row.
+In central mode the 10-site release is also the single-holder release of the same m chunks.
 
-* the **candidate set** for private selection: the 2k heads attribution ranks first with the
-  public chunks' mean (a public restriction of the domain, so the Gumbel mechanism and its
-  eps0 are unchanged; ``release --candidate-heads``);
-* the **clip norm C** (``client.clip_choice.choose_clip_norm`` on the top k of those heads):
-  for each consortium size, the multiple of their public median layer norm whose clipped
-  public mean, plus the noise of the central release that size plans (z, m = sites x chunks a
-  site, L), scores best on public queries (``select-heads --for-epsilon --for-chunks``); the
-  distributed rows of that size use the same C.
+Beside every DP row, on the same test queries (test scenes no site, public set or model
+training showed):
 
-Sites hold ``--per-site`` examples each (K = 4: 20 chunks at 100). For 3, 10 and 30 sites the
-sites' production sums (per-chunk activations from the extraction hooks, clipped per layer;
-shift-score top-r votes) are combined as the federation combines them (``central``: plain sum,
-one Gaussian draw in ``protocol.run_release``; ``distributed``: each site's discrete-Gaussian
-share on the plan's SecAgg+ grid, sized for t honest sites), private select-first selection
-of k heads, eps = 1, delta = 1e-5, no rescaling. In central mode the 10-site release *is* the
-single-holder release of the same m = 200 chunks (one Gaussian draw on the same sum).
+* **zero-shot**;
+* **public only**: the task-agnostic centre patched into the same heads (no private data);
+  and, in the labelled setting, the mean of a tiny same-task public set (20 examples) patched
+  into heads attribution picks on it, and 4-shot ICL from those 20;
+* **a site alone**: 4-shot ICL with one site's own examples, and the non-private mean of one
+  site's own 20 chunks patched into the public heads (both averaged over three sites);
+* **MTV with its own selection** (the paper's non-private method, an oracle: the pooled mean
+  of every site's chunks, unclipped, in the k heads attribution ranks first on labelled
+  validation queries of the private task) — the ratio's denominator.
 
-Reference rows on the same test queries: zero-shot; **MTV with its own head selection** (the
-paper's method, non-private: the unclipped mean of every site's chunks patched into the k
-heads attribution ranks first on validation queries), the headline ratio's denominator; MTV
-patched into the heads each DP draw picked (the "same heads" diagnostic). Side by side at 10
-sites, central, one public choice undone at a time: C = the public median over every head with
-every head a candidate (the defaults before), the chosen C with every head a candidate, and
-the candidates with C from the noise-free rule (``select-heads`` without ``--for-*``: the
-smallest multiple keeping 90 % of the unclipped public gain).
+Side by side at 10 sites, central: the same release without the centre (raw activations, C
+chosen the same way), and private selection (Gumbel top-k among the 2k public heads, centred).
 
 Writes ``docs/benchmarks/headline-MODEL.md`` and ``.json``::
 
-    .venv/bin/python benchmarks/headline.py --model pretrained --jobs 2   # ~15 min a task
-    .venv/bin/python benchmarks/headline.py --model small        # ~1 min a task
+    .venv/bin/python benchmarks/headline.py --model pretrained --tasks colour position
+    .venv/bin/python benchmarks/headline.py --model small
 """
 
 from __future__ import annotations
@@ -50,6 +44,7 @@ import tempfile
 import time
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
+from datetime import UTC, datetime
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -61,313 +56,272 @@ from dpmtv_common.thread_policy import apply_thread_policy
 apply_thread_policy()  # before torch loads: its thread pool must not spin on shared cores
 
 import numpy as np
-import torch
-from _utility_lib import headline_ratios
-from distributed import ConsortiumSums, SiteCache
-from distributed import make_plan as consortium_plan
+from _headline_data import SiteActs, TaskData, icl_accuracy, prepare_task
+from _headline_report import render
 
 from client.chunking import make_chunks
-from client.clip_choice import ClipChoice, PlannedNoise, choose_clip_norm
-from client.data import load_dataset
-from client.evaluation.first_token import QuerySet
-from client.extraction import zero_shot_prompt
 from client.models import LoadedModel, load_model
 from client.models.embedded import embedded_model_path
 from client.models.pretrained import pretrained_model_path
 from client.public_selection import public_activations, select_heads_attribution
-from client.release import LocalSums
-from client.synthetic import write_task_datasets
+from client.scope_choice import HeadsMode, PlannedRelease, ScopeChoice, choose_scope
+from dpmtv_common.centre import ActivationCentre
 from dpmtv_common.heads import HeadSet
-from dpmtv_common.privacy.noise import secure_noise
-from protocol import DistributedRelease, NoiseMode, ReleasePlan, run_release
+from dpmtv_common.privacy.distributed import decode_noisy_sum, encode_site_share
+from dpmtv_common.privacy.noise import NoiseSource, secure_noise
+from protocol import (
+    PROTOCOL_VERSION,
+    ActivationSum,
+    DistributedRelease,
+    NoiseMode,
+    ReleaseOrder,
+    ReleasePlan,
+    SelectionMode,
+    VoteSum,
+    plan_noise_multiplier,
+    run_release,
+)
+
+MODELS = {  # name: (description, ks tried, MTV reference k)
+    "small": ("3 x 4 = 12 heads, embedded", (2, 4), 4),
+    "deep": ("8 x 8 = 64 heads, embedded", (4, 8), 8),
+    "pretrained": ("SmolLM2-135M-Instruct decoder, 30 x 9 = 270 heads", (8, 16), 16),
+}
 
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
 
 
-@dataclass(frozen=True)
-class Setting:
-    """One row: consortium size, noise mode, t, and the public choices it runs with."""
-
-    sites: int
-    mode: NoiseMode
-    min_honest: int
-    variant: str  # one of VARIANTS
-
-    @property
-    def label(self) -> str:
-        """The row's name in the log."""
-        t = "-" if self.mode is NoiseMode.CENTRAL else str(self.min_honest)
-        return f"{self.sites} sites, {self.mode.value}, t={t}, {self.variant}"
-
-
-CHOSEN, ALL_HEADS, NOISE_FREE_C, MEDIAN = (
-    "chosen",
-    "all heads",
-    "noise-free C rule",
-    "median C, all heads",
-)
-VARIANTS = (CHOSEN, ALL_HEADS, NOISE_FREE_C, MEDIAN)
-
-
-def settings(curve: tuple[int, ...]) -> list[Setting]:
-    rows = []
-    for sites in curve:
-        rows.append(Setting(sites, NoiseMode.CENTRAL, 2, "chosen"))
-        rows.append(Setting(sites, NoiseMode.DISTRIBUTED, 2, "chosen"))
-        if math.ceil(sites / 2) > 2:
-            rows.append(Setting(sites, NoiseMode.DISTRIBUTED, math.ceil(sites / 2), "chosen"))
-    if 10 in curve:
-        rows += [Setting(10, NoiseMode.CENTRAL, 2, v) for v in (ALL_HEADS, NOISE_FREE_C, MEDIAN)]
-    return rows
-
-
 @dataclass
-class Task:
-    """One task's public choices, sites, queries and non-private references."""
+class Consortium:
+    """``protocol.ReleaseSums`` over the first n sites: centred clipped sums, either mode."""
 
-    name: str
-    candidates: HeadSet
-    clip: float  # the noise-free rule's C
-    planned: dict[int, ClipChoice]  # consortium size: C scored with that size's planned noise
-    median: float  # over every head: the default C before the choice
-    heads_median: float  # over the top-k public heads' layers: the choice's factor 1
-    clip_record: dict
-    sites: list[SiteCache]
-    test: QuerySet
-    mtv_mean: np.ndarray  # (L, H, D): unclipped mean of every site's chunks
-    own_heads: HeadSet
-    zero_shot: float
-    own_accuracy: float
-    majority: float
+    sites: list[SiteActs]
+    plan: ReleasePlan
+    centre: ActivationCentre | None
+    grids: DistributedRelease | None
+    noise: NoiseSource
+
+    def activation_sum(self, heads: HeadSet) -> ActivationSum:
+        """Σ of the sites' centred clipped sums (each a noisy share in distributed mode)."""
+        parts = [s.activation(heads, self.plan.clip_norm, self.centre) for s in self.sites]
+        chunks = sum(p.num_chunks for p in parts)
+        if self.grids is None:
+            return ActivationSum(heads, np.sum([p.total for p in parts], axis=0), chunks)
+        grid = self.grids.activations(heads)
+        shares = [encode_site_share(p.total.ravel(), params=grid, noise=self.noise) for p in parts]
+        total = decode_noisy_sum(np.sum(shares, axis=0), params=grid, num_sites=len(parts))
+        return ActivationSum(heads, total.reshape(parts[0].total.shape), chunks, len(parts))
+
+    def vote_sum(self, reference: np.ndarray | None) -> VoteSum:
+        """Σ of the sites' shift votes (central, select-first only)."""
+        if reference is not None or self.grids is not None:
+            raise ValueError("private rows here are central and select-first")
+        parts = [site.vote() for site in self.sites]
+        return VoteSum(np.sum([p.total for p in parts], axis=0), sum(p.num_chunks for p in parts))
 
 
-def _queries(loaded: LoadedModel, folder: Path) -> tuple[QuerySet, list]:
-    records = list(load_dataset(folder).records)
-    prompts = [zero_shot_prompt(r) for r in records]
-    return QuerySet.build(loaded, prompts, [r.answer for r in records]), records
-
-
-def prepare(args, loaded: LoadedModel, root: Path, task: str) -> Task:
-    """Public choices first, then the sites' production sums, then the references."""
-    write_task_datasets(
-        root, task=task, sites=max(args.curve_sites), per_site=args.per_site,
-        public=args.public, test=args.test, validation=args.validation, seed=args.seed,
-    )  # fmt: skip
-    public = load_dataset(root / "public")
-    public_chunks = make_chunks(public, shots=args.shots, seed=0).chunks
-    acts = public_activations(loaded, public_chunks, progress=False)
-    queries = [c.query for c in public_chunks]
-    mean = acts.mean(0)
-    candidates = select_heads_attribution(loaded, mean, queries, k=2 * args.heads)
-    top = select_heads_attribution(loaded, mean, queries, k=args.heads)
-    clip_queries = list(public.records)[: args.clip_queries]
-    choice = choose_clip_norm(loaded, acts, top, clip_queries)
-    log(f"{task}: noise-free rule C = {choice.clip_norm / choice.median:g} x median")
-    caches = []
-    for index in range(max(args.curve_sites)):
-        chunks = make_chunks(
-            load_dataset(root / f"site-{index}"), shots=args.shots, seed=1000 + index
-        ).chunks
-        plan = _plan(
-            args,
-            loaded,
-            Setting(2, NoiseMode.CENTRAL, 2, "chosen"),
-            len(chunks),
-            choice.clip_norm,
-            None,
-        )
-        caches.append(SiteCache(LocalSums(loaded, chunks, plan, progress=False)))
-        caches[-1].activation(top)  # the site's one forward pass a chunk, kept
-        caches[-1].vote()
-        if (index + 1) % 5 == 0:
-            log(f"{task}: {index + 1} sites extracted")
-    planned = {}
-    for sites in args.curve_sites:
-        setting = Setting(sites, NoiseMode.CENTRAL, 2, CHOSEN)
-        chunks = len(caches[0].sums.chunks)
-        noise = PlannedNoise.for_plan(
-            _plan(args, loaded, setting, chunks, 1.0, candidates),
-            num_chunks=sites * chunks,
-            layers_in_scope=top.num_layers_in_scope,
-        )
-        planned[sites] = choose_clip_norm(loaded, acts, top, clip_queries, planned=noise)
-        log(f"{task}: {sites} sites: C = {planned[sites].clip_norm / choice.median:g} x median")
-    test, test_records = _queries(loaded, root / "test")
-    validation = list(load_dataset(root / "validation").records)
-    every = np.concatenate([c.chunk_activations for c in caches])  # type: ignore[misc]
-    mtv_mean = every.mean(0)
-    own = select_heads_attribution(
-        loaded, torch.as_tensor(mtv_mean, dtype=torch.float32), validation, k=args.heads
-    )
-    answers = [r.answer for r in test_records]
-    return Task(
-        name=task, candidates=candidates, clip=choice.clip_norm, planned=planned,
-        median=float(acts.flatten(2).norm(dim=-1).median()), heads_median=choice.median,
-        clip_record=choice.as_record(),
-        sites=caches, test=test, mtv_mean=mtv_mean, own_heads=own,
-        zero_shot=test.accuracy(loaded),
-        own_accuracy=test.accuracy(loaded, (own, _rows(mtv_mean, own))),
-        majority=max(answers.count(a) for a in set(answers)) / len(answers),
+def make_plan(
+    loaded: LoadedModel, *, sites: int, chunks: int, clip: float, heads: HeadSet | None,
+    mode: NoiseMode = NoiseMode.CENTRAL, centre: ActivationCentre | None = None,
+    candidates: HeadSet | None = None, k: int = 1,
+) -> ReleasePlan:  # fmt: skip
+    """A plan of public heads (``heads``), or private selection of k among ``candidates``."""
+    private = heads is None
+    return ReleasePlan(
+        protocol_version=PROTOCOL_VERSION, release_id="headline", task="headline",
+        model_fingerprint=loaded.fingerprint, epsilon=1.0, delta=1e-5, shots=4,
+        clip_norm=clip, selection=SelectionMode.PRIVATE if private else SelectionMode.PUBLIC,
+        order=ReleaseOrder.SELECT_FIRST, num_selected_heads=k if private else len(heads),
+        public_heads=None if private else heads.heads,
+        candidate_heads=candidates.heads if candidates is not None else None,
+        selection_share=0.3, score_top_r=k if private else len(heads),
+        min_sites=max(math.ceil(sites / 2), 2), noise_mode=mode,
+        min_honest=max(math.ceil(sites / 2), 2),
+        max_sites=sites if mode is NoiseMode.DISTRIBUTED else None,
+        max_chunks_per_site=chunks, centre_sha256=None if centre is None else centre.digest(),
+        created=datetime.now(UTC).isoformat(timespec="seconds"),
     )  # fmt: skip
 
 
-def _rows(mean: np.ndarray, heads: HeadSet) -> np.ndarray:
+def release_draws(
+    loaded: LoadedModel, data: TaskData, plan: ReleasePlan, centre: ActivationCentre | None,
+    sites: int, draws: int,
+) -> list[float]:  # fmt: skip
+    """Test accuracy of ``draws`` independent releases of ``plan`` over the first n sites."""
+    shape = loaded.adapter.head_shape(loaded.model)
+    grids = None
+    if plan.noise_mode is NoiseMode.DISTRIBUTED:
+        grids = DistributedRelease(plan, shape.layout().dense_size, shape.head_dim)
+    scores = []
+    for _ in range(draws):
+        noise = secure_noise()
+        sums = Consortium(data.sites[:sites], plan, centre, grids, noise)
+        outcome = run_release(
+            plan, sums=sums, layout=shape.layout(), noise=noise, on_first_noise=lambda: None,
+            centre=centre,
+        )  # fmt: skip
+        scores.append(data.test.accuracy(loaded, (outcome.heads, outcome.values)))
+    return scores
+
+
+def _rows(mean, heads: HeadSet) -> np.ndarray:
     index = heads.to_array()
-    return mean[index[:, 0], index[:, 1]]
+    return np.asarray(mean[index[:, 0], index[:, 1]], dtype=np.float64)
 
 
-def _plan(args, loaded, setting: Setting, chunks: int, clip: float, candidates) -> ReleasePlan:
-    plan = consortium_plan(
-        argparse.Namespace(task="benchmark", shots=args.shots, heads=args.heads),
-        loaded.fingerprint, epsilon=1.0, mode=setting.mode, sites=setting.sites,
-        min_honest=setting.min_honest, chunks_per_site=chunks, clip_norm=clip,
-    )  # fmt: skip
-    if candidates is None:
-        return plan
-    return ReleasePlan.model_validate(
-        {**plan.model_dump(), "candidate_heads": tuple(tuple(h) for h in candidates.heads)}
-    )
-
-
-def _sites_at(task: Task, clip: float) -> list[SiteCache]:
-    """The task's sites clipping at ``clip`` (same kept activations and votes)."""
-    if clip == task.clip:
-        return task.sites
-    out = []
-    for site in task.sites:
-        plan = ReleasePlan.model_validate({**site.sums.plan.model_dump(), "clip_norm": clip})
-        sums = LocalSums(site.sums.loaded, site.sums.chunks, plan, progress=False)
-        out.append(SiteCache(sums, chunk_activations=site.chunk_activations, votes=site.votes))
+def baselines(args, loaded: LoadedModel, data: TaskData, heads: HeadSet, centre) -> dict:
+    """Every non-DP figure of the task (module docstring)."""
+    k_ref = MODELS[args.model][2]
+    own = select_heads_attribution(loaded, data.pooled_mean, data.validation, k=k_ref)
+    tiny_chunks = make_chunks(data.tiny, shots=args.shots, seed=0).chunks
+    tiny_mean = public_activations(loaded, tiny_chunks, progress=False).mean(0)
+    tiny_records = list(data.tiny.records)
+    tiny_heads = select_heads_attribution(loaded, tiny_mean, tiny_records, k=len(heads))
+    alone = range(min(3, len(data.sites)))
+    out = {
+        "zero_shot": data.test.accuracy(loaded),
+        "mtv_own_selection": data.test.accuracy(loaded, (own, _rows(data.pooled_mean, own))),
+        "mtv_public_heads": data.test.accuracy(loaded, (heads, _rows(data.pooled_mean, heads))),
+        "public_only_task_agnostic": data.test.accuracy(loaded, (heads, centre.rows(heads))),
+        "public_only_tiny": data.test.accuracy(loaded, (tiny_heads, _rows(tiny_mean, tiny_heads))),
+        "public_icl_tiny": icl_accuracy(
+            loaded, data.test_records, tiny_records, shots=args.shots, seeds=3
+        ),
+        "site_alone_icl": statistics.mean(
+            icl_accuracy(loaded, data.test_records, data.site_records[i], shots=args.shots, seeds=1)
+            for i in alone
+        ),
+        "site_alone_mtv": statistics.mean(
+            data.test.accuracy(loaded, (heads, _rows(data.sites[i].activations.mean(0), heads)))
+            for i in alone
+        ),
+        "own_heads": [list(h) for h in own.heads],
+    }
     return out
 
 
-def measure(args, loaded: LoadedModel, task: Task, setting: Setting) -> dict:
-    clip = {
-        CHOSEN: task.planned[setting.sites].clip_norm,
-        ALL_HEADS: task.planned[setting.sites].clip_norm,
-        NOISE_FREE_C: task.clip,
-        MEDIAN: task.median,
-    }[setting.variant]
-    candidates = task.candidates if setting.variant in (CHOSEN, NOISE_FREE_C) else None
-    sites = _sites_at(task, clip)[: setting.sites]
-    plan = _plan(args, loaded, setting, len(sites[0].sums.chunks), clip, candidates)
-    layout = loaded.adapter.head_shape(loaded.model).layout()
-    grids = None
-    if setting.mode is NoiseMode.DISTRIBUTED:
-        head_dim = loaded.adapter.head_shape(loaded.model).head_dim
-        grids = DistributedRelease(plan, layout.dense_size, head_dim)
-    accuracy, same, recall = [], [], []
-    own = set(task.own_heads.heads)
-    for _ in range(args.draws):
-        noise = secure_noise()
-        sums = ConsortiumSums(sites, plan, grids, noise)
-        outcome = run_release(
-            plan, sums=sums, layout=layout, noise=noise, on_first_noise=lambda: None
-        )
-        accuracy.append(task.test.accuracy(loaded, (outcome.heads, outcome.values)))
-        same.append(
-            task.test.accuracy(loaded, (outcome.heads, _rows(task.mtv_mean, outcome.heads)))
-        )
-        recall.append(len(own & set(outcome.heads.heads)) / len(own))
-    dp = statistics.mean(accuracy)
-    return {
-        "setting": setting.label, "sites": setting.sites, "mode": setting.mode.value,
-        "t": setting.min_honest, "variant": setting.variant, "C": clip,
-        "m": setting.sites * len(sites[0].sums.chunks), "accuracy": dp,
-        "spread": statistics.pstdev(accuracy), "recall": statistics.mean(recall),
-        **headline_ratios(
-            zero=task.zero_shot, dp=dp, own_selection=task.own_accuracy,
-            same_heads=statistics.mean(same),
+def planned_releases(args, loaded: LoadedModel, sites: int, chunks: int) -> dict:
+    """The planned release in each heads mode at ``sites`` (z from the plan, m = n x chunks)."""
+    k = MODELS[args.model][2]
+    plans = {
+        HeadsMode.PUBLIC: make_plan(
+            loaded, sites=sites, chunks=chunks, clip=1.0, heads=HeadSet.of([(0, 0)])
         ),
+        HeadsMode.PRIVATE: make_plan(loaded, sites=sites, chunks=chunks, clip=1.0, heads=None, k=k),
+    }
+    return {
+        mode: PlannedRelease(plan_noise_multiplier(plan), sites * chunks, draws=args.choice_draws)
+        for mode, plan in plans.items()
+    }
+
+
+def choose(
+    args, loaded: LoadedModel, data: TaskData, sites: int, *, centred: bool = True,
+    mode: HeadsMode | None = None,
+) -> ScopeChoice:  # fmt: skip
+    chunks = len(data.sites[0].activations)
+    choice = choose_scope(
+        loaded, data.public, planned=planned_releases(args, loaded, sites, chunks),
+        ks=MODELS[args.model][1], centred=centred, mode=mode,
+    )  # fmt: skip
+    log(
+        f"{data.name}: {sites} sites ({'centred' if centred else 'raw'}): {choice.mode.value} "
+        f"heads (transfer {choice.transfer:.2f}), k = {choice.k}, C' = {choice.factor:g} x "
+        f"{choice.scale:.3g}"
+    )
+    return choice
+
+
+def choice_plan(
+    loaded: LoadedModel, choice: ScopeChoice, *, sites: int, chunks: int,
+    mode: NoiseMode = NoiseMode.CENTRAL, centred: bool = True,
+) -> ReleasePlan:  # fmt: skip
+    """The plan a choice makes: its heads (public) or its candidates (private), its C'."""
+    private = choice.mode is HeadsMode.PRIVATE
+    return make_plan(
+        loaded, sites=sites, chunks=chunks, clip=choice.clip_norm,
+        heads=None if private else choice.heads, mode=mode,
+        centre=choice.centre if centred else None, candidates=choice.candidates, k=choice.k,
+    )  # fmt: skip
+
+
+def dp_row(args, loaded, data, label, plan, centre, sites, *, choice: ScopeChoice) -> dict:
+    scores = release_draws(loaded, data, plan, centre, sites, args.draws)
+    log(f"  {label}: {statistics.mean(scores):.2f} +- {statistics.pstdev(scores):.2f}")
+    return {
+        "label": label, "sites": sites, "m": sites * len(data.sites[0].activations),
+        "mode": plan.noise_mode.value, "t": plan.min_honest,
+        "selection": plan.selection.value, "centred": centre is not None,
+        "k": plan.num_selected_heads, "C": plan.clip_norm, "factor": choice.factor,
+        "accuracy": statistics.mean(scores), "sd": statistics.pstdev(scores),
+        "draws": scores,
     }  # fmt: skip
 
 
-def run_task(args, loaded: LoadedModel, root: Path, name: str) -> dict:
-    started = time.monotonic()
-    task = prepare(args, loaded, root / name, name)
-    log(f"{name}: zero-shot {task.zero_shot:.2f}, MTV own selection {task.own_accuracy:.2f}")
+def size_rows(args, loaded, data: TaskData, sites: int) -> tuple[list[dict], ScopeChoice]:
+    """The chosen release at one size, central and distributed (t = ceil(n/2))."""
+    choice = choose(args, loaded, data, sites)
+    chunks = len(data.sites[0].activations)
+    modes = [NoiseMode.CENTRAL]
+    if choice.mode is HeadsMode.PUBLIC:  # distributed private selection: not in this benchmark
+        modes.append(NoiseMode.DISTRIBUTED)
     rows = []
-    for setting in settings(tuple(args.curve_sites)):
-        rows.append(measure(args, loaded, task, setting))
-        row = rows[-1]
-        log(
-            f"  {setting.label}: {row['accuracy']:.2f} +- {row['spread']:.2f}, "
-            f"ratio {_pct(row['ratio'])}"
+    for mode in modes:
+        plan = choice_plan(loaded, choice, sites=sites, chunks=chunks, mode=mode)
+        label = f"{sites} sites, {mode.value}" + (
+            f" t={plan.min_honest}" if mode is NoiseMode.DISTRIBUTED else ""
         )
+        label += f", {choice.mode.value} heads"
+        rows.append(dp_row(args, loaded, data, label, plan, choice.centre, sites, choice=choice))
+    return rows, choice
+
+
+def side_rows(args, loaded, data: TaskData, choice: ScopeChoice, sites: int) -> list[dict]:
+    """At one size, central: without the centre, and with the other heads mode."""
+    chunks = len(data.sites[0].activations)
+    raw = choose(args, loaded, data, sites, centred=False, mode=choice.mode)
+    plan = choice_plan(loaded, raw, sites=sites, chunks=chunks, centred=False)
+    label = f"{sites} sites, no centre, {raw.mode.value} heads"
+    rows = [dp_row(args, loaded, data, label, plan, None, sites, choice=raw)]
+    other_mode = HeadsMode.PRIVATE if choice.mode is HeadsMode.PUBLIC else HeadsMode.PUBLIC
+    other = choose(args, loaded, data, sites, mode=other_mode)
+    plan = choice_plan(loaded, other, sites=sites, chunks=chunks)
+    label = f"{sites} sites, {other.mode.value} heads (the other mode)"
+    rows.append(dp_row(args, loaded, data, label, plan, other.centre, sites, choice=other))
+    return rows
+
+
+def run_task(args, loaded: LoadedModel, root: Path, task: str) -> dict:
+    started = time.monotonic()
+    chunks = args.per_site // (args.shots + 1)
+    vote_plan = make_plan(
+        loaded, sites=2, chunks=chunks, clip=1.0, heads=None, k=MODELS[args.model][2]
+    )
+    data = prepare_task(
+        loaded, root, task, sites=max(args.curve_sites), per_site=args.per_site,
+        shots=args.shots, public_per_task=args.public_per_task, test=args.test,
+        validation=args.validation, seed=args.seed, log=log, plan_for_votes=vote_plan,
+    )  # fmt: skip
+    rows, choices = [], {}
+    for sites in args.curve_sites:
+        size, choices[sites] = size_rows(args, loaded, data, sites)
+        rows += size
+    side = args.side_sites if args.side_sites in choices else max(choices)
+    rows += side_rows(args, loaded, data, choices[side], side)
+    reference = choices[side]
+    base = baselines(args, loaded, data, reference.heads, reference.centre)
+    log(f"{task}: " + ", ".join(f"{k} {v:.2f}" for k, v in base.items() if k != "own_heads"))
     return {
-        "task": name, "zero_shot": task.zero_shot, "own_selection": task.own_accuracy,
-        "clip_norm": task.clip, "median": task.median, "heads_median": task.heads_median,
-        "clip_choice": task.clip_record,
-        "planned_clip": {
-            str(n): {"clip_norm": c.clip_norm, **c.as_record()} for n, c in task.planned.items()
+        "task": task, "baselines": base, "rows": rows,
+        "choices": {
+            str(n): {"k": c.k, "clip_norm": c.clip_norm, "heads": [list(h) for h in
+                     c.heads.heads], **c.as_record()} for n, c in choices.items()
         },
-        "candidates": len(task.candidates.heads), "majority": task.majority, "rows": rows,
+        "public_tasks": [t.name for t in data.public],
         "seconds": round(time.monotonic() - started, 1),
     }  # fmt: skip
-
-
-def _pct(value: float) -> str:
-    return "n/a" if value != value else f"{100 * value:.0f} %"
-
-
-def render(results: dict) -> str:
-    a = results["args"]
-    lines = [
-        f"# The headline on the {a['model']} model (benchmarks/headline.py)",
-        "",
-        f"Model: {a['model']} ({MODELS[a['model']][0]}). "
-        f"Generated by `{results['command']}` in {results['seconds'] / 60:.1f} min on 2 cores. "
-        f"Sites of {a['per_site']} examples (K = {a['shots']}), private select-first selection "
-        f"of k = {a['heads']} heads among the {2 * int(a['heads'])} public candidates, "
-        f"eps = 1, delta = 1e-5, no rescaling, C chosen on public data for each consortium "
-        "size with that size's planned noise (`select-heads --for-epsilon --for-chunks`), "
-        f"{a['draws']} noise draws a row, "
-        f"{a['test']} content-disjoint test queries. The 10-site central row is also the "
-        "single-holder release of the same m chunks.",
-        "",
-        "**Ratio** = (DP-MTV - zero-shot) / (MTV with its own head selection - zero-shot); "
-        "*same heads* divides by MTV patched into the heads DP picked (a diagnostic); *recall*: "
-        "share of MTV's own heads that private selection picked. `distributed`: each site adds "
-        "a discrete-Gaussian share sized for t honest sites.",
-        "",
-    ]
-    for task in results["tasks"]:
-        lines += [
-            f"## {task['task']}",
-            "",
-            f"Zero-shot {task['zero_shot']:.2f}, MTV own selection {task['own_selection']:.2f}, "
-            f"test majority class {task['majority']:.2f}. Public median layer norm of the "
-            f"top-k public heads {task['heads_median']:.3g} (over every head "
-            f"{task['median']:.3g}, the 'median C' row); the noise-free rule takes "
-            f"{task['clip_norm'] / task['heads_median']:g} x, the planned-noise rule "
-            + ", ".join(
-                f"{c['clip_norm'] / task['heads_median']:g} x at {n} sites"
-                for n, c in task["planned_clip"].items()
-            )
-            + ".",
-            "",
-            "| sites | m | mode | t | choices | C | DP-MTV (± sd) | **ratio (own)** | "
-            "ratio (same heads) | recall |",
-            "|---:|---:|---|---:|---|---:|---:|---:|---:|---:|",
-        ]
-        for r in task["rows"]:
-            t = "-" if r["mode"] == "central" else str(r["t"])
-            lines.append(
-                f"| {r['sites']} | {r['m']} | {r['mode']} | {t} | {r['variant']} | {r['C']:.3g} | "
-                f"{r['accuracy']:.2f} ± {r['spread']:.2f} | **{_pct(r['ratio'])}** | "
-                f"{_pct(r['ratio_same_heads'])} | {r['recall']:.2f} |"
-            )
-        lines.append("")
-    return "\n".join(lines)
-
-
-MODELS = {  # name: (heads in the model, k)
-    "small": ("3 x 4 = 12 heads, embedded", 4),
-    "deep": ("8 x 8 = 64 heads, embedded", 8),
-    "pretrained": ("SmolLM2-135M-Instruct decoder, 30 x 9 = 270 heads", 16),
-}
 
 
 def model_path(name: str) -> Path:
@@ -381,12 +335,12 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", choices=MODELS, default="pretrained")
     parser.add_argument("--tasks", nargs="+", default=["colour", "shape", "count", "position"])
     parser.add_argument("--curve-sites", type=int, nargs="+", default=[3, 10, 30])
+    parser.add_argument("--side-sites", type=int, default=10, help="size of the side-by-side rows")
     parser.add_argument("--per-site", type=int, default=100)
     parser.add_argument("--shots", type=int, default=4)
-    parser.add_argument("--heads", type=int, help="k (default: 4 / 8 / 16 by model)")
-    parser.add_argument("--draws", type=int, default=3)
-    parser.add_argument("--public", type=int, default=150)
-    parser.add_argument("--clip-queries", type=int, default=40)
+    parser.add_argument("--draws", type=int, default=20)
+    parser.add_argument("--choice-draws", type=int, default=3, help="noise draws a tried (k, C')")
+    parser.add_argument("--public-per-task", type=int, default=150, help="examples a public task")
     parser.add_argument("--validation", type=int, default=32)
     parser.add_argument("--test", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
@@ -394,7 +348,6 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--render-only", action="store_true", help="rewrite the .md from the .json")
     parser.add_argument("--out", type=Path, help="default: docs/benchmarks/headline-MODEL")
     args = parser.parse_args()
-    args.heads = args.heads or MODELS[args.model][1]
     args.out = args.out or REPO / "docs" / "benchmarks" / f"headline-{args.model}"
     return args
 
@@ -410,7 +363,7 @@ def main() -> int:
     args = parse_args()
     if args.render_only:
         results = json.loads(args.out.with_suffix(".json").read_text())
-        args.out.with_suffix(".md").write_text(render(results), encoding="utf-8")
+        args.out.with_suffix(".md").write_text(render(results, MODELS), encoding="utf-8")
         return 0
     started = time.monotonic()
     results: dict = {
@@ -418,15 +371,14 @@ def main() -> int:
         "args": {k: str(v) for k, v in vars(args).items()},
         "tasks": [],
     }  # fmt: skip
-    # Tasks are independent: with --jobs N, N processes share them (one core each).
     context = multiprocessing.get_context("spawn")
     with ProcessPoolExecutor(max_workers=args.jobs, mp_context=context) as pool:
         futures = [pool.submit(_task_in_worker, args, name) for name in args.tasks]
         for future in futures:  # in task order, each written as soon as it and those before end
             results["tasks"].append(future.result())
             results["seconds"] = round(time.monotonic() - started, 1)
-            args.out.with_suffix(".json").write_text(json.dumps(results, indent=2) + "\n")
-            args.out.with_suffix(".md").write_text(render(results), encoding="utf-8")
+            args.out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+            args.out.with_suffix(".md").write_text(render(results, MODELS), encoding="utf-8")
     log(f"done in {time.monotonic() - started:.0f} s; wrote {args.out}.md")
     return 0
 

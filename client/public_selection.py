@@ -36,10 +36,12 @@ from dpmtv_common.heads import HeadSet
 __all__ = [
     "ReinforceSettings",
     "SelectionMethod",
+    "attribution_gains",
     "public_activations",
     "select_heads_attribution",
     "select_heads_reinforce",
     "suggested_clip_norm",
+    "top_heads",
 ]
 
 
@@ -97,6 +99,55 @@ def suggested_clip_norm(activations: torch.Tensor, heads: HeadSet) -> float:
     return float(torch.cat(norms).median())
 
 
+def attribution_gains(
+    loaded: LoadedModel,
+    mean: torch.Tensor,
+    queries: Sequence[Record],
+    *,
+    batch_size: int = 4,
+    instruction: str | None = None,
+    progress: bool = False,
+) -> torch.Tensor:
+    """Per head ``(L, H)``: the first-order gain in log p(answer) from overwriting it with μ.
+
+    Summed over ``queries`` (zero-shot prompts, first answer token); one forward and backward
+    pass a query. ``progress`` shows a bar of the queries scored.
+    """
+    layout = loaded.adapter.head_shape(loaded.model).layout()
+    gain = torch.zeros(layout.num_layers, layout.num_heads)
+    with tqdm(total=len(queries), desc="attribution", unit="query", disable=not progress) as bar:
+        for start in range(0, len(queries), batch_size):
+            batch = queries[start : start + batch_size]
+            prompts = [zero_shot_prompt(r) for r in batch]
+            acts, grads = last_token_attribution(
+                loaded, prompts, [r.answer for r in batch], instruction=instruction
+            )
+            gain += ((mean - acts) * grads).sum(dim=(0, -1))
+            bar.update(len(batch))
+    return gain
+
+
+def top_heads(loaded: LoadedModel, gain: torch.Tensor, *, k: int) -> HeadSet:
+    """The k carried heads of highest ``gain`` ``(L, H)`` (ties: the lower index first).
+
+    Only heads the model carries are ranked (none of a hybrid's headless layers).
+
+    Raises:
+        ConfigError: k outside [1, the heads the model carries].
+    """
+    _check_k(loaded, k)
+    layout = loaded.adapter.head_shape(loaded.model).layout()
+    candidates = layout.candidates()
+    ranked = torch.argsort(gain.flatten()[candidates], descending=True, stable=True)[:k]
+    return layout.heads_at(candidates[int(i)] for i in ranked)
+
+
+def _check_k(loaded: LoadedModel, k: int) -> None:
+    carried = len(loaded.adapter.head_shape(loaded.model).layout().candidates())
+    if not 1 <= k <= carried:
+        raise ConfigError(f"k must lie in [1, {carried}] (the heads the model carries), got {k!r}.")
+
+
 def select_heads_attribution(
     loaded: LoadedModel,
     mean: torch.Tensor,
@@ -112,24 +163,11 @@ def select_heads_attribution(
     Only heads the model carries are ranked (none of a hybrid's headless layers).
     ``progress`` shows a bar of the queries scored, with an estimate of the time left.
     """
-    layout = loaded.adapter.head_shape(loaded.model).layout()
-    candidates = layout.candidates()
-    if not 1 <= k <= len(candidates):
-        raise ConfigError(
-            f"k must lie in [1, {len(candidates)}] (the heads the model carries), got {k!r}."
-        )
-    gain = torch.zeros(layout.num_layers, layout.num_heads)
-    with tqdm(total=len(queries), desc="attribution", unit="query", disable=not progress) as bar:
-        for start in range(0, len(queries), batch_size):
-            batch = queries[start : start + batch_size]
-            prompts = [zero_shot_prompt(r) for r in batch]
-            acts, grads = last_token_attribution(
-                loaded, prompts, [r.answer for r in batch], instruction=instruction
-            )
-            gain += ((mean - acts) * grads).sum(dim=(0, -1))
-            bar.update(len(batch))
-    ranked = torch.argsort(gain.flatten()[candidates], descending=True, stable=True)[:k]
-    return layout.heads_at(candidates[int(i)] for i in ranked)
+    _check_k(loaded, k)  # before any forward pass
+    gain = attribution_gains(
+        loaded, mean, queries, batch_size=batch_size, instruction=instruction, progress=progress
+    )
+    return top_heads(loaded, gain, k=k)
 
 
 def _first_token_loss(

@@ -1,0 +1,171 @@
+"""The honest headline's data: a private task's sites, task-agnostic public tasks, baselines.
+
+Per private task: ``sites`` folders of ``per_site`` examples (train scenes), a validation set
+(validation scenes: MTV's own head selection, the oracle reference), a test set (test scenes
+no site, public set or model training showed), and two public settings:
+
+* **task-agnostic**: labelled public sets of the *other* tasks of the family (same images and
+  question, other answers), none of the private task's answers;
+* **same-task, tiny**: 20 labelled public examples of the private task itself.
+
+Every site's K-shot chunks run once through the production hooks (all heads); every release
+then clips from those activations, centred or not, exactly as a site's extraction does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from client.chunking import make_chunks
+from client.data import Record, SiteDataset, load_dataset
+from client.evaluation.first_token import QuerySet
+from client.evaluation.run import icl_prompts
+from client.extraction import zero_shot_prompt
+from client.models import LoadedModel
+from client.public_selection import public_activations
+from client.public_tasks import PublicTask, public_task
+from client.release import LocalSums
+from client.synthetic import TRAINED_TASKS, write_task_datasets
+from dpmtv_common.centre import ActivationCentre
+from dpmtv_common.heads import HeadSet
+from dpmtv_common.privacy.mechanisms import clip_per_layer
+from protocol import ActivationSum, ReleasePlan, VoteSum
+
+__all__ = ["SiteActs", "TaskData", "icl_accuracy", "prepare_task", "public_family"]
+
+TINY_PUBLIC = 20
+
+
+def public_family(task: str) -> tuple[str, ...]:
+    """The public tasks of ``task``'s domain: the trained tasks other than itself."""
+    return tuple(t for t in TRAINED_TASKS if t != task)
+
+
+@dataclass
+class SiteActs:
+    """One site's chunk activations ``(m_i, L, H, D)``; sums clip (centred) rows per layer."""
+
+    activations: np.ndarray
+    sums: LocalSums | None = None  # the production vote path, for private selection
+    votes: VoteSum | None = None
+    cache: dict[tuple, ActivationSum] = field(default_factory=dict)
+
+    def activation(
+        self, heads: HeadSet, clip_norm: float, centre: ActivationCentre | None
+    ) -> ActivationSum:
+        """Σ over chunks of ``clip(a - r)`` (or ``clip(a)``) per layer on ``heads``."""
+        key = (heads, clip_norm, None if centre is None else centre.digest())
+        if key not in self.cache:
+            index = heads.to_array()
+            rows = self.activations[:, index[:, 0], index[:, 1], :].astype(np.float64)
+            if centre is not None:
+                rows = rows - centre.rows(heads)[None]
+            layers = heads.row_layers()
+            total = sum(clip_per_layer(r, row_layers=layers, clip_norm=clip_norm) for r in rows)
+            self.cache[key] = ActivationSum(heads, np.asarray(total), len(rows))
+        return self.cache[key]
+
+    def vote(self) -> VoteSum:
+        """The site's top-r shift votes by the production path (computed once)."""
+        if self.votes is None:
+            if self.sums is None:
+                raise ValueError("this site was prepared without its vote path")
+            self.votes = self.sums.vote_sum(None)
+        return self.votes
+
+
+@dataclass
+class TaskData:
+    """Everything one private task's rows share."""
+
+    name: str
+    sites: list[SiteActs]
+    public: list[PublicTask]
+    tiny: SiteDataset  # the same-task tiny public set (labelled setting)
+    test: QuerySet
+    test_records: list[Record]
+    validation: list[Record]
+    site_records: list[list[Record]]
+
+    @property
+    def pooled_mean(self) -> torch.Tensor:
+        """The unclipped mean of every site's chunks ``(L, H, D)`` (non-private MTV)."""
+        return torch.as_tensor(np.concatenate([s.activations for s in self.sites]).mean(0))
+
+
+def _queries(loaded: LoadedModel, records: list[Record]) -> QuerySet:
+    prompts = [zero_shot_prompt(r) for r in records]
+    return QuerySet.build(loaded, prompts, [r.answer for r in records])
+
+
+def prepare_task(
+    loaded: LoadedModel,
+    root: Path,
+    task: str,
+    *,
+    sites: int,
+    per_site: int,
+    shots: int,
+    public_per_task: int,
+    test: int,
+    validation: int,
+    seed: int,
+    log,
+    plan_for_votes: ReleasePlan | None = None,
+) -> TaskData:
+    """Write and run everything public and private for ``task`` (module docstring)."""
+    write_task_datasets(
+        root / task, task=task, sites=sites, per_site=per_site, public=TINY_PUBLIC,
+        test=test, validation=validation, seed=seed,
+    )  # fmt: skip
+    public = []
+    for offset, other in enumerate(public_family(task), start=1):
+        folder = root / f"public-{other}"
+        write_task_datasets(
+            folder, task=other, sites=0, per_site=1, public=public_per_task, test=0,
+            seed=seed + 100 * offset,
+        )  # fmt: skip
+        dataset = load_dataset(folder / "public")
+        public.append(public_task(loaded, dataset, shots=shots, max_chunks=public_per_task))
+        log(f"{task}: public task {other}: {len(public[-1].activations)} chunks")
+    caches, records = [], []
+    for index in range(sites):
+        dataset = load_dataset(root / task / f"site-{index}")
+        chunks = make_chunks(dataset, shots=shots, seed=1000 + index).chunks
+        acts = public_activations(loaded, chunks, progress=False).numpy()
+        sums = None
+        if plan_for_votes is not None:
+            sums = LocalSums(loaded, chunks, plan_for_votes, progress=False)
+        caches.append(SiteActs(acts, sums))
+        records.append(list(dataset.records))
+        if (index + 1) % 5 == 0 or index + 1 == sites:
+            log(f"{task}: {index + 1} of {sites} sites extracted")
+    test_records = list(load_dataset(root / task / "test").records)
+    return TaskData(
+        name=task,
+        sites=caches,
+        public=public,
+        tiny=load_dataset(root / task / "public"),
+        test=_queries(loaded, test_records),
+        test_records=test_records,
+        validation=list(load_dataset(root / task / "validation").records),
+        site_records=records,
+    )
+
+
+def icl_accuracy(
+    loaded: LoadedModel, queries: list[Record], support: list[Record], *, shots: int, seeds: int
+) -> float:
+    """Mean K-shot ICL accuracy, demonstrations drawn from ``support`` (``seeds`` draws)."""
+    answers = [r.answer for r in queries]
+    scores = [
+        QuerySet.build(
+            loaded, icl_prompts(queries, support, shots=shots, seed=s), answers
+        ).accuracy(loaded)
+        for s in range(seeds)
+    ]
+    return float(np.mean(scores))
