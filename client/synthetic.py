@@ -27,6 +27,9 @@ context. Its answers are words the embedded tokenizer already has (checked at im
 as a word, colour in French or as a fruit, the opposite position). No model here was trained
 to say them for an image, so only in-context learning can give them.
 
+**Many-class family** (``MANY_CLASS_TASKS``): ``colour-shape-code`` answers one of sixteen
+words (``CODE_WORDS``) for each colour-shape pair, a code book with no rule behind it.
+
 **Content-disjoint splits (public rule).** A scene is one of 4 x 4 x 4 x 4 = 256 attribute
 combinations. With each attribute's index (colour, shape and position in the order of
 ``COLOURS``, ``SHAPES``, ``POSITIONS``; count - 1), a scene's split is
@@ -54,6 +57,8 @@ from dpmtv_common.errors import ConfigError
 from dpmtv_common.rng import make_rng
 
 __all__ = [
+    "CODE_WORDS",
+    "MANY_CLASS_TASKS",
     "MERGED_ANSWERS",
     "QUESTION",
     "SCENE_SPLITS",
@@ -106,7 +111,15 @@ WORD_ANSWERS: dict[str, dict[str, str]] = {
     "position-opposite": {"left": "right", "right": "left", "top": "bottom", "bottom": "top"},
 }
 WORD_TASKS = tuple(WORD_ANSWERS)
-TASKS = TRAINED_TASKS + UNTRAINED_TASKS + WORD_TASKS
+# A many-class task: each of the 16 colour-shape pairs answers its own word, with no rule a
+# model could read off the image (a code book): four demonstrations show at most four of the
+# sixteen entries, so only many examples can teach it (``benchmarks/weak_site_candidates.py``).
+CODE_WORDS = (
+    "cat", "dog", "fish", "bird", "horse", "cow", "lion", "tiger",
+    "bear", "wolf", "fox", "frog", "duck", "goat", "sheep", "mouse",
+)  # fmt: skip
+MANY_CLASS_TASKS = ("colour-shape-code",)
+TASKS = TRAINED_TASKS + UNTRAINED_TASKS + WORD_TASKS + MANY_CLASS_TASKS
 IMAGE_SIZE = 64
 SCENE_SPLITS = ("train", "validation", "test")
 _SPLIT_OF_RESIDUE = ("test", "validation", "train", "train")
@@ -135,19 +148,23 @@ class SceneSpec:
         if task in WORD_ANSWERS:
             attribute = task.split("-", 1)[0]
             return WORD_ANSWERS[task][answers[attribute]]
+        if task == "colour-shape-code":
+            return CODE_WORDS[4 * list(COLOURS).index(self.colour) + SHAPES.index(self.shape)]
         if task not in answers:
             raise ConfigError(f"task must be one of {list(TASKS)}, got {task!r}.")
         return answers[task]
 
 
 def task_family(task: str) -> str:
-    """``trained``, ``untrained`` (merged) or ``words`` (answers no model was trained to say)."""
+    """``trained``, ``untrained`` (merged), ``words`` or ``many-class`` (a code book)."""
     if task in TRAINED_TASKS:
         return "trained"
     if task in UNTRAINED_TASKS:
         return "untrained"
     if task in WORD_TASKS:
         return "words"
+    if task in MANY_CLASS_TASKS:
+        return "many-class"
     raise ConfigError(f"task must be one of {list(TASKS)}, got {task!r}.")
 
 

@@ -13,6 +13,8 @@ import client.synthetic as synthetic
 from client.models.embedded import EMBEDDED_MODEL_DIRS
 from client.synthetic import (
     SCENE_SPLITS,
+    CODE_WORDS,
+    MANY_CLASS_TASKS,
     TASKS,
     TRAINED_TASKS,
     UNTRAINED_TASKS,
@@ -42,7 +44,8 @@ def test_every_answer_of_every_task_is_equally_frequent_in_each_split(split):
     scenes = all_scenes(split)
     for task in TASKS:
         counts = Counter(scene.answer(task) for scene in scenes)
-        assert len(counts) == (2 if task in UNTRAINED_TASKS else 4), (task, counts)
+        classes = 2 if task in UNTRAINED_TASKS else 16 if task in MANY_CLASS_TASKS else 4
+        assert len(counts) == classes, (task, counts)
         assert len(set(counts.values())) == 1, (task, counts)
 
 
@@ -58,9 +61,11 @@ MERGES = {
 
 def test_the_families_partition_the_tasks_and_training_sees_only_the_trained_one():
     assert set(UNTRAINED_TASKS) == set(MERGES)
-    assert set(TASKS) == set(TRAINED_TASKS) | set(UNTRAINED_TASKS) | set(WORD_TASKS)
-    assert len(TASKS) == len(TRAINED_TASKS) + len(UNTRAINED_TASKS) + len(WORD_TASKS)
+    families = (TRAINED_TASKS, UNTRAINED_TASKS, WORD_TASKS, MANY_CLASS_TASKS)
+    assert set(TASKS) == set().union(*families)
+    assert len(TASKS) == sum(len(family) for family in families)
     assert {task_family(t) for t in WORD_TASKS} == {"words"}
+    assert {task_family(t) for t in MANY_CLASS_TASKS} == {"many-class"}
     assert {task_family(t) for t in TRAINED_TASKS} == {"trained"}
     assert {task_family(t) for t in UNTRAINED_TASKS} == {"untrained"}
     with pytest.raises(ConfigError, match="task must be one of"):
@@ -76,6 +81,12 @@ def test_a_merged_answer_is_the_documented_pair_word_and_depends_on_nothing_else
     word_of = {value: word for pair, word in pairs.items() for value in pair}
     for scene in all_scenes():
         assert scene.answer(task) == word_of[scene.answer(attribute)], (task, scene)
+
+
+def test_the_code_book_gives_each_colour_shape_pair_its_own_word():
+    pairs = {(s.colour, s.shape): s.answer("colour-shape-code") for s in all_scenes()}
+    assert len(pairs) == 16
+    assert sorted(set(pairs.values())) == sorted(CODE_WORDS)
 
 
 @pytest.mark.parametrize("task", UNTRAINED_TASKS)
