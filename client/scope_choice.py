@@ -19,6 +19,9 @@ best on the held-out tasks are suggested for the real, private task.
    finds — an optimistic stand-in, stated in the record) and scored on the held-out queries.
    The best k is kept, and within it the smallest f keeping ``keep`` of the best gain over
    the centre alone (a smaller C' adds less noise).
+3. **What more chunks buy** (:func:`held_out_accuracy_by_chunks`): the chosen scope scored the
+   same way at other chunk counts, so a consortium sees before spending whether its m is
+   enough, and how many more sites or examples would help.
 
 Everything reads public data and public plan numbers (z, m) only: no privacy budget is spent.
 The simulated noise comes from ``dpmtv_common.privacy.noise`` and never leaves the process.
@@ -56,6 +59,7 @@ __all__ = [
     "ScopeChoice",
     "choose_scope",
     "heads_transfer",
+    "held_out_accuracy_by_chunks",
 ]
 
 CENTRED_CLIP_FACTORS = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
@@ -308,3 +312,29 @@ def _suggest(
         public_only=floor,
         candidates_tried=tuple(tried),
     )
+
+
+def held_out_accuracy_by_chunks(
+    loaded: LoadedModel,
+    tasks: Sequence[PublicTask],
+    choice: ScopeChoice,
+    *,
+    planned: PlannedRelease,
+    chunk_counts: Sequence[int],
+    centred: bool = True,
+    noise: NoiseSource | None = None,
+) -> dict[int, float]:
+    """Mean held-out public accuracy of ``choice`` (its k, its factor) at each m.
+
+    What more chunks buy, from public data alone: the same leave-one-task-out simulation as
+    :func:`choose_scope`, with the planned noise at ``m`` chunks instead of the plan's.
+    """
+    source = noise if noise is not None else secure_noise()
+    trials = [_trial(loaded, tasks, h, choice.k, mode=choice.mode, centred=centred) for h in tasks]
+    out = {}
+    for count in chunk_counts:
+        at_count = PlannedRelease(planned.noise_multiplier, count, planned.draws)
+        out[count] = statistics.mean(
+            t.accuracy(loaded, choice.factor, at_count, source) for t in trials
+        )
+    return out

@@ -16,7 +16,13 @@ from client.public_tasks import (
     domain_centre,
     rank_heads,
 )
-from client.scope_choice import HeadsMode, PlannedRelease, choose_scope, heads_transfer
+from client.scope_choice import (
+    HeadsMode,
+    PlannedRelease,
+    choose_scope,
+    heads_transfer,
+    held_out_accuracy_by_chunks,
+)
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.testing import SeededNoise
@@ -220,3 +226,23 @@ def test_a_planned_release_refuses_impossible_numbers():
     with pytest.raises(ConfigError, match="noise_multiplier > 0"):
         PlannedRelease(0.0, 10)
     assert PlannedRelease(2.0, 100).mean_std(3.0, 4) == pytest.approx(2 * 2.0 * 3.0 * 2 / 100)
+
+
+@ONE_ARCH
+def test_more_chunks_raise_the_held_out_accuracy_of_the_chosen_scope(loaded):
+    # Arrange
+    tasks = [_task(n, seed=i, gains=_gains(0, 1), offset=3.0 * i) for i, n in enumerate("abc")]
+    _script(tasks, _closeness_to_the_plain_mean(tasks))
+    planned = {HeadsMode.PUBLIC: PlannedRelease(4.0, 20, draws=3)}
+    choice = choose_scope(
+        loaded, tasks, planned=planned, ks=[2], noise=SeededNoise(0), mode=HeadsMode.PUBLIC
+    )
+
+    # Act
+    by_chunks = held_out_accuracy_by_chunks(
+        loaded, tasks, choice, planned=planned[HeadsMode.PUBLIC], chunk_counts=[5, 100_000],
+        noise=SeededNoise(1),
+    )  # fmt: skip
+
+    # Assert
+    assert by_chunks[100_000] > by_chunks[5]
