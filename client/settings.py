@@ -34,12 +34,13 @@ from pydantic_settings import (
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.privacy.budget import PrivacyBudget
 
-__all__ = ["SiteSettings", "default_state_dir"]
+__all__ = ["SiteSettings", "default_state_dir", "service_status_file"]
 
 _LEDGER_FILE = "ledger.sqlite"
 _ARTIFACTS_DIR = "artifacts"
 _SOCKET_FILE = "site.sock"
 _RELEASES_SUFFIX = ".releases"
+_STATUS_SUFFIX = ".status.json"
 _CONFIG_FILE_ENV = "DPMTV_CLIENT_CONFIG_FILE"
 # Fields whose relative values in a config file are relative to the file's folder.
 _PATH_FIELDS = frozenset(
@@ -63,6 +64,16 @@ def default_state_dir() -> Path:
     """The per-user folder of a site's ledger, artifacts, release records and socket."""
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base).absolute() / "dpmtv" / "site"
+
+
+def service_status_file(socket: Path) -> Path:
+    """Where a running service keeps its status for the admin: beside its socket, mode 0600.
+
+    Beside the socket because ``service-status`` always knows the socket; readable by the
+    service's user only, so the SuperNode's user, who shares the socket's folder, cannot read
+    it (a ``PING`` over the socket answers only that the service is alive).
+    """
+    return socket.with_name(socket.name + _STATUS_SUFFIX)
 
 
 class SiteSettings(BaseSettings):
