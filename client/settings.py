@@ -194,6 +194,11 @@ class SiteSettings(BaseSettings):
         return _required(self.ledger_path)
 
     @property
+    def default_ledger_file(self) -> Path:
+        """The site's one default ledger under its state folder (``ledger_file`` unless named)."""
+        return self.state_dir.absolute() / _LEDGER_FILE
+
+    @property
     def artifacts_folder(self) -> Path:
         """The artifacts folder's absolute path."""
         return _required(self.artifacts_dir)

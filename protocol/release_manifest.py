@@ -128,4 +128,5 @@ def reserve_plan(ledger: PrivacyLedger, plan: ReleasePlan, *, owned_by_run: bool
         delta=plan.delta,
         accountant=bound.accountant,
         owned_by_run=owned_by_run,
+        privacy_unit=plan.privacy_unit.value,
     )

@@ -132,6 +132,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path]:
             "DPMTV_CLIENT_NAME": site,
             "DPMTV_CLIENT_MODEL_PATH": str(model),
             "DPMTV_CLIENT_DATA_PATH": str(work / "data" / site),
+            "DPMTV_CLIENT_STATE_DIR": str(work / f"{site}-state"),  # each site's own state
             "DPMTV_CLIENT_LEDGER_PATH": str(work / f"{site}-ledger.sqlite"),
             "DPMTV_CLIENT_ARTIFACTS_DIR": str(work / f"{site}-artifacts"),
             "DPMTV_CLIENT_TRUSTED_KEYS": str(work / "coordinator.pub"),
@@ -209,6 +210,10 @@ def run_config(args: argparse.Namespace, model: Path, *, clip_norm: float) -> di
         "expected-sites": args.sites,
         "min-sites": min(args.sites, 3),
         "noise-mode": args.noise_mode,
+        # every site's data states its unit; the plan must say the same (sites check it)
+        "privacy-unit": load_dataset(
+            args.workdir / "data" / "site-0", check_images=False
+        ).privacy_unit,
     }
     if args.candidates:
         config["candidate-heads"] = args.candidate_heads
@@ -292,7 +297,8 @@ def main() -> int:
         f"[2/3] federated release {report.plan.release_id}: {len(outcome.heads)} heads over "
         f"{outcome.heads.num_layers_in_scope} layers, m={outcome.num_chunks} chunks from "
         f"{len(report.acknowledged)} sites\n"
-        f"      epsilon={bound.epsilon:.3f} ({bound.accountant}), delta={report.plan.delta:g}, "
+        f"      epsilon={bound.epsilon:.3f} ({bound.accountant}), delta={report.plan.delta:g} "
+        f"per {report.plan.privacy_unit.value}, "
         f"noise std={outcome.noise_std:.3f}, signal/noise~{outcome.signal_to_noise:.2f}\n"
         f"      stages (s): {stages}"
     )

@@ -276,6 +276,7 @@ class SiteFiles:
             "--name", self.name,
             "--model", str(self.model_path),
             "--data", str(self.data_path),
+            "--state-dir", str(self.ledger_path.parent),  # the site's own state folder
             "--ledger", str(self.ledger_path),
             "--artifacts-dir", str(self.artifacts_dir),
             "--trusted-key", str(self.trusted_keys),

@@ -32,6 +32,7 @@ from protocol import (
     NoiseMode,
     PlanAccept,
     PlanRequest,
+    PrivacyUnit,
     ReleaseAck,
     ReleaseOrder,
     ReleaseOutcome,
@@ -98,6 +99,7 @@ def build_plan(run: RunConfig) -> ReleasePlan:
         else None,
         max_chunks_per_site=run.max_chunks_per_site or None,
         max_image_crops=run.max_image_crops or None,
+        privacy_unit=PrivacyUnit(run.privacy_unit),
         created=datetime.now(UTC).isoformat(timespec="seconds"),
     )
 

@@ -24,6 +24,7 @@ from client.cli._types import file_mode, open_unit_float, positive_float, positi
 from client.cli.http_options import add_http_options, check_http, start_http
 from client.service.wire import FrameKind, read_frame, write_frame
 from client.settings import service_status_file
+from client.site_ledgers import check_one_ledger
 from dpmtv_common.errors import ConfigError, DataError, ServiceError
 
 __all__ = ["register"]
@@ -146,6 +147,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from client.service.server import SiteService
 
     check_site_model(settings)  # refused in one line, before weights, data or socket
+    for line in check_one_ledger(settings):  # one ledger per site: refused if split
+        _log.warning(line)
     if load_membership(settings) is None:  # a wrong roster or key is refused here, too
         _log.warning(
             "no --roster and --identity-key: this site refuses every federated release "
