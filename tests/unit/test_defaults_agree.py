@@ -1,4 +1,4 @@
-"""The coordinator's defaults and a site's defaults agree: a default plan is one a default site takes.
+"""The coordinator's and a site's defaults agree: a default plan is one a default site takes.
 
 The run config's defaults live twice (``server.settings.RunConfig`` and the FAB's
 ``[tool.flwr.app.config]`` in pyproject.toml, which Flower sends); a site's policy defaults
