@@ -118,7 +118,7 @@ class SiteSettings(BaseSettings):
         dtype: ``float32``, ``bfloat16``...; default bf16 on GPU, float32 on CPU.
         batch_size: Prompts per forward pass.
         cache_dir: Where weight-file digests are remembered, so a command does not re-hash
-            the weights at every start; default ``~/.cache/dpmtv/fingerprints``.
+            the weights at every start; default ``$XDG_CACHE_HOME/dpmtv/fingerprints``.
         device_map: ``from_pretrained``'s device map (e.g. ``auto`` over several GPUs; needs
             accelerate); overrides ``device`` for placement.
         attn_implementation: ``eager``, ``sdpa`` or ``flash_attention_2``; default transformers'.
