@@ -4,7 +4,7 @@ and a per-run data folder, so no test writes into the user's own site state."""
 from __future__ import annotations
 
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Generator, Iterator
 
 import pytest
 
@@ -37,3 +37,23 @@ def _forget_shared_models() -> Iterator[None]:
     shared = sys.modules.get("client.shared_model")
     if shared is not None:
         shared.clear_shared_models()
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(
+    item: pytest.Item, call: pytest.CallInfo[None]
+) -> Generator[None, pytest.TestReport, pytest.TestReport]:
+    """A failed test that registered ``dpmtv_failure_logs`` gets its logs kept and shown.
+
+    Deployment tests run many processes whose logs live in pytest's temporary folders, of
+    which only the last three runs are kept: a failure must name where its logs were copied
+    and show their tails in the report itself.
+    """
+    report = yield
+    keep: Callable[[], str] | None = getattr(item, "dpmtv_failure_logs", None)
+    if report.failed and keep is not None:
+        try:
+            report.sections.append(("kept logs", keep()))
+        except Exception as exc:  # a report must come out whatever the logs' state
+            report.sections.append(("kept logs", f"the logs could not be kept: {exc!r}"))
+    return report
