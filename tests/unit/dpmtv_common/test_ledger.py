@@ -16,6 +16,7 @@ from dpmtv_common.privacy.accounting import epsilon_bound
 from dpmtv_common.privacy.budget import PrivacyBudget
 from dpmtv_common.privacy.events import ReleaseEvent
 from dpmtv_common.privacy.ledger import PrivacyLedger, ReleaseState, Reservation
+from dpmtv_common.privacy.ledger_files import read_ledger_file
 
 DELTA = 1e-5
 EVENT = ReleaseEvent(5.0, 8, 0.1)  # alone: epsilon ~ 0.99; two composed: ~ 1.45 at DELTA
@@ -390,3 +391,55 @@ def test_a_version_1_ledger_is_migrated_and_keeps_every_release_counted(path: Pa
     with closing(sqlite3.connect(path)) as conn:
         meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
     assert meta["schema_version"] == "2"
+
+
+# ---------------------------------------------------------------- another ledger file
+
+
+def test_merging_copies_what_is_missing_once_and_counts_it(tmp_path: Path) -> None:
+    # Arrange: one committed release in another file
+    with PrivacyLedger.open(tmp_path / "other.sqlite", BUDGET) as other:
+        reserve(other, "elsewhere")
+        other.commit("elsewhere")
+    source = read_ledger_file(tmp_path / "other.sqlite")
+    with PrivacyLedger.open(tmp_path / "site.sqlite", BUDGET) as site:
+        # Act
+        first = site.merge(source)
+        again = site.merge(source)
+        # Assert
+        assert (first, again) == (["elsewhere"], [])
+        assert states(site) == {"elsewhere": ReleaseState.COMMITTED}
+        assert site.spent() is not None
+    assert source.budget == BUDGET
+
+
+def test_a_merge_is_refused_while_the_other_ledger_has_an_open_release(tmp_path: Path) -> None:
+    with PrivacyLedger.open(tmp_path / "other.sqlite", BUDGET) as other:
+        reserve(other, "open")
+    with (
+        PrivacyLedger.open(tmp_path / "site.sqlite", BUDGET) as site,
+        pytest.raises(LedgerError, match="must be resolved before a merge"),
+    ):
+        site.merge(read_ledger_file(tmp_path / "other.sqlite"))
+
+
+def test_a_merge_is_refused_when_one_id_names_two_plans(tmp_path: Path) -> None:
+    with PrivacyLedger.open(tmp_path / "other.sqlite", BUDGET) as other:
+        reserve(other, "r1")
+        other.commit("r1")
+    with PrivacyLedger.open(tmp_path / "site.sqlite", BUDGET) as site:
+        site.reserve(
+            release_id="r1", plan_hash="another", event=EVENT, epsilon=0.99, delta=1e-6,
+            accountant="rdp",
+        )  # fmt: skip
+        with pytest.raises(LedgerError, match="must name one release"):
+            site.merge(read_ledger_file(tmp_path / "other.sqlite"))
+
+
+def test_reading_a_missing_or_foreign_file_is_a_ledger_error(tmp_path: Path) -> None:
+    with pytest.raises(LedgerError, match="existing file"):
+        read_ledger_file(tmp_path / "none.sqlite")
+    with closing(sqlite3.connect(tmp_path / "empty.sqlite")) as conn:
+        conn.execute("CREATE TABLE x (y)")
+    with pytest.raises(LedgerError, match="releases table"):
+        read_ledger_file(tmp_path / "empty.sqlite")
