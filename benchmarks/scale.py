@@ -107,6 +107,7 @@ def _site_environment(work: Path, model: Path, mode: str, sites: int) -> None:
             "DPMTV_CLIENT_NAME": site,
             "DPMTV_CLIENT_MODEL_PATH": str(model),
             "DPMTV_CLIENT_DATA_PATH": str(work / "data" / site),
+            "DPMTV_CLIENT_STATE_DIR": str(work / f"{site}-state"),
             "DPMTV_CLIENT_LEDGER_PATH": str(work / f"{site}-ledger.sqlite"),
             "DPMTV_CLIENT_ARTIFACTS_DIR": str(work / f"{site}-artifacts"),
             "DPMTV_CLIENT_TRUSTED_KEYS": str(work / "coordinator.pub"),

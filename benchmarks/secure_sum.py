@@ -216,6 +216,7 @@ def run_release_once(work: Path, fingerprint: str, selection: str, run: int) -> 
     state = work / f"{selection}-{run}"
     state.mkdir()  # ledgers are opened, not their folders created
     site = "site-{partition-id}"
+    os.environ["DPMTV_CLIENT_STATE_DIR"] = str(state / f"{site}-state")
     os.environ["DPMTV_CLIENT_LEDGER_PATH"] = str(state / f"{site}-ledger.sqlite")
     os.environ["DPMTV_CLIENT_ARTIFACTS_DIR"] = str(state / f"{site}-artifacts")
     config: dict[str, bool | float | int | str] = {

@@ -34,12 +34,13 @@ from pydantic_settings import (
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.privacy.budget import PrivacyBudget
 
-__all__ = ["SiteSettings", "default_state_dir"]
+__all__ = ["SiteSettings", "default_state_dir", "service_status_file"]
 
 _LEDGER_FILE = "ledger.sqlite"
 _ARTIFACTS_DIR = "artifacts"
 _SOCKET_FILE = "site.sock"
 _RELEASES_SUFFIX = ".releases"
+_STATUS_SUFFIX = ".status.json"
 _CONFIG_FILE_ENV = "DPMTV_CLIENT_CONFIG_FILE"
 # Fields whose relative values in a config file are relative to the file's folder.
 _PATH_FIELDS = frozenset(
@@ -63,6 +64,16 @@ def default_state_dir() -> Path:
     """The per-user folder of a site's ledger, artifacts, release records and socket."""
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return Path(base).absolute() / "dpmtv" / "site"
+
+
+def service_status_file(socket: Path) -> Path:
+    """Where a running service keeps its status for the admin: beside its socket, mode 0600.
+
+    Beside the socket because ``service-status`` always knows the socket; readable by the
+    service's user only, so the SuperNode's user, who shares the socket's folder, cannot read
+    it (a ``PING`` over the socket answers only that the service is alive).
+    """
+    return socket.with_name(socket.name + _STATUS_SUFFIX)
 
 
 class SiteSettings(BaseSettings):
@@ -107,7 +118,7 @@ class SiteSettings(BaseSettings):
         dtype: ``float32``, ``bfloat16``...; default bf16 on GPU, float32 on CPU.
         batch_size: Prompts per forward pass.
         cache_dir: Where weight-file digests are remembered, so a command does not re-hash
-            the weights at every start; default ``~/.cache/dpmtv/fingerprints``.
+            the weights at every start; default ``$XDG_CACHE_HOME/dpmtv/fingerprints``.
         device_map: ``from_pretrained``'s device map (e.g. ``auto`` over several GPUs; needs
             accelerate); overrides ``device`` for placement.
         attn_implementation: ``eager``, ``sdpa`` or ``flash_attention_2``; default transformers'.
@@ -181,6 +192,11 @@ class SiteSettings(BaseSettings):
     def ledger_file(self) -> Path:
         """The ledger's absolute path."""
         return _required(self.ledger_path)
+
+    @property
+    def default_ledger_file(self) -> Path:
+        """The site's one default ledger under its state folder (``ledger_file`` unless named)."""
+        return self.state_dir.absolute() / _LEDGER_FILE
 
     @property
     def artifacts_folder(self) -> Path:

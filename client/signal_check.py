@@ -38,7 +38,8 @@ def signal_report(plan: ReleasePlan, *, num_chunks: int, shape: HeadShape) -> Si
         head_dim=shape.head_dim,
     )
     what = (
-        f"eps={plan.epsilon:g}, delta={plan.delta:g}, {plan.selection.value} selection, "
+        f"eps={plan.epsilon:g}, delta={plan.delta:g} per {plan.privacy_unit.value}, "
+        f"{plan.selection.value} selection, "
         f"{plan.order.value}, k={plan.num_selected_heads}, {plan.noise_mode.value} noise"
     )
     lines = (
@@ -51,7 +52,8 @@ def signal_report(plan: ReleasePlan, *, num_chunks: int, shape: HeadShape) -> Si
     if num_chunks < 1 or estimate.signal_to_noise < LOW_SIGNAL_TO_NOISE:
         warning = (
             f"at m = {num_chunks} chunks the released vector would be mostly noise (predicted "
-            f"signal/noise at most {estimate.signal_to_noise:.2g} at eps={plan.epsilon:g}): "
+            f"signal/noise at most {estimate.signal_to_noise:.2g} at eps={plan.epsilon:g} per "
+            f"{plan.privacy_unit.value}): "
             f"pool more examples (m >= {estimate.chunks_for(1.0)}), raise epsilon, release "
             "fewer heads (--order select-first with public or private heads), or lower --shots."
         )

@@ -50,6 +50,7 @@ from client.release_states import Settlement, in_step, require_in_step, settleme
 from client.scoring import check_answer_vocabulary
 from client.settings import SiteSettings
 from client.shared_model import shared_model
+from client.site_ledgers import check_one_ledger
 from client.site_policy import (
     ModelShape,
     check_artifact,
@@ -203,6 +204,8 @@ class Site:
             raise DataError(f"the site must hold at least one chunk of K+1={plan.shots + 1}.")
         template_sha256 = prompt_template_digest(loaded)
         instruction_sha256 = instruction_digest(dataset.instruction)
+        for line in check_one_ledger(self.settings, remember=False):  # never a split budget
+            _log.warning(line)
         with self.ledger() as ledger:
             reserve_plan(ledger, plan)  # owned by this (long-lived) process
         self.records.create(
@@ -221,11 +224,12 @@ class Site:
         if checked_centre is not None:
             self.centres[plan.release_id] = checked_centre
         _log.info(
-            "release %s: plan accepted (run %d, epsilon=%g, delta=%g, m_i=%d, selection=%s)",
+            "release %s: plan accepted (run %d, epsilon=%g, delta=%g per %s, m_i=%d, selection=%s)",
             plan.release_id,
             run_id,
             plan.epsilon,
             plan.delta,
+            plan.privacy_unit.value,
             chunks,
             plan.selection.value,
         )

@@ -66,7 +66,12 @@ from protocol.release import (
     check_plan_scope,
     run_release,
 )
-from protocol.release_manifest import plan_release_event, release_description, reserve_plan
+from protocol.release_manifest import (
+    plan_epsilon_bound,
+    plan_release_event,
+    release_description,
+    reserve_plan,
+)
 from protocol.secure_sum import (
     MASKED_ARRAY_KEY,
     MAX_QUANTIZATION_RANGE,
@@ -209,6 +214,7 @@ __all__ = [
     "plan_calibration",
     "plan_distributed_calibration",
     "plan_distributed_event",
+    "plan_epsilon_bound",
     "plan_hash",
     "plan_noise_multiplier",
     "plan_release_event",

@@ -11,7 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 from dpmtv_common.artifact import ReleaseDescription
-from dpmtv_common.privacy.accounting import epsilon_bound
+from dpmtv_common.errors import CalibrationError
+from dpmtv_common.privacy.accounting import EpsilonBound, epsilon_bound
 from dpmtv_common.privacy.events import ReleaseEvent
 from dpmtv_common.privacy.ledger import PrivacyLedger
 from protocol.calibration import plan_calibration
@@ -20,7 +21,7 @@ from protocol.plan import NoiseMode, ReleasePlan, plan_hash
 from protocol.release import DistributedOutcome, ReleaseOutcome
 from protocol.version import PROTOCOL_VERSION
 
-__all__ = ["plan_release_event", "release_description", "reserve_plan"]
+__all__ = ["plan_epsilon_bound", "plan_release_event", "release_description", "reserve_plan"]
 
 
 def release_description(
@@ -95,10 +96,30 @@ def plan_release_event(plan: ReleasePlan) -> ReleaseEvent:
     return plan_calibration(plan).event
 
 
+def plan_epsilon_bound(plan: ReleasePlan) -> EpsilonBound:
+    """ε of the plan's calibrated event alone, as ledgers account it; never above the plan's ε.
+
+    The calibration solves for the plan's (ε, δ), so the accounted ε is at most the plan's up
+    to float rounding in the accountants. A larger one (a regression in an accountant, or a
+    calibration that cannot meet the plan) would make every site spend more than the plan it
+    accepted, and more than a per-release cap equal to the plan's ε: refused, fail closed.
+
+    Raises:
+        CalibrationError: The accounted ε exceeds the plan's.
+    """
+    bound = epsilon_bound([plan_release_event(plan)], delta=plan.delta)
+    if not bound.epsilon <= plan.epsilon:
+        raise CalibrationError(
+            f"accounted epsilon must be at most the plan's epsilon={plan.epsilon!r}, got "
+            f"{bound.epsilon!r} ({bound.accountant}); this plan cannot be released as stated."
+        )
+    return bound
+
+
 def reserve_plan(ledger: PrivacyLedger, plan: ReleasePlan, *, owned_by_run: bool = False) -> None:
     """Reserve the plan's calibrated cost in a ledger (refused with the numbers if over)."""
     event = plan_release_event(plan)
-    bound = epsilon_bound([event], delta=plan.delta)
+    bound = plan_epsilon_bound(plan)
     ledger.reserve(
         release_id=plan.release_id,
         plan_hash=plan_hash(plan),
@@ -107,4 +128,5 @@ def reserve_plan(ledger: PrivacyLedger, plan: ReleasePlan, *, owned_by_run: bool
         delta=plan.delta,
         accountant=bound.accountant,
         owned_by_run=owned_by_run,
+        privacy_unit=plan.privacy_unit.value,
     )

@@ -52,6 +52,9 @@ from server.coordinator import build_plan, run_coordinated_release
 from server.settings import CoordinatorSettings, RunConfig
 from server.simulation import InProcessGrid, make_server_context
 
+sys.path.insert(0, str(REPO / "scripts"))
+from demo_progress import Heartbeat, StepHandler
+
 
 def parse_args() -> argparse.Namespace:
     parser = argparse.ArgumentParser(
@@ -94,6 +97,12 @@ def parse_args() -> argparse.Namespace:
         default="central",
         help="distributed: every site adds its own noise share (the coordinator is not trusted)",
     )
+    parser.add_argument(
+        "--progress-every",
+        type=float,
+        default=20.0,
+        help="seconds between progress lines while a phase runs (default 20)",
+    )
     return parser.parse_args()
 
 
@@ -132,6 +141,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path]:
             "DPMTV_CLIENT_NAME": site,
             "DPMTV_CLIENT_MODEL_PATH": str(model),
             "DPMTV_CLIENT_DATA_PATH": str(work / "data" / site),
+            "DPMTV_CLIENT_STATE_DIR": str(work / f"{site}-state"),  # each site's own state
             "DPMTV_CLIENT_LEDGER_PATH": str(work / f"{site}-ledger.sqlite"),
             "DPMTV_CLIENT_ARTIFACTS_DIR": str(work / f"{site}-artifacts"),
             "DPMTV_CLIENT_TRUSTED_KEYS": str(work / "coordinator.pub"),
@@ -145,7 +155,7 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path]:
     return work, model
 
 
-def public_choices(work: Path, model: Path, args: argparse.Namespace) -> None:
+def public_choices(work: Path, model: Path, args: argparse.Namespace, beat: Heartbeat) -> None:
     """C and the candidate set from PUBLIC data only, as `select-heads` makes them (no cost).
 
     Candidates: the heads attribution ranks first with the public chunks' mean. C: the
@@ -153,9 +163,11 @@ def public_choices(work: Path, model: Path, args: argparse.Namespace) -> None:
     plus the noise this very release will add (its plan's z, the sites' m), scores best on the
     public queries (``client.clip_choice``; `select-heads --for-epsilon --for-chunks`).
     """
+    beat.step("loading the model")
     loaded = load_model(model)
     public = load_dataset(work / "data" / "public")
     chunks = make_chunks(public, shots=args.shots, seed=0).chunks
+    beat.step(f"public activations of {len(chunks)} public chunks")
     activations = public_activations(loaded, chunks, progress=False, instruction=public.instruction)
     queries = [chunk.query for chunk in chunks]
     mean = activations.mean(0)
@@ -163,11 +175,13 @@ def public_choices(work: Path, model: Path, args: argparse.Namespace) -> None:
     if args.candidates is None:
         args.candidates = min(2 * args.heads, carried)
     if args.candidates:
+        beat.step(f"ranking {args.candidates} candidate heads by attribution on public queries")
         ranked = select_heads_attribution(
             loaded, mean, queries, k=args.candidates, instruction=public.instruction
         )
         args.candidate_heads = ",".join(f"{layer}:{head}" for layer, head in ranked.heads)
     if args.clip_norm is None:
+        beat.step(f"the top {args.heads} heads, then C: each multiple of the median scored")
         top = select_heads_attribution(
             loaded, mean, queries, k=args.heads, instruction=public.instruction
         )
@@ -209,6 +223,10 @@ def run_config(args: argparse.Namespace, model: Path, *, clip_norm: float) -> di
         "expected-sites": args.sites,
         "min-sites": min(args.sites, 3),
         "noise-mode": args.noise_mode,
+        # every site's data states its unit; the plan must say the same (sites check it)
+        "privacy-unit": load_dataset(
+            args.workdir / "data" / "site-0", check_images=False
+        ).privacy_unit,
     }
     if args.candidates:
         config["candidate-heads"] = args.candidate_heads
@@ -234,7 +252,10 @@ def federated_release(args: argparse.Namespace, model: Path):
         )
 
 
-def site_zero_inference(work: Path, model: Path, report, args: argparse.Namespace) -> None:
+def site_zero_inference(
+    work: Path, model: Path, report, args: argparse.Namespace, beat: Heartbeat
+) -> None:
+    beat.step("loading the model and verifying the artifact")
     loaded = load_model(model)
     keys = TrustedKeys.from_files([work / "coordinator.pub"])
     artifact = work / "site-0-artifacts" / report.plan.release_id
@@ -248,6 +269,7 @@ def site_zero_inference(work: Path, model: Path, report, args: argparse.Namespac
         (EvaluationMode.ICL, {"support": support, "shots": args.shots}),
         (EvaluationMode.ARTIFACT, {"patch": patch}),
     ):
+        beat.step(f"{mode.value} on {len(test)} test queries")
         result = evaluate(loaded, test, mode=mode, **kwargs)
         print(
             f"  site-0 {mode.value:9}: accuracy {result.accuracy:.3f} on {len(test)} test queries"
@@ -257,15 +279,30 @@ def site_zero_inference(work: Path, model: Path, report, args: argparse.Namespac
     print(f"  site-0 asks {first.question!r} about {first.image_path.name}: {answer!r}")
 
 
-def main() -> int:
+def _log_steps(beat: Heartbeat) -> None:
+    """Warnings to the terminal; the sites' and coordinator's INFO lines to the heartbeat."""
     logging.basicConfig(level=logging.WARNING)
+    for handler in logging.getLogger().handlers:
+        handler.setLevel(logging.WARNING)
     logging.getLogger("flwr").setLevel(logging.WARNING)  # SecAgg+ logs every stage at DEBUG
+    for name in ("client.site", "server.coordinator"):
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.INFO)
+        logger.addHandler(StepHandler(beat))
+
+
+def main() -> int:
+    sys.stdout.reconfigure(line_buffering=True)  # type: ignore[union-attr]  # a line as it comes
     args = parse_args()
+    beat = Heartbeat(every=args.progress_every)
+    _log_steps(beat)
     started = time.monotonic()
-    print("[1/3] preparing data, model and keys ...", flush=True)
-    work, model = prepare(args)
-    args.clip_factor = None
-    public_choices(work, model, args)
+    print("[1/3] preparing data, model and keys; C and candidates from public data ...", flush=True)
+    with beat.phase("[1/3]"):
+        beat.step("writing data, model and keys")
+        work, model = prepare(args)
+        args.clip_factor = None
+        public_choices(work, model, args, beat)
     print(f"[1/3] data, model and keys ready in {work} ({time.monotonic() - started:.1f} s)")
     if args.tiny_random_model:
         print("      model: a TINY RANDOM LLaVA: accuracies show the pipeline, not utility.")
@@ -284,7 +321,8 @@ def main() -> int:
         "seconds on 2 idle cores)",
         flush=True,
     )
-    report = federated_release(args, model)
+    with beat.phase("[2/3]"):
+        report = federated_release(args, model)
     outcome = report.outcome
     bound = outcome.bound
     stages = ", ".join(f"{name} {seconds:.1f}" for name, seconds in report.stage_seconds.items())
@@ -292,12 +330,14 @@ def main() -> int:
         f"[2/3] federated release {report.plan.release_id}: {len(outcome.heads)} heads over "
         f"{outcome.heads.num_layers_in_scope} layers, m={outcome.num_chunks} chunks from "
         f"{len(report.acknowledged)} sites\n"
-        f"      epsilon={bound.epsilon:.3f} ({bound.accountant}), delta={report.plan.delta:g}, "
+        f"      epsilon={bound.epsilon:.3f} ({bound.accountant}), delta={report.plan.delta:g} "
+        f"per {report.plan.privacy_unit.value}, "
         f"noise std={outcome.noise_std:.3f}, signal/noise~{outcome.signal_to_noise:.2f}\n"
         f"      stages (s): {stages}"
     )
-    print("[3/3] local inference at site 0 with the verified artifact:")
-    site_zero_inference(work, model, report, args)
+    print("[3/3] local inference at site 0 with the verified artifact:", flush=True)
+    with beat.phase("[3/3]"):
+        site_zero_inference(work, model, report, args, beat)
     print(f"done in {time.monotonic() - started:.1f} s")
     return 0
 

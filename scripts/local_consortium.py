@@ -38,6 +38,7 @@ import ipaddress
 import json
 import os
 import re
+import shutil
 import signal
 import socket
 import subprocess
@@ -46,7 +47,7 @@ import threading
 import time
 import tomllib
 import uuid
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, Any, Self
@@ -67,9 +68,11 @@ __all__ = [
     "ConsortiumFiles",
     "Credentials",
     "Managed",
+    "ProgressDeadline",
     "RunResult",
     "SiteFiles",
     "free_port",
+    "keep_logs",
     "main",
     "make_credentials",
     "prepare_consortium",
@@ -276,6 +279,7 @@ class SiteFiles:
             "--name", self.name,
             "--model", str(self.model_path),
             "--data", str(self.data_path),
+            "--state-dir", str(self.ledger_path.parent),  # the site's own state folder
             "--ledger", str(self.ledger_path),
             "--artifacts-dir", str(self.artifacts_dir),
             "--trusted-key", str(self.trusted_keys),
@@ -471,6 +475,53 @@ def _marked_pids(marker: str) -> list[int]:
     return found
 
 
+class ProgressDeadline:
+    """A deadline that moves while the consortium makes progress.
+
+    It expires once no process has printed for ``quiet`` seconds (stuck), or after
+    ``CAP_FACTOR`` times ``quiet`` in all (a loop that prints forever). On a loaded machine a
+    release is slow but keeps printing (every Flower message, every site's stage), so a
+    fixed total would fail it; silence is what a hung release shows.
+    """
+
+    CAP_FACTOR = 6.0
+
+    def __init__(self, last_output: Callable[[], float], quiet: float) -> None:
+        self._last_output = last_output
+        self.quiet = quiet
+        self.started = time.monotonic()
+
+    def expired(self) -> bool:
+        """Whether the wait is over: silent for ``quiet`` s, or past the cap."""
+        now = time.monotonic()
+        since = now - max(self.started, self._last_output())
+        return since > self.quiet or now - self.started > self.CAP_FACTOR * self.quiet
+
+    def why(self) -> str:
+        """What the wait allowed, for an error message."""
+        waited = time.monotonic() - self.started
+        return (
+            f"waited {waited:.0f} s: at most {self.quiet:g} s of silence, "
+            f"{self.CAP_FACTOR * self.quiet:g} s in all"
+        )
+
+
+def keep_logs(logs: Path, keep_in: Path, *, tail: int = 40) -> str:
+    """Copy ``logs`` into ``keep_in`` (a new folder); where it went and each log's tail.
+
+    Test runs delete old temporary folders: a failure's logs must outlive them.
+    """
+    keep_in.mkdir(parents=True, exist_ok=True)
+    kept = keep_in / dt.datetime.now().strftime("%Y%m%d-%H%M%S-%f")
+    shutil.copytree(logs, kept)
+    parts = [f"logs kept in {kept}"]
+    for log in sorted(kept.glob("*.log")):
+        lines = log.read_text(encoding="utf-8", errors="replace").splitlines()
+        parts.append(f"--- {log.name} (last {min(tail, len(lines))} of {len(lines)} lines)")
+        parts.extend(lines[-tail:])
+    return "\n".join(parts)
+
+
 @dataclass(frozen=True)
 class RunResult:
     """How a ``flwr run`` ended, with its streamed log."""
@@ -575,16 +626,28 @@ class Consortium:
         self.processes[name] = managed
         return managed
 
+    def last_output(self) -> float:
+        """``time.monotonic()`` of the latest line any process of the consortium printed."""
+        latest = [m.lines[-1][0] for m in [*self.retired, *self.processes.values()] if m.lines]
+        return self.started + max(latest, default=0.0)
+
+    def deadline(self, quiet: float) -> ProgressDeadline:
+        """A wait that lasts while the consortium makes progress (see :class:`ProgressDeadline`)."""
+        return ProgressDeadline(self.last_output, quiet)
+
     def wait_for_line(self, name: str, pattern: str, timeout: float, *, skip: int = 0) -> str:
         """Wait until process ``name`` prints a line matching ``pattern``; return the line.
 
-        ``skip`` ignores the first lines (``line_count`` before an event of interest).
+        ``timeout`` is the longest the consortium may stay silent, not a total: while its
+        processes print (a loaded machine is slow, not stuck) the wait goes on, up to
+        :data:`ProgressDeadline.CAP_FACTOR` times ``timeout``. ``skip`` ignores the first
+        lines (``line_count`` before an event of interest).
         """
         regex = re.compile(pattern)
-        deadline = time.monotonic() + timeout
+        deadline = self.deadline(timeout)
         managed = self.processes[name]
         seen = skip
-        while time.monotonic() < deadline:
+        while not deadline.expired():
             lines = list(managed.lines)
             for _, line in lines[seen:]:
                 if regex.search(line):
@@ -594,7 +657,7 @@ class Consortium:
                 break
             time.sleep(0.2)
         raise TimeoutError(
-            f"{name} must print a line matching {pattern!r} within {timeout:g} s; it "
+            f"{name} must print a line matching {pattern!r} ({deadline.why()}); it "
             f"{'is still running' if managed.running() else 'exited'}. Log: {managed.log}"
         )
 
@@ -648,7 +711,7 @@ class Consortium:
         ]  # fmt: skip
         env = self._env(self.workdir / "flwr-superlink", self.coordinator_env)
         managed = self.start("superlink", command, env)
-        _wait_for_port(self.port, timeout, managed)
+        _wait_for_port(self.port, self.deadline(timeout), managed)
         return managed
 
     def flwr(self, *args: str, timeout: float = 60.0) -> subprocess.CompletedProcess[str]:
@@ -766,16 +829,21 @@ class Consortium:
         return str(runs[0].get("status", "unknown")) if runs else "unknown"
 
     def wait_run(self, managed: Managed, timeout: float) -> RunResult:
-        """Wait for the streamed run to end (or ``timeout``); stop it if it overran."""
+        """Wait for the streamed run to end; stop it once the consortium is silent too long.
+
+        ``timeout`` bounds silence, not the run (:meth:`wait_for_line`): a run that keeps
+        its processes printing on a loaded machine is waited for, up to the cap.
+        """
         started = time.monotonic()
         line = self.wait_for_line(managed.name, _RUN_ID.pattern, timeout=60)
         match = _RUN_ID.search(line)
         run_id = int(match.group(1)) if match else None
         status = "unknown"
+        deadline = self.deadline(timeout)
         # The stream ends with the run; `flwr ls` (a CLI process, ~1 s of CPU) is asked only
         # every 15 s as a fallback, so waiting does not slow the release on shared cores.
         checked = time.monotonic()
-        while managed.running() and time.monotonic() - started < timeout:
+        while managed.running() and not deadline.expired():
             if run_id is not None and time.monotonic() - checked > 15:
                 checked = time.monotonic()
                 if self.run_status(run_id).startswith("finished"):
@@ -785,7 +853,7 @@ class Consortium:
             if run_id is None:
                 break
             status = self.run_status(run_id)
-            if status.startswith("finished") or time.monotonic() - started > timeout:
+            if status.startswith("finished") or deadline.expired():
                 break
             time.sleep(0.5)
         if run_id is not None and not status.startswith("finished"):
@@ -805,15 +873,14 @@ def _toml(value: object) -> str:
     return json.dumps(str(value))  # a JSON string is a valid TOML basic string
 
 
-def _wait_for_port(port: int, timeout: float, managed: Managed) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
+def _wait_for_port(port: int, deadline: ProgressDeadline, managed: Managed) -> None:
+    while not deadline.expired():
         if not managed.running():
             raise RuntimeError(f"{managed.name} exited early; log: {managed.log}")
         with contextlib.suppress(OSError), socket.create_connection(("127.0.0.1", port), 1):
             return
         time.sleep(0.2)
-    raise TimeoutError(f"{managed.name} must listen on port {port} within {timeout:g} s.")
+    raise TimeoutError(f"{managed.name} must listen on port {port} ({deadline.why()}).")
 
 
 def stage_timings(log: str) -> dict[str, float]:

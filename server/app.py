@@ -111,7 +111,11 @@ def _journal(settings: CoordinatorSettings, line: str) -> None:
 def _summary(report: ReleaseReport) -> str:
     outcome = report.outcome
     bound = outcome.bound  # central: the calibration's; distributed: at t honest shares
-    epsilon = f"{bound.epsilon:.4g} {bound.accountant}, {report.plan.noise_mode.value}"
+    plan = report.plan
+    epsilon = (
+        f"{bound.epsilon:.4g} per {plan.privacy_unit.value} {bound.accountant}, "
+        f"{plan.noise_mode.value}"
+    )
     return (
         f"release {report.plan.release_id} COMMITTED: {len(outcome.heads)} heads "
         f"(m={outcome.num_chunks} chunks, sigma={outcome.noise_std:.4g}, epsilon={epsilon})"

@@ -34,6 +34,7 @@ from protocol import (
     NoiseMode,
     PlanAccept,
     PlanRequest,
+    PrivacyUnit,
     ReleaseAck,
     ReleaseOrder,
     ReleaseOutcome,
@@ -101,6 +102,7 @@ def build_plan(run: RunConfig, centre: ActivationCentre | None = None) -> Releas
         max_chunks_per_site=run.max_chunks_per_site or None,
         max_image_crops=run.max_image_crops or None,
         centre_sha256=None if centre is None else centre.digest(),
+        privacy_unit=PrivacyUnit(run.privacy_unit),
         created=datetime.now(UTC).isoformat(timespec="seconds"),
     )
 

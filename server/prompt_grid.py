@@ -139,9 +139,10 @@ class PromptGrid(DelegatingGrid):
             if pending and replies and self._give_up(started, last_reply, now):
                 missing = sorted(site_label(self, destinations[m]) for m in pending)
                 _log.warning(
-                    "gave up on %s: silent %.1f s after the other sites answered",
+                    "gave up on %s: silent %.1f s after the other sites answered (in %.1f s)",
                     ", ".join(missing),
                     now - last_reply,
+                    last_reply - started,
                 )
                 break
             if pending:

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import uuid
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
@@ -51,12 +51,17 @@ class RunConfig(BaseModel):
     centre_path: str = ""
     selection_share: float = 0.3
     score_top_r: int = 0
-    min_sites: int = Field(default=2, ge=2)  # a secure sum of one site is that site's vector
+    # A secure sum of one site is that site's vector; 3, as every site's own default minimum
+    # (client.settings.SiteSettings.min_sites), so a default plan is one default sites accept.
+    min_sites: int = Field(default=3, ge=2)
     expected_sites: int = 3
     # Most chunks a site contributes (its count is public, so the cap bounds what one site
     # weighs in the sum). 0 = no cap.
     max_chunks_per_site: int = Field(default=10_000, ge=0)
     max_image_crops: int = Field(default=0, ge=0)  # 0 = each processor as shipped
+    # What one neighbouring change replaces at every site: one record, or one owner's records
+    # (each site's data must say the same in its dataset.json; a site refuses another unit).
+    privacy_unit: Literal["example", "group"] = "example"
     noise_mode: str = "central"
     min_honest: int = Field(default=2, ge=1)  # distributed mode: shares sized for t honest
     max_sites: int = Field(default=0, ge=0)  # distributed mode: 0 = expected-sites

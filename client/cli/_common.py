@@ -34,6 +34,7 @@ __all__ = [
     "check_site_model",
     "load_heads_file",
     "load_site_model",
+    "public_data_folder",
     "settings_from",
     "trusted_keys",
     "write_heads_file",
@@ -102,10 +103,14 @@ def add_patch_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def settings_from(args: argparse.Namespace, **mapping: str) -> SiteSettings:
+def settings_from(
+    args: argparse.Namespace, *, ignore: tuple[str, ...] = (), **mapping: str
+) -> SiteSettings:
     """Site settings: flags given on the command line override environment and defaults.
 
-    ``mapping`` maps settings fields to argument names where they differ.
+    ``mapping`` maps settings fields to argument names where they differ; fields in
+    ``ignore`` are not taken from the arguments (so the environment or config file's value,
+    if any, is what the settings hold).
 
     Raises:
         ConfigError: A value (from a flag or a ``DPMTV_CLIENT_*`` variable) is invalid; the
@@ -114,6 +119,8 @@ def settings_from(args: argparse.Namespace, **mapping: str) -> SiteSettings:
     names = {"model_path": "model", "data_path": "data", **mapping}
     given: dict[str, Any] = {}
     for field in SiteSettings.model_fields:
+        if field in ignore:
+            continue
         value = getattr(args, names.get(field, field), None)
         if value is not None and value != []:
             given[field] = tuple(value) if isinstance(value, list) else value
@@ -124,6 +131,35 @@ def settings_from(args: argparse.Namespace, **mapping: str) -> SiteSettings:
             field: f"{flag} (or DPMTV_CLIENT_{field.upper()})" for field, flag in _OPTIONS.items()
         }
         raise ConfigError(validation_line(exc, options=options)) from exc
+
+
+def public_data_folder(args: argparse.Namespace, *, option: str = "--data") -> Path:
+    """The PUBLIC dataset folder ``option`` names; never the site's private data setting.
+
+    Public data steers a release with no privacy cost (heads, C), so it must never be the
+    private data: it comes only from the explicit option, and is refused when absent (the
+    site's ``DPMTV_CLIENT_DATA_PATH`` or config file ``data-path`` names its PRIVATE data and
+    is never a fallback) or when it is that very private folder.
+
+    Raises:
+        ConfigError: The option is absent, or names the site's private data folder.
+    """
+    dest = option.lstrip("-").replace("-", "_")
+    given: Path | None = getattr(args, dest, None)
+    if given is None:
+        raise ConfigError(
+            f"{option} must name a PUBLIC dataset folder, got none; public data is never "
+            "taken from DPMTV_CLIENT_DATA_PATH or a config file's data-path (the site's "
+            "private data)."
+        )
+    private = settings_from(args, ignore=("data_path",)).data_path
+    if private is not None and given.resolve() == private.resolve():
+        raise ConfigError(
+            f"{option} must be PUBLIC data, got the site's private data folder "
+            f"{str(given)!r} (its DPMTV_CLIENT_DATA_PATH or config file data-path): choosing "
+            "on it would spend privacy without accounting for it."
+        )
+    return given
 
 
 def _damaged_weights(directory: Path) -> str:

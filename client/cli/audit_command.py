@@ -194,8 +194,9 @@ def _mode_line(report: AuditReport) -> str:
     )
 
 
-def _print_report(pair: CanaryPair, reports: list[AuditReport]) -> None:
+def _print_report(pair: CanaryPair, reports: list[AuditReport], unit: str) -> None:
     print(_mode_line(reports[0]))
+    print(f"privacy unit: {unit} (the canary replaces one {unit}; every epsilon is per {unit})")
     print(
         f"canary pair: {pair.changed_chunks} chunk changed, m={pair.without.num_chunks}, "
         f"distance {pair.distance:.4g} vs bound 2*C*sqrt(L) = {pair.sensitivity:.4g} "
@@ -282,11 +283,12 @@ def run(args: argparse.Namespace) -> int:
         )
         for label, source in sources
     ]
-    _print_report(pair, reports)
+    _print_report(pair, reports, plan.privacy_unit.value)
     print(sized.line())
     if args.json_out is not None:
         payload: dict[str, Any] = {
             "noise_mode": plan.noise_mode.value,
+            "privacy_unit": plan.privacy_unit.value,
             "min_honest": reports[0].honest_shares,  # None in central mode
             "canary": {"id": canary.id, "answer": canary.answer, "replaces_index": index},
             "changed_chunks": pair.changed_chunks,

@@ -16,17 +16,16 @@ from client.cli import (
     data_command,
     evaluate_command,
     infer_command,
+    install_command,
+    ledger_command,
     release_command,
     roster_command,
     select_command,
     serve_command,
 )
-from client.cli._types import non_negative_int, open_unit_float, positive_float
+from client.cli._types import non_negative_int
 from dpmtv_common.crypto import SigningKey
 from dpmtv_common.errors import ConfigError
-from dpmtv_common.privacy.accounting import EpsilonBound, epsilon_bound
-from dpmtv_common.privacy.budget import PrivacyBudget
-from dpmtv_common.privacy.ledger import LedgerEntry, PrivacyLedger, ReleaseState
 
 __all__ = ["REGISTRY"]
 
@@ -113,83 +112,6 @@ def register_make_tiny(sub: Subparsers) -> None:
     parser.set_defaults(handler=_make_tiny)
 
 
-def _show_ledger(args: argparse.Namespace) -> int:
-    path: Path = args.ledger_path
-    # Opening a ledger creates it: a typo must not print "spent: nothing" for a new empty file.
-    if not path.is_file():
-        raise ConfigError(
-            f"--ledger must be an existing ledger file, got {str(path)!r}. "
-            "A release creates it; check the path."
-        )
-    budget = PrivacyBudget(args.budget_epsilon, args.budget_delta)
-    with PrivacyLedger.open(path, budget) as ledger:
-        if args.commit:
-            ledger.commit(args.commit)
-            print(f"{args.commit}: committed (counted as spent)")
-        if args.abort:
-            ledger.abort(args.abort, args.reason or "resolved by the site admin")
-            print(f"{args.abort}: aborted (refunded)")
-        entries = ledger.releases()
-        counted = ledger.spent()
-    for entry in entries:
-        print(
-            f"{entry.release_id}  {entry.state.value:9}  eps={entry.epsilon:.4g} "
-            f"delta={entry.delta:.2g}  {entry.accountant}  {entry.note}"
-        )
-    for line in _budget_lines(entries, counted, budget):
-        print(line)
-    return 0
-
-
-def _budget_lines(
-    entries: list[LedgerEntry], counted: EpsilonBound | None, budget: PrivacyBudget
-) -> list[str]:
-    """Spent (committed or exposed: noise may have left) apart from reserved (may be refunded)."""
-    spent_states = (ReleaseState.COMMITTED, ReleaseState.EXPOSED)
-    spent_events = [e.event for e in entries if e.state in spent_states]
-    reserved = [e.release_id for e in entries if e.state is ReleaseState.RESERVED]
-    if spent_events:
-        bound = epsilon_bound(spent_events, delta=budget.delta)
-        spent = f"epsilon={bound.epsilon:.4g} ({bound.accountant}) by {len(spent_events)} releases"
-    else:
-        spent = "nothing"
-    lines = [f"spent: {spent} (committed, or exposed: noise may have left)"]
-    if reserved and counted is not None:
-        lines.append(
-            f"reserved: {len(reserved)} open ({', '.join(reserved)}): refunded if aborted, spent "
-            f"if committed; with them epsilon={counted.epsilon:.4g} ({counted.accountant})"
-        )
-    total = "nothing" if counted is None else f"epsilon={counted.epsilon:.4g}"
-    lines.append(
-        f"counted against the budget: {total} of epsilon={budget.epsilon} at "
-        f"delta={budget.delta} (spent and reserved composed)"
-    )
-    return lines
-
-
-def register_ledger(sub: Subparsers) -> None:
-    """``ledger``: list the releases of this site's ledger and the budget spent."""
-    parser = sub.add_parser(
-        "ledger",
-        help="show the privacy ledger, or resolve a release a lost run left reserved",
-        description="Lists every release, what is spent (committed, or exposed: noise may "
-        "have left) apart from what is only reserved (an open release: refunded if it aborts), "
-        "and what both count against the budget. A federated run that never "
-        "finished (coordinator lost) leaves its reservation counted; once you know whether its "
-        "noise was drawn, --commit it (spent) or --abort it (refund: only if NO noisy output "
-        "was ever produced).",
-    )
-    parser.add_argument("--ledger", dest="ledger_path", type=Path, required=True)
-    parser.add_argument(
-        "--budget-epsilon", type=positive_float, default=10.0, help="as at creation"
-    )
-    parser.add_argument("--budget-delta", type=open_unit_float, default=1e-5, help="as at creation")
-    parser.add_argument("--commit", metavar="RELEASE_ID", help="count a reserved release as spent")
-    parser.add_argument("--abort", metavar="RELEASE_ID", help="refund a reserved release")
-    parser.add_argument("--reason", help="why, kept in the ledger (with --abort)")
-    parser.set_defaults(handler=_show_ledger)
-
-
 REGISTRY: tuple[Callable[[Subparsers], None], ...] = (
     register_keygen,
     register_make_tiny,
@@ -197,8 +119,9 @@ REGISTRY: tuple[Callable[[Subparsers], None], ...] = (
     release_command.register,
     infer_command.register,
     evaluate_command.register,
-    register_ledger,
+    ledger_command.register,
     serve_command.register,
+    install_command.register,
     data_command.register,
     audit_command.register,
     roster_command.register,

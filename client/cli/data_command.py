@@ -71,17 +71,17 @@ def run_check(args: argparse.Namespace) -> int:
         model = check_with_model(dataset, data, loaded, max_chunks=args.max_chunks)
     lines = report_lines(data, model)
     if args.model is not None and data.num_chunks >= 1:
-        lines += _signal_lines(args, data.num_chunks, loaded)
+        lines += _signal_lines(args, data.num_chunks, loaded, data.privacy_unit)
     for line in lines:
         print(line)
     failed = data.num_chunks < 1 or (model is not None and bool(model.errors))
     return 1 if failed else 0
 
 
-def _signal_lines(args: argparse.Namespace, num_chunks: int, loaded: Any) -> list[str]:
+def _signal_lines(args: argparse.Namespace, num_chunks: int, loaded: Any, unit: str) -> list[str]:
     """The predicted signal/noise of the release these options describe, and its warning."""
     from client.signal_check import signal_report
-    from protocol import PROTOCOL_VERSION, ReleaseOrder, ReleasePlan, SelectionMode
+    from protocol import PROTOCOL_VERSION, PrivacyUnit, ReleaseOrder, ReleasePlan, SelectionMode
 
     shape = loaded.adapter.head_shape(loaded.model)
     selection = SelectionMode(args.selection)
@@ -103,6 +103,7 @@ def _signal_lines(args: argparse.Namespace, num_chunks: int, loaded: Any) -> lis
         score_top_r=min(args.heads, len(shape.all_heads())),
         min_sites=1,
         max_chunks_per_site=None,
+        privacy_unit=PrivacyUnit(unit),
         created="1970-01-01T00:00:00+00:00",
     )
     report = signal_report(plan, num_chunks=num_chunks, shape=shape)

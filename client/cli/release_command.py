@@ -32,6 +32,7 @@ from client.cli._common import (
 )
 from client.cli._errors import validation_line
 from client.cli._types import open_unit_float, positive_float, positive_int
+from client.site_ledgers import check_one_ledger
 from dpmtv_common.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -282,6 +283,8 @@ def run(args: argparse.Namespace) -> int:
     if settings.data_path is None or settings.signing_key is None:
         raise ConfigError("release needs --data DIR and --signing-key FILE (see keygen).")
     _check_out(args.out, overwrite=args.overwrite)
+    for line in check_one_ledger(settings):  # refused, before the model, if it splits the budget
+        print(f"warning: {line}", file=sys.stderr)
     # Imported here: the data and model side need PIL, torch and transformers.
     from client.chunking import make_chunks
     from client.data import load_dataset

@@ -12,6 +12,7 @@ from client.cli._common import (
     add_model_options,
     check_site_model,
     load_site_model,
+    public_data_folder,
     settings_from,
     write_heads_file,
 )
@@ -88,9 +89,8 @@ def _check_out(out: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Select heads and write the heads file."""
+    public = public_data_folder(args)  # never the site's private data setting
     settings = settings_from(args)
-    if settings.data_path is None:
-        raise ConfigError("select-heads needs --data DIR (a PUBLIC dataset).")
     _check_out(args.out)
     if (args.for_epsilon is None) != (args.for_chunks is None):
         raise ConfigError(
@@ -111,7 +111,7 @@ def run(args: argparse.Namespace) -> int:
     from client.scoring import check_answer_vocabulary
 
     check_site_model(settings)  # an unusable model is refused before any data is read
-    dataset = load_dataset(settings.data_path)
+    dataset = load_dataset(public)
     loaded = load_site_model(settings).with_image_crops(args.max_image_crops)
     layout = loaded.adapter.head_shape(loaded.model).layout()
     carried = len(layout.all_heads())  # a hybrid's headless layers carry none

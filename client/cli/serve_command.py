@@ -2,7 +2,8 @@
 
 ``serve`` is what a site admin starts, under the site's own user, from the installed package:
 it owns the model, the data, the ledger and the keys, and answers the Flower relay over a
-Unix socket (docs/deployment.md). ``service-status`` asks a running service whether it is up;
+Unix socket (docs/deployment.md). ``service-status`` asks a running service whether it is up
+(and, run as the service's user, reads the pid and open releases from its status file);
 ``ask`` has it answer questions with an artifact it stores (its model stays loaded).
 """
 
@@ -22,6 +23,8 @@ from client.cli._common import add_model_options, check_site_model, settings_fro
 from client.cli._types import file_mode, open_unit_float, positive_float, positive_int
 from client.cli.http_options import add_http_options, check_http, start_http
 from client.service.wire import FrameKind, read_frame, write_frame
+from client.settings import service_status_file
+from client.site_ledgers import check_one_ledger
 from dpmtv_common.errors import ConfigError, DataError, ServiceError
 
 __all__ = ["register"]
@@ -144,6 +147,8 @@ def run_serve(args: argparse.Namespace) -> int:
     from client.service.server import SiteService
 
     check_site_model(settings)  # refused in one line, before weights, data or socket
+    for line in check_one_ledger(settings):  # one ledger per site: refused if split
+        _log.warning(line)
     if load_membership(settings) is None:  # a wrong roster or key is refused here, too
         _log.warning(
             "no --roster and --identity-key: this site refuses every federated release "
@@ -187,12 +192,26 @@ def _exchange(
 
 
 def run_status(args: argparse.Namespace) -> int:
-    """Print the service's status line, or say why it is not reachable."""
+    """Print whether the service is up, with its status file's details where readable.
+
+    The socket's ``PING`` answers only that the service is alive (whoever shares the socket,
+    the relay included, may ask). The pid, the open releases and the service's files come
+    from the status file the service keeps beside its socket, readable by its own user: run
+    this as that user to see them.
+    """
     path = settings_from(args).socket_file
     kind, payload = _exchange(path, FrameKind.PING, b"", timeout=10.0)
     if kind is not FrameKind.STATUS:
         raise ServiceError(f"the service at {path} answered {kind.name}, not a status.")
-    print(json.dumps(json.loads(payload), indent=1, sort_keys=True))
+    status = json.loads(payload)
+    status_file = service_status_file(path)
+    try:
+        status = {**json.loads(status_file.read_text(encoding="utf-8")), **status}
+    except PermissionError:
+        status["details"] = f"{status_file} is readable by the service's user only"
+    except (OSError, ValueError):
+        status["details"] = f"no status file at {status_file} (a service of an older version?)"
+    print(json.dumps(status, indent=1, sort_keys=True))
     return 0
 
 

@@ -192,12 +192,13 @@ def resolve_dtype(dtype: str | None, device: torch.device) -> torch.dtype:
 
 
 def default_fingerprint_cache_dir() -> Path:
-    """Return ``~/.cache/dpmtv/fingerprints``: where a site remembers weight digests by default.
+    """Return ``$XDG_CACHE_HOME/dpmtv/fingerprints`` (``~/.cache/...``): remembered weight digests.
 
     Pass it (or a site's own cache folder) as ``load_model(fingerprint_cache=...)`` so a
     deployed site does not re-hash many GB of weights for every command or Flower message.
     """
-    return Path.home() / ".cache" / "dpmtv" / "fingerprints"
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base).absolute() / "dpmtv" / "fingerprints"
 
 
 def _placement(device: torch.device, device_map: str | dict[str, Any] | None) -> dict[str, Any]:

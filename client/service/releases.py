@@ -26,11 +26,11 @@ from client.models import LoadedModel
 from client.service.inference import verified_artifact
 from client.service.rows import RowPatch
 from client.site import Site
-from dpmtv_common.artifact import ArtifactManifest
+from dpmtv_common.artifact import ArtifactManifest, TaskVectorArtifact
 from dpmtv_common.errors import ConfigError, DpmtvError
 from protocol.plan import ReleaseId
 
-__all__ = ["PLAIN_MODEL_ID", "ReleaseCatalogue", "UnknownModelError"]
+__all__ = ["PLAIN_MODEL_ID", "ReleaseCatalogue", "UnknownModelError", "servable_artifact"]
 
 _log = logging.getLogger(__name__)
 
@@ -128,6 +128,17 @@ def _stamp(folder: Path) -> _Stamp:
         )
     except OSError:
         return ()
+
+
+def servable_artifact(site: Site, folder: Path) -> TaskVectorArtifact:
+    """The artifact in ``folder`` if this service would serve it (every check of serving).
+
+    Raises:
+        DpmtvError: What refused it (signature, hash, model, dtype, template, heads, values).
+    """
+    artifact, values = verified_artifact(site, folder)
+    _check_heads(site.model(), artifact.heads.heads, values)
+    return artifact
 
 
 def _load_patch(site: Site, folder: Path, release_id: str) -> _Served:

@@ -41,6 +41,7 @@ import stat
 import threading
 import time
 from collections import OrderedDict
+from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
 
@@ -59,7 +60,7 @@ from client.service.inference import (
     check_request,
 )
 from client.service.wire import FrameKind, read_frame, write_frame
-from client.settings import SiteSettings
+from client.settings import SiteSettings, service_status_file
 from client.site import Site
 from dpmtv_common.errors import DpmtvError, ServiceError
 from protocol import MESSAGE_RECORD_KEY, ErrorReply, message_from_record
@@ -108,6 +109,8 @@ class SiteService:
         self._lock = threading.Lock()
         self._lock_file: IO[str] | None = None
         self._server: socketserver.UnixStreamServer | None = None
+        self._status_path: Path | None = None  # set while serving on a socket
+        self._started = datetime.now(UTC).isoformat(timespec="seconds")
 
     @property
     def settings(self) -> SiteSettings:
@@ -174,12 +177,20 @@ class SiteService:
         return FrameKind.ANSWERS, answers.model_dump_json().encode()
 
     def status(self) -> dict[str, Any]:
-        """What a health check reports: whoever asks may be the relay, so no path."""
+        """What a ``PING`` answers: only that the service is alive (the relay may be asking)."""
+        return {"status": "ok"}
+
+    def admin_status(self) -> dict[str, Any]:
+        """What the admin's status file holds: the process, its files and its open releases."""
         return {
             "status": "ok",
             "site": self.settings.name,
             "pid": os.getpid(),
             "open_releases": len(self.site.records.open_records()),
+            "ledger": str(self.settings.ledger_file),
+            "socket": str(self.settings.socket_file),
+            "started_utc": self._started,
+            "updated_utc": datetime.now(UTC).isoformat(timespec="seconds"),
         }
 
     def _update_message_bound(self) -> None:
@@ -187,6 +198,8 @@ class SiteService:
         self._message_bound = SMALL_FRAME_BYTES + max(
             (_plan_payload_bytes(record) for record in records), default=0
         )
+        if self._status_path is not None:
+            _write_private_json(self._status_path, self.admin_status())
 
     def _context_for(self, message: Message) -> Context:
         key = (message.metadata.run_id, message.metadata.dst_node_id)
@@ -236,6 +249,9 @@ class SiteService:
         server.slots = threading.BoundedSemaphore(self.max_connections)
         _bind_private(server, socket_path, self.settings.socket_mode)
         self._server = server
+        with self._lock:
+            self._status_path = service_status_file(socket_path)
+            self._update_message_bound()  # writes the admin's status file
         sweeper = _Sweeper(self, interval=min(30.0, self.settings.idle_release_seconds / 4))
         sweeper.start()
         _log.info("site %s serving on %s", self.settings.name, socket_path)
@@ -247,6 +263,10 @@ class SiteService:
             sweeper.stop()
             server.server_close()
             socket_path.unlink(missing_ok=True)
+            with self._lock:
+                status, self._status_path = self._status_path, None
+            if status is not None:
+                status.unlink(missing_ok=True)
             self._shutdown()
 
     def stop(self) -> None:
@@ -358,6 +378,16 @@ class _Sweeper(threading.Thread):
 
     def stop(self) -> None:
         self._stopped.set()
+
+
+def _write_private_json(path: Path, document: dict[str, Any]) -> None:
+    """Write ``document`` to ``path`` atomically, readable and writable by this user only."""
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary.unlink(missing_ok=True)
+    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
+        json.dump(document, handle, sort_keys=True)
+    os.replace(temporary, path)
 
 
 def _lock_ledger(ledger: Path) -> IO[str]:

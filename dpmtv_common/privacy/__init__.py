@@ -21,6 +21,7 @@ from dpmtv_common.privacy.budget import PrivacyBudget
 from dpmtv_common.privacy.calibration import ReleaseCalibration
 from dpmtv_common.privacy.events import ReleaseEvent
 from dpmtv_common.privacy.ledger import LedgerEntry, PrivacyLedger, ReleaseState, Reservation
+from dpmtv_common.privacy.ledger_files import COUNTED_STATES, LedgerFile, read_ledger_file
 from dpmtv_common.privacy.mechanisms import (
     GaussianSumMechanism,
     GumbelTopKMechanism,
@@ -31,11 +32,13 @@ from dpmtv_common.privacy.mechanisms import (
 from dpmtv_common.privacy.noise import NoiseSource, SecureNoise, require_cryptographic, secure_noise
 
 __all__ = [
+    "COUNTED_STATES",
     "Calibration",
     "EpsilonBound",
     "GaussianSumMechanism",
     "GumbelTopKMechanism",
     "LedgerEntry",
+    "LedgerFile",
     "NoiseSource",
     "PrivacyBudget",
     "PrivacyLedger",
@@ -54,6 +57,7 @@ __all__ = [
     "epsilon_of_gdp",
     "epsilon_per_pick_from_share",
     "mu_estimate",
+    "read_ledger_file",
     "require_cryptographic",
     "runs_for_power",
     "secure_noise",

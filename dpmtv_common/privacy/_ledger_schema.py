@@ -20,7 +20,11 @@ from dpmtv_common.errors import ConfigError, LedgerError
 from dpmtv_common.privacy.budget import PrivacyBudget
 from dpmtv_common.privacy.events import ReleaseEvent
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 2
+"""2 added each release's privacy unit; a version-1 ledger is migrated when opened."""
+
+PRIVACY_UNITS = ("example", "group")
+"""What one neighbouring change replaces; a group-level ε also holds per example."""
 
 # Another process may hold the write lock while it composes a budget (well under a second);
 # wait for it rather than fail, but not forever.
@@ -28,15 +32,22 @@ _BUSY_TIMEOUT_S = 30.0
 
 # Every statement the ledger runs, as literals: values always travel as ? parameters.
 INSERT_RELEASE = """INSERT INTO releases (release_id, plan_hash, event_json, epsilon, delta,
-    accountant, state, pid, created_utc, updated_utc, note)
-    VALUES (?, ?, ?, ?, ?, ?, 'reserved', ?, ?, ?, ?)"""
+    accountant, state, pid, created_utc, updated_utc, note, privacy_unit)
+    VALUES (?, ?, ?, ?, ?, ?, 'reserved', ?, ?, ?, ?, ?)"""
 SELECT_ENTRIES = """SELECT release_id, plan_hash, event_json, epsilon, delta, accountant, state,
-    pid, created_utc, updated_utc, note FROM releases ORDER BY seq"""
+    pid, created_utc, updated_utc, note, privacy_unit FROM releases ORDER BY seq"""
+# A version-1 ledger read without migrating it (another ledger looked at, never written).
+SELECT_ENTRIES_V1 = """SELECT release_id, plan_hash, event_json, epsilon, delta, accountant, state,
+    pid, created_utc, updated_utc, note, 'example' FROM releases ORDER BY seq"""
+INSERT_MERGED = """INSERT INTO releases (release_id, plan_hash, event_json, epsilon, delta,
+    accountant, state, pid, created_utc, updated_utc, note, privacy_unit)
+    VALUES (?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?, ?)"""
 SELECT_COUNTED_EVENTS = """SELECT event_json FROM releases
     WHERE state IN ('reserved', 'exposed', 'committed') ORDER BY seq"""
 SELECT_PENDING = """SELECT release_id, state, pid FROM releases
     WHERE state IN ('reserved', 'exposed') ORDER BY seq"""
 SELECT_STATE = "SELECT state, created_utc FROM releases WHERE release_id = ?"
+SELECT_PLAN_HASH = "SELECT plan_hash FROM releases WHERE release_id = ?"
 # COALESCE keeps the existing note when the transition brings none.
 UPDATE_STATE = """UPDATE releases SET state = ?, updated_utc = ?, note = COALESCE(?, note)
     WHERE release_id = ?"""
@@ -56,8 +67,16 @@ _DDL = (
         pid INTEGER NOT NULL,
         created_utc TEXT NOT NULL,
         updated_utc TEXT NOT NULL,
-        note TEXT NOT NULL DEFAULT ''
+        note TEXT NOT NULL DEFAULT '',
+        privacy_unit TEXT NOT NULL DEFAULT 'example' CHECK (privacy_unit IN ('example', 'group'))
     )""",
+)
+# Version 1 had no unit. Its releases are labelled 'example': a group-level release's ε holds
+# per example too, so the label never claims a group-level bound a release did not have.
+_MIGRATE_1_TO_2 = (
+    """ALTER TABLE releases ADD COLUMN privacy_unit TEXT NOT NULL DEFAULT 'example'
+        CHECK (privacy_unit IN ('example', 'group'))""",
+    "UPDATE meta SET value = '2' WHERE key = 'schema_version'",
 )
 
 
@@ -86,6 +105,7 @@ class LedgerEntry:
         created_utc: When it was reserved.
         updated_utc: When its state last changed.
         note: Free text: abort reason or crash-recovery note.
+        privacy_unit: What its ε protects: ``"example"`` or ``"group"`` (one owner's records).
     """
 
     release_id: str
@@ -99,12 +119,13 @@ class LedgerEntry:
     created_utc: datetime
     updated_utc: datetime
     note: str
+    privacy_unit: str = "example"
 
 
 def entry_from_row(row: tuple[Any, ...]) -> LedgerEntry:
     """Map a row of SELECT_ENTRIES to an entry; a malformed row is a LedgerError."""
     release_id, plan_hash, event_json, epsilon, delta, accountant, state, pid, *rest = row
-    created, updated, note = rest
+    created, updated, note, unit = rest
     try:
         return LedgerEntry(
             release_id=release_id,
@@ -118,6 +139,7 @@ def entry_from_row(row: tuple[Any, ...]) -> LedgerEntry:
             created_utc=datetime.fromisoformat(created),
             updated_utc=datetime.fromisoformat(updated),
             note=note,
+            privacy_unit=unit,
         )
     except (ValueError, TypeError) as exc:  # ConfigError is a ValueError
         raise LedgerError(f"ledger row must be well formed, got {row!r}.") from exc
@@ -199,12 +221,16 @@ def create_or_check(conn: sqlite3.Connection, budget: PrivacyBudget, path: str) 
         conn.executemany("INSERT INTO meta (key, value) VALUES (?, ?)", rows)
         return
     version = meta.get("schema_version")
+    if version == "1":
+        for statement in _MIGRATE_1_TO_2:
+            conn.execute(statement)
+        version = str(SCHEMA_VERSION)
     if version != str(SCHEMA_VERSION):
         raise LedgerError(
             f"schema_version of ledger {path} must be {SCHEMA_VERSION}, got {version!r}; "
             "open it with the dpmtv version that wrote it."
         )
-    stored = _stored_budget(meta, path)
+    stored = stored_budget(meta, path)
     if stored != budget:
         # A budget is a promise made when the ledger was created; changing it silently would
         # let a site spend twice. Refuse, and say both values.
@@ -216,7 +242,7 @@ def create_or_check(conn: sqlite3.Connection, budget: PrivacyBudget, path: str) 
         )
 
 
-def _stored_budget(meta: dict[str, str], path: str) -> PrivacyBudget:
+def stored_budget(meta: dict[str, str], path: str) -> PrivacyBudget:
     try:
         return PrivacyBudget(float(meta["budget_epsilon"]), float(meta["budget_delta"]))
     except (KeyError, ValueError) as exc:  # ConfigError is a ValueError

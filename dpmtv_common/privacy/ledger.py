@@ -45,6 +45,7 @@ from dpmtv_common.privacy._ledger_schema import LedgerEntry, ReleaseState
 from dpmtv_common.privacy.accounting import EpsilonBound, epsilon_bound
 from dpmtv_common.privacy.budget import PrivacyBudget
 from dpmtv_common.privacy.events import ReleaseEvent
+from dpmtv_common.privacy.ledger_files import LedgerFile
 
 __all__ = ["LedgerEntry", "PrivacyLedger", "ReleaseState", "Reservation"]
 
@@ -157,6 +158,7 @@ class PrivacyLedger:
         accountant: str,
         note: str = "",
         owned_by_run: bool = False,
+        privacy_unit: str = "example",
     ) -> Reservation:
         """Reserve a release before any of its noisy output exists.
 
@@ -165,7 +167,10 @@ class PrivacyLedger:
         By default the calling process owns the reservation and crash recovery resolves it
         when that process is gone. With ``owned_by_run`` (a site in a federated run, whose
         stages run in separate processes) only ``commit``/``abort`` end it: a run that never
-        finishes leaves it counted (fail closed) until an admin resolves it.
+        finishes leaves it counted (fail closed) until an admin resolves it. ``privacy_unit``
+        is what the release's ε protects (``"example"`` or ``"group"``), kept for display:
+        costs compose the same way, and a composition holds per group only when every
+        counted release was group-level (:meth:`counted_unit`).
 
         Raises:
             PrivacyBudgetExceededError: if the total would exceed the budget's ε or
@@ -173,6 +178,10 @@ class PrivacyLedger:
             LedgerError: if ``release_id`` is already in the ledger.
         """
         _check_release(release_id, plan_hash, epsilon, delta, accountant)
+        if privacy_unit not in schema.PRIVACY_UNITS:
+            raise ConfigError(
+                f"privacy_unit must be one of {schema.PRIVACY_UNITS}, got {privacy_unit!r}."
+            )
         with schema.write_transaction(self._conn, self._path) as conn:
             if (row := conn.execute(schema.SELECT_STATE, (release_id,)).fetchone()) is not None:
                 raise LedgerError(
@@ -185,7 +194,7 @@ class PrivacyLedger:
             now = schema.utc_now()
             values = (release_id, plan_hash, event.to_json(), epsilon, delta, accountant)
             owner = schema.RUN_OWNED_PID if owned_by_run else os.getpid()
-            conn.execute(schema.INSERT_RELEASE, (*values, owner, now, now, note))
+            conn.execute(schema.INSERT_RELEASE, (*values, owner, now, now, note, privacy_unit))
         return Reservation(release_id, total)
 
     def mark_exposed(self, release_id: str) -> None:
@@ -202,11 +211,53 @@ class PrivacyLedger:
         _check_text("reason", reason)
         self._transition(release_id, ReleaseState.ABORTED, (ReleaseState.RESERVED,), reason)
 
+    def merge(self, other: LedgerFile) -> list[str]:
+        """Copy into this ledger every release of ``other`` it lacks, with its state; their ids.
+
+        The copies count as they counted there (a committed release stays spent), even past
+        this ledger's budget: the cost was paid, and once over budget every new reservation
+        is refused. Merging twice copies nothing the second time.
+
+        Raises:
+            LedgerError: ``other`` has a release still open (resolve it there first), or one
+                whose id this ledger holds for another plan; nothing is written.
+        """
+        if other.open_ids():
+            raise LedgerError(
+                f"releases of ledger {other.path} must be resolved before a merge, got "
+                f"{list(other.open_ids())} still open: --commit or --abort them there first."
+            )
+        with schema.write_transaction(self._conn, self._path) as conn:
+            added = []
+            for entry in other.entries:
+                row = conn.execute(schema.SELECT_PLAN_HASH, (entry.release_id,)).fetchone()
+                if row is not None:
+                    if row[0] != entry.plan_hash:
+                        raise LedgerError(
+                            f"release_id {entry.release_id!r} must name one release, got "
+                            f"another plan under that id in {other.path}; nothing merged."
+                        )
+                    continue
+                conn.execute(schema.INSERT_MERGED, _merged_row(entry, other.path))
+                added.append(entry.release_id)
+        return added
+
     def releases(self) -> list[LedgerEntry]:
         """Every release ever reserved, in reservation order, for display."""
         with schema.sqlite_errors_as_ledger_errors(self._path):
             rows = self._conn.execute(schema.SELECT_ENTRIES).fetchall()
         return [schema.entry_from_row(row) for row in rows]
+
+    def counted_unit(self) -> str:
+        """The unit the composition of every counted release holds for.
+
+        ``"group"`` only when every counted release was group-level; one example-level
+        release makes the composition an example-level bound (a group-level ε holds per
+        example as well, an example-level one says nothing of a whole group).
+        """
+        counted = (ReleaseState.RESERVED, ReleaseState.EXPOSED, ReleaseState.COMMITTED)
+        units = {entry.privacy_unit for entry in self.releases() if entry.state in counted}
+        return "group" if units == {"group"} else "example"
 
     def _counted_events(self, conn: sqlite3.Connection) -> list[ReleaseEvent]:
         rows = conn.execute(schema.SELECT_COUNTED_EVENTS).fetchall()
@@ -265,6 +316,24 @@ class PrivacyLedger:
                 note = f"recovered after crash of pid {pid}"
                 conn.execute(schema.UPDATE_STATE, (to.value, schema.utc_now(), note, release_id))
                 _log.warning("ledger %s: %r %s -> %s, %s", self._path, release_id, state, to, note)
+
+
+def _merged_row(entry: LedgerEntry, source: Path) -> tuple[object, ...]:
+    note = f"merged from {source}" + (f": {entry.note}" if entry.note else "")
+    return (
+        entry.release_id,
+        entry.plan_hash,
+        entry.event.to_json(),
+        entry.epsilon,
+        entry.delta,
+        entry.accountant,
+        entry.state.value,
+        schema.RUN_OWNED_PID,  # finished releases only: no process owns them
+        entry.created_utc.isoformat(),
+        schema.utc_now(),
+        note,
+        entry.privacy_unit,
+    )
 
 
 def _transition_refusal(

@@ -64,12 +64,16 @@ def test_audit_prints_and_writes_its_report(workspace, capsys):
     assert code == 0
     assert "canary pair: 1 chunk changed, m=5" in printed
     assert "audited noise mode: central" in printed
+    assert (
+        "privacy unit: example (the canary replaces one example; every epsilon is per " in printed
+    )
     # progress goes to stderr: each stage named, each side's runs as a bar with an estimate
     assert "audit: choosing a canary among" in captured.err
     for label in ("production", "sigma halved", "noise off"):
         assert f"audit {label}, without canary: 100%" in captured.err
         assert f"audit {label}, with: 100%" in captured.err
     report = json.loads(out.read_text())
+    assert report["privacy_unit"] == "example"
     labels = [r["label"] for r in report["reports"]]
     assert labels == ["production", "sigma halved", "noise off"]
     production, halved, off = report["reports"]

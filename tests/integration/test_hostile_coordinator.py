@@ -18,6 +18,7 @@ os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # read when flwr is first 
 
 import functools
 import json
+import logging
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -291,6 +292,7 @@ def signed_request(
     prompt_template_sha256: str | None = "",
     instruction_sha256: str | None = "",
     values: np.ndarray | None = None,
+    model_fingerprint: str | None = None,
 ) -> ReleaseRequest:
     """An artifact as a coordinator would sign it; fields may be forged.
 
@@ -306,7 +308,7 @@ def signed_request(
     description = ReleaseDescription(
         protocol_version=PROTOCOL_VERSION,
         release_id=release_id or plan.release_id,
-        model_fingerprint=plan.model_fingerprint,
+        model_fingerprint=model_fingerprint or plan.model_fingerprint,
         task=plan.task,
         plan=plan.model_dump(mode="json"),
         epsilon=epsilon or calibration.bound.epsilon,
@@ -619,6 +621,52 @@ def test_an_artifact_unlike_the_plan_is_refused_and_nothing_is_stored(
     assert not (consortium.settings(0).artifacts_folder / "r1").exists()
     assert consortium.ledger_state(0, "r1") is ReleaseState.EXPOSED
     assert consortium.record_state(0, "r1") is SiteReleaseState.CONTRIBUTED
+
+
+def test_an_artifact_stamped_for_another_model_is_never_stored_and_its_ledger_not_committed(
+    consortium: Consortium, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Arrange: the plan's own artifact, validly signed, every field right but the model it
+    # names (a vector no site of this model could ever apply).
+    plan = contributed(consortium)
+    forged = signed_request(
+        consortium.world, consortium.tmp, plan, model_fingerprint="sha256:" + "1" * 64
+    )
+    # Act
+    with caplog.at_level(logging.WARNING, logger="client.service.server"):
+        reply = consortium.ask(0, "query.release", forged)
+    # Assert: the model check at storing refused it (its own words in the site's log) ...
+    assert isinstance(reply, ErrorReply)
+    assert "the artifact was made for another model" in caplog.text
+    assert not (consortium.settings(0).artifacts_folder / "r1").exists()
+    # ... and storing it committed nothing: the ledger stays exposed, as before the artifact.
+    assert consortium.ledger_state(0, "r1") is ReleaseState.EXPOSED
+    assert consortium.record_state(0, "r1") is SiteReleaseState.CONTRIBUTED
+    # The release is then settled by the site's own record, never by the artifact: its
+    # clipped sum went into a secure sum, so it counts whether or not a usable vector came.
+    notice = AbortNotice(release_id="r1", reason="no usable artifact", noisy_output=False)
+    assert isinstance(consortium.ask(0, "query.abort", notice), AbortNotice)
+    assert consortium.ledger_state(0, "r1") is ReleaseState.COMMITTED
+
+
+def test_the_plan_hash_alone_refuses_an_artifact_of_a_plan_unlike_the_accepted_one(
+    consortium: Consortium, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Arrange: a plan that differs from the accepted one only where no other check looks
+    # (its timestamp and task name): same id, ε, δ, C, K, heads, unit and digests, so ε and
+    # σ recompute identically and the plan hash is the one check that can refuse it.
+    plan = contributed(consortium)
+    other = make_plan(consortium.world, created="2001-01-01T00:00:00+00:00", task="other-task")
+    assert (other.epsilon, other.clip_norm, other.shots) == (plan.epsilon, plan.clip_norm, 2)
+    forged = signed_request(consortium.world, consortium.tmp, other)
+    # Act
+    with caplog.at_level(logging.WARNING, logger="client.service.server"):
+        reply = consortium.ask(0, "query.release", forged)
+    # Assert
+    assert isinstance(reply, ErrorReply)
+    assert "artifact plan_hash must be the accepted plan's" in caplog.text
+    assert not (consortium.settings(0).artifacts_folder / "r1").exists()
+    assert consortium.ledger_state(0, "r1") is ReleaseState.EXPOSED
 
 
 def test_the_plan_s_own_artifact_is_stored_once_and_commits(consortium: Consortium) -> None:

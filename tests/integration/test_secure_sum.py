@@ -78,6 +78,7 @@ def plan() -> ReleasePlan:
             clip_norm=1.0,
             selection="private",
             order="release-first",
+            min_sites=2,  # the sums here go on with two survivors
         )
     )
 

@@ -33,10 +33,15 @@ from flwr.common.serde import message_to_proto
 from PIL import Image
 
 from client.relay import SOCKET_KEY, unix_socket_transport
-from client.service.inference import MAX_IMAGE_BYTES, MAX_IMAGE_PIXELS, MAX_IMAGES
+from client.service.inference import (
+    MAX_IMAGE_BYTES,
+    MAX_IMAGE_PIXELS,
+    MAX_IMAGES,
+    MAX_REQUEST_BYTES,
+)
 from client.service.server import SMALL_FRAME_BYTES, SiteService
 from client.service.wire import MAGIC, WIRE_VERSION, FrameKind, read_frame, write_frame
-from client.settings import SiteSettings
+from client.settings import SiteSettings, service_status_file
 from dpmtv_common.errors import ServiceError
 from protocol import AbortNotice, message_to_record
 from server.simulation import set_task_identity
@@ -46,6 +51,8 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(120)]
 
 _HEADER = struct.Struct(">4sBBHI")
 READ_TIMEOUT_S = 2.0
+PATIENT_READ_TIMEOUT_S = 60.0
+FAST_S = 10.0  # a refusal from the header: far under the patient deadline, even on a busy host
 
 
 @dataclass
@@ -67,15 +74,15 @@ class Running:
             return read_frame(sock)
 
 
-@pytest.fixture
-def running(tmp_path: Path) -> Iterator[Running]:
+@contextlib.contextmanager
+def _serving(tmp_path: Path, read_timeout_s: float) -> Iterator[Running]:
     settings = SiteSettings(
         name="limits-site",
         state_dir=tmp_path / "state",
         socket_path=tmp_path / "s.sock",  # AF_UNIX paths must stay under ~100 bytes
         device="cpu",
     )
-    service = SiteService(settings, max_connections=2, read_timeout_s=READ_TIMEOUT_S)
+    service = SiteService(settings, max_connections=2, read_timeout_s=read_timeout_s)
     ready = threading.Event()
     thread = threading.Thread(
         target=service.serve, args=(settings.socket_file,), kwargs={"ready": ready}, daemon=True
@@ -87,6 +94,29 @@ def running(tmp_path: Path) -> Iterator[Running]:
     finally:
         service.stop()
         thread.join(30)
+
+
+@pytest.fixture
+def running(tmp_path: Path) -> Iterator[Running]:
+    with _serving(tmp_path, READ_TIMEOUT_S) as served:
+        yield served
+
+
+@pytest.fixture
+def patient(tmp_path: Path) -> Iterator[Running]:
+    """A service whose read deadline is a minute: a refusal within seconds is the bound's."""
+    with _serving(tmp_path, PATIENT_READ_TIMEOUT_S) as served:
+        yield served
+
+
+def _refused_fast(running: Running, header: bytes) -> tuple[FrameKind, bytes, float]:
+    """Send only a frame header; the answer and how long it took."""
+    with running.connect() as sock:
+        sock.settimeout(PATIENT_READ_TIMEOUT_S + 10)
+        started = time.monotonic()
+        sock.sendall(header)
+        kind, payload = read_frame(sock)
+    return kind, payload, time.monotonic() - started
 
 
 def _header(kind: FrameKind, length: int) -> bytes:
@@ -124,16 +154,16 @@ def _infer(running: Running, images: list[bytes]) -> tuple[FrameKind, str]:
 
 
 def test_a_message_frame_over_the_small_bound_is_refused_before_its_payload(
-    running: Running,
+    patient: Running,
 ) -> None:
     # Arrange: no plan is open, so a MESSAGE may carry at most the small bound.
-    with running.connect() as sock:
-        # Act: announce one byte more, send none of it.
-        sock.sendall(_header(FrameKind.MESSAGE, SMALL_FRAME_BYTES + 1))
-        kind, payload = read_frame(sock)
-    # Assert: refused from the header alone (the service never waited for the payload).
+    # Act: announce one byte more, send none of it.
+    kind, payload, took = _refused_fast(patient, _header(FrameKind.MESSAGE, SMALL_FRAME_BYTES + 1))
+    # Assert: refused from the header alone: the service never waited for the payload (the
+    # read deadline, a minute here, would have answered the same words much later).
     assert kind is FrameKind.ERROR
     assert payload == b"request refused by the site service"
+    assert took < FAST_S
 
 
 def test_the_message_bound_grows_only_with_an_open_plan(running: Running) -> None:
@@ -219,17 +249,25 @@ def test_a_ping_must_carry_nothing(running: Running) -> None:
 # ---------------------------------------------------------------- what replies give away
 
 
-def test_the_status_reply_names_no_path(running: Running) -> None:
+def test_a_ping_answers_only_that_the_service_is_alive(running: Running) -> None:
     # Act
     kind, payload = running.exchange(FrameKind.PING, b"")
-    # Assert
+    # Assert: no pid, no site name, no count, no path: whoever shares the socket may ask.
     assert kind is FrameKind.STATUS
-    status = json.loads(payload)
-    assert status["status"] == "ok"
-    settings = running.service.settings
-    for path in (settings.ledger_file, settings.state_dir, settings.socket_file):
-        assert str(path) not in payload.decode()
-    assert "/" not in payload.decode()
+    assert json.loads(payload) == {"status": "ok"}
+
+
+def test_the_admin_s_status_is_a_file_only_the_service_s_user_reads(running: Running) -> None:
+    # Arrange
+    status_file = service_status_file(running.path)
+    # Act
+    status = json.loads(status_file.read_text(encoding="utf-8"))
+    # Assert
+    assert stat.S_IMODE(status_file.stat().st_mode) == 0o600
+    assert status["pid"] == os.getpid()
+    assert status["site"] == "limits-site"
+    assert status["open_releases"] == 0
+    assert status["socket"] == str(running.path)
 
 
 def test_an_inference_failure_past_the_request_checks_names_no_path(running: Running) -> None:
@@ -282,13 +320,19 @@ def test_too_many_images_or_bytes_are_refused_when_parsed(running: Running) -> N
 
 
 def test_an_inference_frame_over_its_bound_is_refused_before_its_payload(
-    running: Running,
+    patient: Running,
 ) -> None:
-    with running.connect() as sock:
-        sock.sendall(_header(FrameKind.INFER, running.service.frame_limit(FrameKind.INFER) + 1))
-        kind, payload = read_frame(sock)
+    kind, payload, took = _refused_fast(patient, _header(FrameKind.INFER, MAX_REQUEST_BYTES + 1))
     assert kind is FrameKind.ERROR
     assert payload == b"request refused by the site service"
+    assert took < FAST_S  # the bound refused it, not the minute-long read deadline
+
+
+def test_a_ping_with_a_payload_is_refused_from_its_header(patient: Running) -> None:
+    kind, payload, took = _refused_fast(patient, _header(FrameKind.PING, 1))
+    assert kind is FrameKind.ERROR
+    assert payload == b"request refused by the site service"
+    assert took < FAST_S
 
 
 # ---------------------------------------------------------------- the relay

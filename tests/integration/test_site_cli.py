@@ -291,7 +291,8 @@ def test_site_commands_select_release_infer_evaluate_and_show_the_ledger(workspa
     # Assert: both releases committed; two releases of epsilon 0.5 compose to at most 1
     assert code == 0
     lines = printed.splitlines()
-    assert [line.split()[:2] for line in lines[:2]] == [
+    assert lines[0] == f"ledger: {ledger} (named)"
+    assert [line.split()[:2] for line in lines[1:3]] == [
         ["private-1", "committed"],
         ["public-1", "committed"],
     ]
@@ -479,6 +480,11 @@ def test_a_group_level_release_states_group_as_its_privacy_unit(workspace, capsy
     assert manifest["accountant_parameters"]["privacy_unit"] == "group"
     assert manifest["num_chunks"] == 9
     assert "per group" in printed
+    # ... and so does the ledger, entry and total
+    assert main(["ledger", "--ledger", str(ws.root / "grouped-ledger.sqlite")]) == 0
+    shown = capsys.readouterr().out
+    assert re.search(r"eps=[0-9.]+ delta=1e-05 per group", shown), shown
+    assert re.search(r"counted against the budget: epsilon=[0-9.]+ per group", shown), shown
 
 
 def write_unsupported_model(folder: Path) -> Path:

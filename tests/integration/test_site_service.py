@@ -12,6 +12,7 @@ import os
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # read when flwr is first imported
 
+import json
 import signal
 import subprocess
 import sys
@@ -168,14 +169,20 @@ def ledger_state(served: Served, release_id: str) -> ReleaseState | None:
 def test_the_service_answers_the_relay_the_admin_and_stops_cleanly(
     served: Served, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    # Health, as an admin checks it.
+    # Health, as an admin checks it (as the service's user: the status file's details too).
     assert main(["service-status", "--socket", str(served.socket)]) == 0
-    assert '"status": "ok"' in capsys.readouterr().out
+    status = json.loads(capsys.readouterr().out)
+    assert status["status"] == "ok"
+    assert status["pid"] == served.process.pid
+    assert status["site"] == "site-0"
+    assert status["ledger"] == str(served.state / "ledger.sqlite")
     # A plan through the real relay over the real socket: accepted and reserved.
     plan = make_plan(served.world)
     accept = relay_ask(served, "query.plan", PlanRequest(plan=plan))
     assert isinstance(accept, PlanAccept)
     assert ledger_state(served, "r1") is ReleaseState.RESERVED
+    assert main(["service-status", "--socket", str(served.socket)]) == 0
+    assert json.loads(capsys.readouterr().out)["open_releases"] == 1
     # The artifact of that plan (the site sent nothing: it refunds and stores it).
     request = signed_request(served.world, served.state.parent, plan)
     assert isinstance(relay_ask(served, "query.release", request), ReleaseAck)

@@ -95,6 +95,7 @@ def run_sum(tmp_path: Path, num_sites: int, drops: dict[int, set[str]] | None = 
             noise_mode="distributed",
             max_chunks_per_site=50,
             max_sites=PARAMS.max_sites,
+            min_sites=2,  # a sum of two sites is measured too
         )
     )
     sites = stand_in_sites(tmp_path, num_sites, stand_in_share)

@@ -15,7 +15,9 @@ DOCS = sorted((REPO / "docs").rglob("*.md"))
 # Words of how the product was made, not of the product: a reader has no issue tracker,
 # sessions or device leases, and no sibling folder of this repository.
 PROCESS_WORDS = re.compile(
-    r"\bissues?\s+\d+|\bthe issue\b|\bsessions?\b|\bleases?\b|follow-up|\.\./shared|shared/design",
+    r"\bissues?\s+\d+|\bthe issue\b|\bsessions?\b|\bleases?\b|follow-up|\.\./shared|shared/design"
+    # ... nor words to whoever maintains the docs instead of to the reader using the product
+    r"|what was run here|paste (?:its|the) json|no cuda run (?:is recorded )?yet|not run here",
     re.IGNORECASE,
 )
 
@@ -60,3 +62,36 @@ def test_deployment_walkthrough_starts_services_with_the_idle_limit_its_text_tim
     assert limit > float(stage.group(1))
     assert f"`--idle-release-seconds {limit}`" in text
     assert f"{limit} to {limit + 30} s later" in text
+
+
+def test_readme_names_the_pretrained_model_where_the_assembly_script_puts_it(tmp_path):
+    # Arrange: every shell argument of the README that names the assembled model
+    import subprocess
+
+    from client.models.pretrained import default_pretrained_model_dir
+
+    readme = (REPO / "README.md").read_text(encoding="utf-8")
+    blocks = re.findall(r"```bash\n(.*?)```", readme, flags=re.DOTALL)
+    commands = [re.sub(r"(^|\s)#.*", "", line) for b in blocks for line in b.splitlines()]
+    named = [
+        word
+        for line in commands
+        for word in re.findall(r'"[^"]*shapes-smollm2"|\S*shapes-smollm2\S*', line)
+    ]
+    cache = tmp_path / "cache"
+    # Act: what the shell makes of each, with XDG_CACHE_HOME set
+    expanded = [
+        subprocess.run(
+            ["bash", "-c", f"printf %s {word}"],
+            env={"HOME": str(tmp_path / "home"), "XDG_CACHE_HOME": str(cache)},
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        for word in named
+    ]
+    # Assert: the folder the assembly script writes under that cache
+    assert named
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("XDG_CACHE_HOME", str(cache))
+        assert set(expanded) == {str(default_pretrained_model_dir())}

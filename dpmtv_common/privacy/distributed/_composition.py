@@ -34,6 +34,11 @@ __all__ = [
     "distributed_event_to_json",
 ]
 
+# The fixed point of the overflow cost: a relative margin far below any figure printed, and
+# steps to spare (each step shrinks the gap by a factor of about (1 + e^ε)·p·|dε/dδ| << 1).
+_CAP_MARGIN = 1e-12
+_FIXED_POINT_STEPS = 64
+
 _EVENT_KEYS = ("dimension", "honest_shares", "min_honest", "noise_multiplier", "share_noise_std")
 
 
@@ -78,16 +83,26 @@ def _rdp_epsilon(
 def _with_overflow(
     epsilon_at: Callable[[float], float], delta: float, overflow_probability: float
 ) -> float:
-    first = epsilon_at(
+    """The least ε with ε ≥ ε_M(δ − (1 + e^ε)·p): the fixed point, approached from below.
+
+    g(c) = ε_M at the δ left under a cap c is increasing in c and nearly flat (p ~ 1e-12
+    moves δ by a few parts in a million), so iterating c ← g(c) from g(0) climbs to the
+    smallest fixed point in one or two steps. Each step tries a cap a hair above the last ε;
+    the first cap that holds (g(cap) ≤ cap) gives a valid ε ≤ cap: the mechanisms are then
+    (ε, left)-DP and the aborts cost at most (1 + e^cap)·p. A coarse cap (a whole unit above)
+    would also hold, but its larger abort cost leaves less δ and so a larger ε than the
+    plan's calibration, which solved the same fixed point at the plan's ε.
+    """
+    cap = epsilon_at(
         mechanism_delta(epsilon=0.0, delta=delta, overflow_probability=overflow_probability)
     )
-    # The first cap nearly always holds: p is ~1e-12, so the δ it costs moves ε by < 1e-6.
-    for cap in (first + 1e-6, first + 1.0, 2.0 * first + 10.0):
+    for _ in range(_FIXED_POINT_STEPS):
+        cap += _CAP_MARGIN * max(1.0, cap)
         left = mechanism_delta(epsilon=cap, delta=delta, overflow_probability=overflow_probability)
         epsilon = epsilon_at(left)
         if epsilon <= cap:
-            # (ε, left)-DP mechanisms with ε ≤ cap: the aborts cost ≤ (1 + e^cap)·p.
             return epsilon
+        cap = epsilon
     raise ConfigError(
         f"delta must leave room for the overflow probability {overflow_probability!r} at the "
         f"computed epsilon, got {delta!r}."

@@ -335,3 +335,18 @@ def test_mixed_composition_needs_the_overflow_probability_and_some_event():
         combined_epsilon_bound([], [event()], delta=DELTA)
     with pytest.raises(ConfigError, match="empty"):
         combined_epsilon_bound([], [], delta=DELTA)
+
+
+def test_an_overflow_cost_whose_fixed_point_never_settles_is_refused():
+    # Arrange: a mechanism whose ε always exceeds the cap it was evaluated under by 0.01
+    from dpmtv_common.privacy.distributed._composition import _with_overflow
+
+    delta, p = 1e-5, 1e-12
+
+    def epsilon_at(left: float) -> float:
+        cap = math.log(max((delta - left) / p - 1.0, 1.0))  # the cap this δ was left under
+        return cap + 0.01
+
+    # Act / Assert: refused, never an ε below what the mechanism spends
+    with pytest.raises(ConfigError, match="leave room for the overflow probability"):
+        _with_overflow(epsilon_at, delta, p)

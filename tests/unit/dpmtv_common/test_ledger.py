@@ -16,6 +16,7 @@ from dpmtv_common.privacy.accounting import epsilon_bound
 from dpmtv_common.privacy.budget import PrivacyBudget
 from dpmtv_common.privacy.events import ReleaseEvent
 from dpmtv_common.privacy.ledger import PrivacyLedger, ReleaseState, Reservation
+from dpmtv_common.privacy.ledger_files import read_ledger_file
 
 DELTA = 1e-5
 EVENT = ReleaseEvent(5.0, 8, 0.1)  # alone: epsilon ~ 0.99; two composed: ~ 1.45 at DELTA
@@ -296,3 +297,149 @@ def test_open_creates_missing_parent_folders(tmp_path: Path) -> None:
     with PrivacyLedger.open(path, PrivacyBudget(1.0, 1e-5)) as ledger:
         assert ledger.spent() is None
     assert path.is_file()
+
+
+# ---------------------------------------------------------------- privacy unit
+
+
+_VERSION_1_TABLE = """CREATE TABLE releases (
+    seq INTEGER PRIMARY KEY AUTOINCREMENT, release_id TEXT NOT NULL UNIQUE,
+    plan_hash TEXT NOT NULL, event_json TEXT NOT NULL, epsilon REAL NOT NULL,
+    delta REAL NOT NULL, accountant TEXT NOT NULL, state TEXT NOT NULL, pid INTEGER NOT NULL,
+    created_utc TEXT NOT NULL, updated_utc TEXT NOT NULL, note TEXT NOT NULL DEFAULT '')"""
+
+
+def test_each_release_keeps_its_privacy_unit(ledger: PrivacyLedger) -> None:
+    # Act
+    reserve(ledger, "r-example")
+    ledger.reserve(
+        release_id="r-group",
+        plan_hash="plan-g",
+        event=EVENT,
+        epsilon=0.99,
+        delta=1e-6,
+        accountant="rdp",
+        privacy_unit="group",
+    )
+    # Assert
+    units = {entry.release_id: entry.privacy_unit for entry in ledger.releases()}
+    assert units == {"r-example": "example", "r-group": "group"}
+
+
+def test_the_composition_holds_per_group_only_when_every_release_was_group_level(
+    ledger: PrivacyLedger,
+) -> None:
+    def group(release_id: str) -> None:
+        ledger.reserve(
+            release_id=release_id,
+            plan_hash="plan-" + release_id,
+            event=EVENT,
+            epsilon=0.99,
+            delta=1e-6,
+            accountant="rdp",
+            privacy_unit="group",
+        )
+
+    group("g1")
+    assert ledger.counted_unit() == "group"
+    reserve(ledger, "e1")
+    assert ledger.counted_unit() == "example"
+    ledger.abort("e1", "refunded")  # an aborted release no longer counts
+    assert ledger.counted_unit() == "group"
+
+
+def test_an_unknown_privacy_unit_is_refused(ledger: PrivacyLedger) -> None:
+    with pytest.raises(ConfigError, match="privacy_unit must be one of"):
+        ledger.reserve(
+            release_id="r1",
+            plan_hash="p",
+            event=EVENT,
+            epsilon=0.99,
+            delta=1e-6,
+            accountant="rdp",
+            privacy_unit="user",
+        )
+
+
+def test_a_version_1_ledger_is_migrated_and_keeps_every_release_counted(path: Path) -> None:
+    # Arrange: a ledger as version 1 wrote it, one release committed.
+    with closing(sqlite3.connect(path)) as conn, conn:
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("CREATE TABLE meta (key TEXT PRIMARY KEY, value TEXT NOT NULL)")
+        conn.execute(_VERSION_1_TABLE)
+        conn.executemany(
+            "INSERT INTO meta VALUES (?, ?)",
+            [("schema_version", "1"), ("budget_epsilon", "3.0"), ("budget_delta", "1e-05"),
+             ("created_utc", "2025-01-01T00:00:00+00:00")],
+        )  # fmt: skip
+        conn.execute(
+            "INSERT INTO releases (release_id, plan_hash, event_json, epsilon, delta, "
+            "accountant, state, pid, created_utc, updated_utc) VALUES "
+            "('old', 'p', ?, 0.99, 1e-6, 'rdp', 'committed', 1, "
+            "'2025-01-01T00:00:00+00:00', '2025-01-01T00:00:00+00:00')",
+            (EVENT.to_json(),),
+        )
+    # Act
+    with PrivacyLedger.open(path, BUDGET) as opened:
+        (entry,) = opened.releases()
+        spent = opened.spent()
+    # Assert: still counted, labelled per example (never a group-level claim it lacked).
+    assert entry.state is ReleaseState.COMMITTED
+    assert entry.privacy_unit == "example"
+    assert spent is not None
+    assert spent.epsilon == pytest.approx(epsilon_bound([EVENT], delta=DELTA).epsilon)
+    with closing(sqlite3.connect(path)) as conn:
+        meta = dict(conn.execute("SELECT key, value FROM meta").fetchall())
+    assert meta["schema_version"] == "2"
+
+
+# ---------------------------------------------------------------- another ledger file
+
+
+def test_merging_copies_what_is_missing_once_and_counts_it(tmp_path: Path) -> None:
+    # Arrange: one committed release in another file
+    with PrivacyLedger.open(tmp_path / "other.sqlite", BUDGET) as other:
+        reserve(other, "elsewhere")
+        other.commit("elsewhere")
+    source = read_ledger_file(tmp_path / "other.sqlite")
+    with PrivacyLedger.open(tmp_path / "site.sqlite", BUDGET) as site:
+        # Act
+        first = site.merge(source)
+        again = site.merge(source)
+        # Assert
+        assert (first, again) == (["elsewhere"], [])
+        assert states(site) == {"elsewhere": ReleaseState.COMMITTED}
+        assert site.spent() is not None
+    assert source.budget == BUDGET
+
+
+def test_a_merge_is_refused_while_the_other_ledger_has_an_open_release(tmp_path: Path) -> None:
+    with PrivacyLedger.open(tmp_path / "other.sqlite", BUDGET) as other:
+        reserve(other, "open")
+    with (
+        PrivacyLedger.open(tmp_path / "site.sqlite", BUDGET) as site,
+        pytest.raises(LedgerError, match="must be resolved before a merge"),
+    ):
+        site.merge(read_ledger_file(tmp_path / "other.sqlite"))
+
+
+def test_a_merge_is_refused_when_one_id_names_two_plans(tmp_path: Path) -> None:
+    with PrivacyLedger.open(tmp_path / "other.sqlite", BUDGET) as other:
+        reserve(other, "r1")
+        other.commit("r1")
+    with PrivacyLedger.open(tmp_path / "site.sqlite", BUDGET) as site:
+        site.reserve(
+            release_id="r1", plan_hash="another", event=EVENT, epsilon=0.99, delta=1e-6,
+            accountant="rdp",
+        )  # fmt: skip
+        with pytest.raises(LedgerError, match="must name one release"):
+            site.merge(read_ledger_file(tmp_path / "other.sqlite"))
+
+
+def test_reading_a_missing_or_foreign_file_is_a_ledger_error(tmp_path: Path) -> None:
+    with pytest.raises(LedgerError, match="existing file"):
+        read_ledger_file(tmp_path / "none.sqlite")
+    with closing(sqlite3.connect(tmp_path / "empty.sqlite")) as conn:
+        conn.execute("CREATE TABLE x (y)")
+    with pytest.raises(LedgerError, match="releases table"):
+        read_ledger_file(tmp_path / "empty.sqlite")
