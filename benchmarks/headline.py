@@ -225,6 +225,7 @@ def choose(
     choice = choose_scope(
         loaded, data.public, planned=planned_releases(args, loaded, sites, chunks),
         ks=MODELS[args.model][1], centred=centred, mode=mode,
+        progress=lambda line: log(f"{data.name}: {sites} sites: {line}"),
     )  # fmt: skip
     log(
         f"{data.name}: {sites} sites ({'centred' if centred else 'raw'}): {choice.mode.value} "

@@ -33,6 +33,7 @@ from client.cli._common import (
 from client.cli._errors import validation_line
 from client.cli._types import open_unit_float, positive_float, positive_int
 from client.site_ledgers import check_one_ledger
+from dpmtv_common.centre import ActivationCentre
 from dpmtv_common.errors import ConfigError
 
 if TYPE_CHECKING:
@@ -57,6 +58,7 @@ _PLAN_OPTIONS = {
     "score_top_r": "--top-r",
     "max_chunks_per_site": "--max-chunks",
     "max_image_crops": "--max-image-crops",
+    "centre_sha256": "--centre",
 }
 
 
@@ -105,6 +107,12 @@ def register(sub: Any) -> None:
         help="private selection picks only among these heads: a select-heads file computed on "
         "PUBLIC data, e.g. with --k twice --heads (no privacy cost; fewer candidates, better "
         "picks on models with many heads)",
+    )
+    parser.add_argument(
+        "--centre",
+        type=Path,
+        help="a centred release: the PUBLIC centre file select-heads --public-task wrote; each "
+        "chunk is clipped as its shift from it (same privacy cost, less clipping bias)",
     )
     parser.add_argument(
         "--selection-share",
@@ -170,7 +178,12 @@ def _clip_norm(args: argparse.Namespace, extras: dict[str, Any]) -> float:
 
 
 def _plan(
-    args: argparse.Namespace, task: str, fingerprint: str, *, privacy_unit: str
+    args: argparse.Namespace,
+    task: str,
+    fingerprint: str,
+    *,
+    privacy_unit: str,
+    centre: ActivationCentre | None = None,
 ) -> ReleasePlan:
     """The plan of these options, for the data's own privacy unit (what the chunks protect)."""
     # Imported here: protocol imports Flower (half a second), which keygen and --help skip.
@@ -193,6 +206,8 @@ def _plan(
         candidates, candidate_extras = load_heads_file(args.candidate_heads)
         candidate_heads = candidates.heads
         _check_heads_file_crops(candidate_extras, args.max_image_crops)
+        extras = extras or candidate_extras
+    _check_heads_file_centre(extras, centre)
     k = len(public_heads) if public_heads else args.heads
     try:
         return ReleasePlan(
@@ -216,6 +231,7 @@ def _plan(
             max_chunks_per_site=args.max_chunks,
             max_image_crops=args.max_image_crops,
             privacy_unit=PrivacyUnit(privacy_unit),
+            centre_sha256=None if centre is None else centre.digest(),
             created=datetime.now(UTC).isoformat(timespec="seconds"),
         )
     except ValidationError as exc:
@@ -228,6 +244,27 @@ def _check_heads_file_crops(extras: dict[str, Any], max_image_crops: int | None)
         raise ConfigError(
             f"--max-image-crops must be the cap the public heads were selected under "
             f"({extras['max_image_crops']!r}, from select-heads), got {max_image_crops!r}."
+        )
+
+
+def _check_heads_file_centre(extras: dict[str, Any], centre: ActivationCentre | None) -> None:
+    """Heads (and C') chosen for a centred release are used with that centre, or not at all.
+
+    A C' chosen for the shift from a centre clips raw activations far below their norm: the
+    release would carry almost no signal, so the mismatch is refused before anything is spent.
+    """
+    recorded = extras.get("centre_sha256")
+    if recorded is None:
+        return
+    if centre is None:
+        raise ConfigError(
+            f"--centre must be given: the heads file was chosen for a centred release (centre "
+            f"{str(extras.get('centre_file', 'file'))!r}, sha256 {str(recorded)[:16]}...)."
+        )
+    if centre.digest() != recorded:
+        raise ConfigError(
+            f"--centre must be the centre the heads file was chosen with (sha256 "
+            f"{str(recorded)[:16]}...), got one with sha256 {centre.digest()[:16]}..."
         )
 
 
@@ -301,8 +338,13 @@ def run(args: argparse.Namespace) -> int:
     check_site_model(settings)  # an unusable model is refused before any data is read
     dataset = load_dataset(settings.data_path)
     loaded = load_site_model(settings)
+    centre = None if args.centre is None else ActivationCentre.load(args.centre)
     plan = _plan(
-        args, args.task or dataset.task, loaded.fingerprint, privacy_unit=dataset.privacy_unit
+        args,
+        args.task or dataset.task,
+        loaded.fingerprint,
+        privacy_unit=dataset.privacy_unit,
+        centre=centre,
     )
     shape = loaded.adapter.head_shape(loaded.model)
     _check_heads(plan, args, shape.layout())
@@ -323,6 +365,7 @@ def run(args: argparse.Namespace) -> int:
         batch_size=settings.batch_size,
         instruction=dataset.instruction,
         progress=not args.quiet,
+        centre=centre,
     )
     with PrivacyLedger.open(settings.ledger_file, settings.budget) as ledger:
         # Replacing stages the new artifact beside the old one and swaps it in only once it

@@ -42,6 +42,21 @@ def register(sub: Any) -> None:
     )
     add_model_options(parser)
     parser.add_argument("--data", type=Path, help="PUBLIC labelled dataset folder")
+    parser.add_argument(
+        "--public-task",
+        type=Path,
+        action="append",
+        help="a labelled PUBLIC dataset of ANOTHER task of the domain (repeat: two or more). "
+        "Chooses a centred release with no example of the private task: centre, heads mode, "
+        "k (--k and --k/2) and C' by holding each public task out under the planned noise "
+        "(needs --for-epsilon and --for-chunks); writes a centre file beside --out",
+    )
+    parser.add_argument(
+        "--task", help="the private task's name: says whether a public set carries its answers"
+    )
+    parser.add_argument(
+        "--centre-out", type=Path, help="centre file (default: --out with .centre.safetensors)"
+    )
     parser.add_argument("--out", type=Path, required=True, help="heads file to write (JSON)")
     parser.add_argument("--k", type=positive_int, default=8, help="heads to keep (attribution)")
     parser.add_argument("--shots", type=positive_int, default=4)
@@ -89,6 +104,16 @@ def _check_out(out: Path) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Select heads and write the heads file."""
+    if args.public_task:
+        if args.data is not None:
+            raise ConfigError(
+                "--data and --public-task must not be given together: --data is one labelled "
+                "public set, --public-task two or more of other tasks (task-agnostic)."
+            )
+        _check_out(args.out)
+        from client.cli.select_agnostic import run_task_agnostic
+
+        return run_task_agnostic(args)
     public = public_data_folder(args)  # never the site's private data setting
     settings = settings_from(args)
     _check_out(args.out)

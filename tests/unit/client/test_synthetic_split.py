@@ -12,9 +12,9 @@ import pytest
 import client.synthetic as synthetic
 from client.models.embedded import EMBEDDED_MODEL_DIRS
 from client.synthetic import (
-    SCENE_SPLITS,
     CODE_WORDS,
     MANY_CLASS_TASKS,
+    SCENE_SPLITS,
     TASKS,
     TRAINED_TASKS,
     UNTRAINED_TASKS,

@@ -1,0 +1,189 @@
+"""``select-heads --public-task DIR ...``: a centred release chosen task-agnostically.
+
+Each ``--public-task`` is a labelled PUBLIC dataset of another task of the private task's
+domain (same kind of images and question, other answers). From them alone
+(``client.public_tasks``, ``client.scope_choice``): the centre, the heads mode (public heads,
+or private selection among public candidates), k and C', by leave-one-public-task-out under
+the planned release's noise; then what that choice gives on held-out public tasks at the
+planned m and at 3 and 10 times as many chunks. Writes the heads file and the centre file,
+and prints the ``release`` options that use them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from client.cli._choices import DEFAULT_SELECTION_SHARE
+from client.cli._common import (
+    check_site_model,
+    load_site_model,
+    public_data_folder,
+    settings_from,
+    write_heads_file,
+)
+from dpmtv_common.errors import ConfigError
+
+if TYPE_CHECKING:
+    from client.models import LoadedModel
+    from client.public_tasks import PublicTask
+    from client.scope_choice import HeadsMode, PlannedRelease, ScopeChoice
+
+__all__ = ["MIN_MODEL_GAIN", "public_task_folders", "run_task_agnostic"]
+
+MIN_MODEL_GAIN = 0.2
+"""Below this gain of a public task's own plain mean over zero-shot, the model cannot do it."""
+
+
+def public_task_folders(args: argparse.Namespace) -> list[Path]:
+    """Every ``--public-task`` folder, each checked as public data (never the private one).
+
+    Raises:
+        ConfigError: Fewer than two, a repeat, or one is the site's private data folder.
+    """
+    given: list[Path] = list(args.public_task or [])
+    if len(given) < 2 or len({p.resolve() for p in given}) != len(given):
+        raise ConfigError(
+            "--public-task must name at least two distinct PUBLIC datasets of other tasks of "
+            f"the domain, got {[str(p) for p in given]}."
+        )
+    for folder in given:
+        public_data_folder(argparse.Namespace(**{**vars(args), "public_task": folder}),
+                           option="--public-task")  # fmt: skip
+    return given
+
+
+def _planned(args: argparse.Namespace) -> dict[HeadsMode, PlannedRelease]:
+    """The planned central release in each heads mode (public heads spend no ε on picks)."""
+    from client.scope_choice import HeadsMode, PlannedRelease
+    from dpmtv_common.privacy import ReleaseCalibration
+
+    def z(picks: int) -> float:
+        return ReleaseCalibration.for_budget(
+            epsilon=args.for_epsilon, delta=args.for_delta, private_picks=picks,
+            selection_share=DEFAULT_SELECTION_SHARE,
+        ).noise_multiplier  # fmt: skip
+
+    return {
+        HeadsMode.PUBLIC: PlannedRelease(z(0), args.for_chunks),
+        HeadsMode.PRIVATE: PlannedRelease(z(args.k), args.for_chunks),
+    }
+
+
+def _model_gains(loaded: LoadedModel, tasks: list[PublicTask], k: int) -> dict[str, float]:
+    """Each public task's own plain mean in its own top-k heads, gain over zero-shot."""
+    from client.public_tasks import rank_heads
+
+    gains = {}
+    for task in tasks:
+        heads = rank_heads(loaded, [task], k=k)
+        index = heads.to_array()
+        values = task.mean[index[:, 0], index[:, 1]]
+        gains[task.name] = task.queries.accuracy(loaded, (heads, values)) - task.queries.accuracy(
+            loaded
+        )
+    return gains
+
+
+def _say_setting(args: argparse.Namespace, names: list[str]) -> str:
+    if args.task is not None and args.task in names:
+        print(
+            f"setting: LABELLED: a public set of the private task {args.task!r} is among them; "
+            "its plain mean may already answer the task, so measure the release against it."
+        )
+        return "labelled (a public set of the private task among them)"
+    print(
+        f"setting: task-agnostic: public tasks {names}"
+        + (f", none of them the private task {args.task!r}" if args.task else "")
+        + " (pass --task NAME to have this checked)."
+    )
+    return "task-agnostic"
+
+
+def _say_model(gains: dict[str, float]) -> None:
+    shown = ", ".join(f"{name} +{gain:.2f}" for name, gain in gains.items())
+    print(f"the model's own non-private gain on each public task (plain mean, own heads): {shown}")
+    if max(gains.values()) < MIN_MODEL_GAIN:
+        print(
+            f"warning: this model gains less than {MIN_MODEL_GAIN} on every public task even "
+            "without noise: it does not learn these tasks in context, and no release can fix "
+            "that. Bring a model that does (docs/gpu.md lists the supported checkpoints)."
+        )
+
+
+def _say_choice(choice: ScopeChoice, expected: dict[int, float]) -> None:
+    print(
+        f"heads: {choice.mode.value} (transfer across public tasks {choice.transfer:.2f}); "
+        f"k = {choice.k}; C' = {choice.factor:g} x {choice.scale:.4g} = {choice.clip_norm:.4g}"
+    )
+    print(f"held-out public accuracy of the centre alone: {choice.public_only:.2f}")
+    print(
+        "held-out public accuracy of this release: "
+        + ", ".join(f"m = {m}: {acc:.2f}" for m, acc in expected.items())
+    )
+
+
+def _release_options(args: argparse.Namespace, choice: ScopeChoice, centre_file: Path) -> str:
+    if choice.candidates is None:
+        return f"--selection public --public-heads {args.out} --centre {centre_file}"
+    return (
+        f"--selection private --heads {choice.k} --candidate-heads {args.out} "
+        f"--centre {centre_file}"
+    )
+
+
+def run_task_agnostic(args: argparse.Namespace) -> int:
+    """Choose, write and explain a centred release's public choices (module docstring)."""
+    folders = public_task_folders(args)
+    if args.for_epsilon is None or args.for_chunks is None:
+        raise ConfigError(
+            "--for-epsilon and --for-chunks must be given with --public-task: C' is chosen "
+            "under the noise of the planned release (epsilon, and chunks of all sites together)."
+        )
+    settings = settings_from(args)
+    centre_file = args.centre_out or args.out.with_suffix(".centre.safetensors")
+    from client.data import load_dataset
+    from client.public_tasks import public_task
+    from client.scope_choice import choose_scope, held_out_accuracy_by_chunks
+
+    check_site_model(settings)
+    loaded = load_site_model(settings).with_image_crops(args.max_image_crops)
+    datasets = [load_dataset(folder) for folder in folders]
+    setting = _say_setting(args, [d.task for d in datasets])
+    tasks = []
+    for dataset in datasets:
+        tasks.append(
+            public_task(loaded, dataset, shots=args.shots, max_chunks=args.max_chunks,
+                        max_queries=args.queries, seed=args.seed,
+                        batch_size=settings.batch_size)
+        )  # fmt: skip
+        print(f"public task {dataset.task!r}: {len(tasks[-1].activations)} chunks", flush=True)
+    ks = sorted({max(1, args.k // 2), args.k})
+    planned = _planned(args)
+    choice = choose_scope(loaded, tasks, planned=planned, ks=ks, keep=args.clip_keep,
+                          progress=lambda line: print(line, flush=True))  # fmt: skip
+    counts = [args.for_chunks * f for f in (1, 3, 10)]
+    expected = held_out_accuracy_by_chunks(
+        loaded, tasks, choice, planned=planned[choice.mode], chunk_counts=counts
+    )
+    gains = _model_gains(loaded, tasks, args.k)
+    choice.centre.save(centre_file)
+    released = choice.heads if choice.candidates is None else choice.candidates
+    write_heads_file(
+        args.out, released, clip_norm_suggestion=choice.clip_norm, **choice.as_record(),
+        setting=setting, public_tasks=[t.name for t in tasks], heads_k=choice.k,
+        centre_sha256=choice.centre.digest(), centre_file=str(centre_file),
+        held_out_by_chunks={str(m): acc for m, acc in expected.items()},
+        model_gain_by_task=gains, model_fingerprint=loaded.fingerprint, shots=args.shots,
+        max_image_crops=args.max_image_crops,
+        method="attribution over task-agnostic public tasks",
+    )  # fmt: skip
+    _say_model(gains)
+    _say_choice(choice, expected)
+    print(f"wrote {args.out} and the centre {centre_file}; release with:")
+    print(f"  {_release_options(args, choice, centre_file)}")
+    if statistics.mean(expected.values()) <= choice.public_only:
+        print("warning: on held-out public tasks this release does no better than the centre.")
+    return 0

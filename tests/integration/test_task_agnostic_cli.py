@@ -1,0 +1,162 @@
+"""``select-heads --public-task`` and ``release --centre``: a task-agnostic, centred release.
+
+A tiny random LLaVA (accuracies are noise; the plumbing is what is checked): public sets of
+three tasks of the synthetic shapes domain, none the private task; the heads file and centre
+file they give; a single-holder release that must use that very centre.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from client.cli.main import main
+from client.synthetic import write_task_datasets
+from dpmtv_common.artifact import load_artifact
+from dpmtv_common.centre import ActivationCentre
+from dpmtv_common.crypto import TrustedKeys
+from dpmtv_common.fingerprint import fingerprint_model_dir
+
+pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    root = tmp_path_factory.mktemp("agnostic")
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        assert main(["make-tiny-model", "llava", str(root / "model"), "--seed", "0"]) == 0
+        assert main(["keygen", "--out-dir", str(root / "keys"), "--name", "site"]) == 0
+    for seed, task in enumerate(("shape", "count", "position"), start=1):
+        write_task_datasets(
+            root / task, task=task, sites=0, per_site=1, public=12, test=0, seed=seed
+        )
+    write_task_datasets(root / "private", task="colour", sites=1, per_site=15, public=0, test=0,
+                        seed=9)  # fmt: skip
+    return root
+
+
+def _model(root: Path) -> list[str]:
+    return ["--model", str(root / "model"), "--device", "cpu", "--batch-size", "4"]
+
+
+def _select(root: Path, *extra: str) -> list[str]:
+    return [
+        "select-heads", *_model(root), "--out", str(root / "heads.json"), "--k", "2",
+        "--shots", "2", "--max-chunks", "4", "--queries", "4", "--task", "colour", *extra,
+    ]  # fmt: skip
+
+
+def _public(root: Path, *tasks: str) -> list[str]:
+    return [arg for task in tasks for arg in ("--public-task", str(root / task / "public"))]
+
+
+@pytest.fixture(scope="module")
+def selected(world: Path) -> tuple[dict[str, Any], str]:
+    """One task-agnostic select-heads run: its heads file and what it printed."""
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        printed = io.StringIO()
+        with contextlib.redirect_stdout(printed):
+            code = main(
+                _select(world, *_public(world, "shape", "count", "position"), "--for-epsilon",
+                        "1", "--for-chunks", "60")
+            )  # fmt: skip
+    assert code == 0
+    return json.loads((world / "heads.json").read_text()), printed.getvalue()
+
+
+def test_select_heads_writes_a_centred_choice_that_names_its_setting(selected):
+    # Arrange / Act: the module's one run
+    record, printed = selected
+
+    # Assert
+    centre = ActivationCentre.load(Path(record["centre_file"]))
+    assert record["centre_sha256"] == centre.digest()
+    assert record["setting"] == "task-agnostic"
+    assert record["public_tasks"] == ["shape", "count", "position"]
+    assert record["heads_mode"] in ("public", "private")
+    assert set(record["held_out_by_chunks"]) == {"60", "180", "600"}
+    assert record["clip_norm_suggestion"] > 0
+    assert "setting: task-agnostic" in printed
+    assert f"--centre {record['centre_file']}" in printed
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--public-task", "shape"], "at least two distinct PUBLIC datasets"),
+        (["--public-task", "shape", "--public-task", "count"], "--for-epsilon and --for-chunks"),
+        (["--public-task", "shape", "--public-task", "shape", "--for-epsilon", "1",
+          "--for-chunks", "9"], "at least two distinct"),
+        (["--public-task", "shape", "--public-task", "count", "--data", "count"],
+         "must not be given together"),
+    ],
+    ids=["one-task", "no-plan", "repeat", "with-data"],
+)  # fmt: skip
+def test_select_heads_refuses_what_cannot_make_a_task_agnostic_choice(
+    world, capsys, extra, message
+):
+    argv = _select(world, *[str(world / a / "public") if a in ("shape", "count") else a
+                            for a in extra])  # fmt: skip
+
+    assert main(argv) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_a_public_task_that_is_the_private_data_is_refused(world, capsys, monkeypatch):
+    # Arrange: the site's private data setting names the folder given as "public"
+    private = world / "private" / "site-0"
+    monkeypatch.setenv("DPMTV_CLIENT_DATA_PATH", str(private))
+
+    # Act
+    code = main(
+        _select(world, "--public-task", str(private), *_public(world, "shape"), "--for-epsilon",
+                "1", "--for-chunks", "9")
+    )  # fmt: skip
+
+    # Assert
+    assert code == 2
+    assert "private data folder" in capsys.readouterr().err
+
+
+def _release(world: Path, out: str, *extra: str) -> list[str]:
+    return [
+        "release", *_model(world), "--data", str(world / "private" / "site-0"), "--out",
+        str(world / out), "--selection", "public", "--public-heads", str(world / "heads.json"),
+        "--shots", "2", "--signing-key", str(world / "keys" / "site.key"), "--ledger",
+        str(world / "ledger.sqlite"), "--quiet", *extra,
+    ]  # fmt: skip
+
+
+def test_release_uses_the_centre_its_heads_were_chosen_with_or_refuses(
+    world, selected, capsys, tmp_path
+):
+    # Arrange: the heads file's heads released as public heads, with another centre at hand
+    record, _ = selected
+    other = tmp_path / "other.safetensors"
+    ActivationCentre.from_array(ActivationCentre.load(Path(record["centre_file"])).values + 1).save(
+        other
+    )
+    capsys.readouterr()
+
+    # Act / Assert: without the centre, or with another, nothing is spent
+    assert main(_release(world, "no-centre")) == 2
+    assert "--centre must be given" in capsys.readouterr().err
+    assert main(_release(world, "other-centre", "--centre", str(other))) == 2
+    assert "--centre must be the centre the heads file was chosen with" in capsys.readouterr().err
+    assert not (world / "ledger.sqlite").exists()
+
+    # Act: with it, the artifact's signed plan pins it
+    assert main(_release(world, "centred", "--centre", record["centre_file"])) == 0
+    artifact = load_artifact(
+        world / "centred",
+        trusted_keys=TrustedKeys.from_files([world / "keys" / "site.pub"]),
+        expected_model_fingerprint=fingerprint_model_dir(world / "model"),
+    )
+    assert artifact.manifest.plan["centre_sha256"] == record["centre_sha256"]
