@@ -116,8 +116,13 @@ def prepare_task(
     seed: int,
     log,
     plan_for_votes: ReleasePlan | None = None,
+    cache: Path | None = None,
 ) -> TaskData:
-    """Write and run everything public and private for ``task`` (module docstring)."""
+    """Write and run everything public and private for ``task`` (module docstring).
+
+    ``cache``: a folder keeping each site's activations between runs (same data, same model:
+    the data are seeded, so a rerun with other rows skips the sites' forward passes).
+    """
     write_task_datasets(
         root / task, task=task, sites=sites, per_site=per_site, public=TINY_PUBLIC,
         test=test, validation=validation, seed=seed,
@@ -136,7 +141,7 @@ def prepare_task(
     for index in range(sites):
         dataset = load_dataset(root / task / f"site-{index}")
         chunks = make_chunks(dataset, shots=shots, seed=1000 + index).chunks
-        acts = public_activations(loaded, chunks, progress=False).numpy()
+        acts = _site_activations(loaded, chunks, cache, f"{task}-{per_site}-{seed}-{index}")
         sums = None
         if plan_for_votes is not None:
             sums = LocalSums(loaded, chunks, plan_for_votes, progress=False)
@@ -155,6 +160,17 @@ def prepare_task(
         validation=list(load_dataset(root / task / "validation").records),
         site_records=records,
     )
+
+
+def _site_activations(loaded: LoadedModel, chunks, cache: Path | None, name: str) -> np.ndarray:
+    path = None if cache is None else cache / f"{loaded.fingerprint[-16:]}-{name}.npy"
+    if path is not None and path.is_file():
+        return np.load(path)
+    acts = public_activations(loaded, chunks, progress=False).numpy()
+    if path is not None:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        np.save(path, acts)
+    return acts
 
 
 def icl_accuracy(

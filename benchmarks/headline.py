@@ -304,6 +304,7 @@ def run_task(args, loaded: LoadedModel, root: Path, task: str) -> dict:
         loaded, root, task, sites=max(args.curve_sites), per_site=args.per_site,
         shots=args.shots, public_per_task=args.public_per_task, test=args.test,
         validation=args.validation, seed=args.seed, log=log, plan_for_votes=vote_plan,
+        cache=args.cache_dir,
     )  # fmt: skip
     rows, choices = [], {}
     for sites in args.curve_sites:
@@ -346,6 +347,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--test", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--jobs", type=int, default=1, help="tasks run in parallel processes")
+    parser.add_argument(
+        "--cache-dir", type=Path, help="keep the sites' activations here between runs"
+    )
     parser.add_argument("--render-only", action="store_true", help="rewrite the .md from the .json")
     parser.add_argument("--out", type=Path, help="default: docs/benchmarks/headline-MODEL")
     args = parser.parse_args()

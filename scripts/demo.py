@@ -1,13 +1,19 @@
 """The README's main job: a simulated consortium makes one DP release, a site then uses it.
 
-1. Writes three sites' private data, a public set and a test set (client.synthetic).
-2. Prepares the model every site runs, the coordinator's signing key and each site's settings.
+1. Writes three sites' private data of one task, a test set, and public labelled sets of the
+   domain's OTHER tasks only (client.synthetic): no public example carries the private task's
+   answers.
+2. Prepares the model every site runs, the coordinator's signing key and each site's settings,
+   and makes every public choice on the public sets alone (scripts/demo_choices.py, as
+   `dpmtv-site select-heads --public-task` makes them): the centre, the heads, C'.
 3. Runs the real ServerApp logic against three real sites in one process
    (server.simulation.InProcessGrid): each site is a site service behind a relay, as deployed;
-   plan, SecAgg+ secure sums with ChaCha20 masks, private head selection, one Gaussian draw
-   (or, with --noise-mode distributed, each site's own share), signed broadcast, ledgers.
+   plan, SecAgg+ secure sums with ChaCha20 masks, a centred release (each site clips its shift
+   from the public centre), head selection, one Gaussian draw (or, with --noise-mode
+   distributed, each site's own share), signed broadcast, ledgers.
 4. Site 0 verifies the artifact and answers test queries with it (no further privacy cost),
-   next to zero-shot and K-shot in-context learning.
+   next to what it has without the release: zero-shot, K-shot ICL with its own examples, and
+   the public data alone (the centre patched into the same heads).
 
 Usage: scripts/demo [--workdir DIR] [--epsilon 1.0] [--sites 3] ...   (see --help)
        scripts/demo --model MY_MODEL --data MY_DATA --sites 3   (your own model and data)
@@ -34,25 +40,31 @@ from dpmtv_common.thread_policy import apply_thread_policy
 
 apply_thread_policy()  # before torch loads: its thread pool must not spin on shared cores
 
-from client.chunking import make_chunks, planned_num_chunks
+import torch
+
+from client.chunking import planned_num_chunks
 from client.cli._artifact import artifact_patch
-from client.clip_choice import PlannedNoise, choose_clip_norm
+from client.clip_choice import PlannedNoise
 from client.data import load_dataset
 from client.evaluation import EvaluationMode, evaluate
 from client.hooks import PatchPolicy
+from client.inference import TaskVectorPatch
 from client.models import load_model, save_tiny_model
 from client.models.embedded import EMBEDDED_MODEL_DIR
-from client.public_selection import public_activations, select_heads_attribution
+from client.scope_choice import HeadsMode, PlannedRelease
 from client.service.inprocess import in_process_sites, site_settings_for_partition
-from client.synthetic import TASKS, write_task_datasets
+from client.synthetic import TASKS, TRAINED_TASKS, write_task_datasets
 from dpmtv_common.crypto import SigningKey, TrustedKeys
 from dpmtv_common.fingerprint import fingerprint_model_dir
+from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.noise import require_cryptographic, secure_noise
+from protocol import plan_noise_multiplier
 from server.coordinator import build_plan, run_coordinated_release
 from server.settings import CoordinatorSettings, RunConfig
 from server.simulation import InProcessGrid, make_server_context
 
 sys.path.insert(0, str(REPO / "scripts"))
+from demo_choices import public_task_folders, single_set_choice, task_agnostic_choice
 from demo_progress import Heartbeat, StepHandler
 
 
@@ -73,10 +85,10 @@ def parse_args() -> argparse.Namespace:
         help="default: what `dpmtv-site select-heads` suggests on the public data",
     )
     parser.add_argument(
-        "--candidates",
+        "--public-per-task",
         type=int,
-        help="private selection picks among the N heads attribution ranks first on the public "
-        "data (default: 2 x --heads; 0: every head)",
+        default=60,
+        help="examples in each public set of another task (the task-agnostic public data)",
     )
     parser.add_argument(
         "--tiny-random-model", action="store_true", help="use a tiny random LLaVA instead"
@@ -113,19 +125,13 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path]:
     work.mkdir(parents=True)
     data = work / "data"
     if args.data is None:
-        write_task_datasets(
-            data,
-            task=args.task,
-            sites=args.sites,
-            per_site=args.per_site,
-            public=60,
-            test=args.test,
-            seed=0,
-        )
+        write_synthetic_data(data, args)
     else:
         data.symlink_to(args.data.resolve(), target_is_directory=True)
         missing = [f"site-{i}" for i in range(args.sites) if not (data / f"site-{i}").is_dir()]
-        missing += [name for name in ("public", "test") if not (data / name).is_dir()]
+        missing += [name for name in ("test",) if not (data / name).is_dir()]
+        if len(public_task_folders(data)) < 2 and not (data / "public").is_dir():
+            missing.append("public-<task> folders of two other tasks (or one public)")
         if missing:
             raise SystemExit(f"--data must hold {missing} (docs/data.md), got {args.data}.")
     model = args.model.resolve() if args.model else EMBEDDED_MODEL_DIR
@@ -155,51 +161,61 @@ def prepare(args: argparse.Namespace) -> tuple[Path, Path]:
     return work, model
 
 
-def public_choices(work: Path, model: Path, args: argparse.Namespace, beat: Heartbeat) -> None:
-    """C and the candidate set from PUBLIC data only, as `select-heads` makes them (no cost).
+def write_synthetic_data(data: Path, args: argparse.Namespace) -> None:
+    """The private task's sites and test set; public sets of the family's OTHER tasks only."""
+    write_task_datasets(
+        data, task=args.task, sites=args.sites, per_site=args.per_site, public=0,
+        test=args.test, seed=0,
+    )  # fmt: skip
+    for offset, other in enumerate(public_family(args.task), start=1):
+        scratch = data / f".scratch-{other}"
+        write_task_datasets(
+            scratch, task=other, sites=0, per_site=1, public=args.public_per_task, test=0,
+            seed=100 * offset,
+        )  # fmt: skip
+        (scratch / "public").rename(data / f"public-{other}")
+        scratch.rmdir()
 
-    Candidates: the heads attribution ranks first with the public chunks' mean. C: the
-    multiple of the public median layer norm of the top ``--heads`` whose clipped public mean,
-    plus the noise this very release will add (its plan's z, the sites' m), scores best on the
-    public queries (``client.clip_choice``; `select-heads --for-epsilon --for-chunks`).
-    """
+
+def public_family(task: str) -> tuple[str, ...]:
+    """The public tasks of the synthetic domain: the trained tasks other than ``task``."""
+    return tuple(t for t in TRAINED_TASKS if t != task)
+
+
+def public_choices(work: Path, model: Path, args: argparse.Namespace, beat: Heartbeat) -> None:
+    """Every choice the run config takes from PUBLIC data, as `select-heads` makes it."""
     beat.step("loading the model")
     loaded = load_model(model)
-    public = load_dataset(work / "data" / "public")
-    chunks = make_chunks(public, shots=args.shots, seed=0).chunks
-    beat.step(f"public activations of {len(chunks)} public chunks")
-    activations = public_activations(loaded, chunks, progress=False, instruction=public.instruction)
-    queries = [chunk.query for chunk in chunks]
-    mean = activations.mean(0)
-    carried = len(loaded.adapter.head_shape(loaded.model).layout().all_heads())
-    if args.candidates is None:
-        args.candidates = min(2 * args.heads, carried)
-    if args.candidates:
-        beat.step(f"ranking {args.candidates} candidate heads by attribution on public queries")
-        ranked = select_heads_attribution(
-            loaded, mean, queries, k=args.candidates, instruction=public.instruction
-        )
-        args.candidate_heads = ",".join(f"{layer}:{head}" for layer, head in ranked.heads)
-    if args.clip_norm is None:
-        beat.step(f"the top {args.heads} heads, then C: each multiple of the median scored")
-        top = select_heads_attribution(
-            loaded, mean, queries, k=args.heads, instruction=public.instruction
-        )
-        planned = PlannedNoise.for_plan(
-            build_plan(RunConfig.from_context(run_config(args, model, clip_norm=1.0))),
-            num_chunks=sum(site_chunks(args)),
-            layers_in_scope=top.num_layers_in_scope,
+    folders = public_task_folders(work / "data")
+    if len(folders) >= 2:
+        args.choice = task_agnostic_choice(
+            loaded, folders, args, planned=planned_releases(args, model), work=work,
+            step=beat.step,
+        )  # fmt: skip
+        return
+
+    def planned(top: HeadSet) -> PlannedNoise:
+        plan = build_plan(RunConfig.from_context(run_config(args, model)))
+        return PlannedNoise.for_plan(
+            plan, num_chunks=sum(site_chunks(args)), layers_in_scope=top.num_layers_in_scope
         )  # C scales the noise; z, m and L do not depend on it
-        choice = choose_clip_norm(
-            loaded,
-            activations,
-            top,
-            list(public.records),
-            instruction=public.instruction,
-            planned=planned,
-        )
-        args.clip_norm = choice.clip_norm
-        args.clip_factor = choice.clip_norm / choice.median
+
+    args.choice = single_set_choice(
+        loaded, work / "data" / "public", args, planned_noise=planned, step=beat.step
+    )
+
+
+def planned_releases(args: argparse.Namespace, model: Path) -> dict[HeadsMode, PlannedRelease]:
+    """The release this demo will make, in each heads mode: its z and its m (public numbers)."""
+    out = {}
+    for mode, config in (
+        (HeadsMode.PUBLIC, {"selection": "public", "public-heads": "0:0"}),
+        (HeadsMode.PRIVATE, {"selection": "private"}),
+    ):
+        base = run_config(args, model) | config
+        plan = build_plan(RunConfig.from_context(base))
+        out[mode] = PlannedRelease(plan_noise_multiplier(plan), sum(site_chunks(args)))
+    return out
 
 
 def site_chunks(args: argparse.Namespace) -> list[int]:
@@ -211,14 +227,14 @@ def site_chunks(args: argparse.Namespace) -> list[int]:
     ]
 
 
-def run_config(args: argparse.Namespace, model: Path, *, clip_norm: float) -> dict:
-    """The coordinator's run config for this release."""
+def run_config(args: argparse.Namespace, model: Path) -> dict:
+    """The coordinator's run config for this release (public choices merged once made)."""
     config: dict[str, object] = {
         "task": args.task,
         "model-fingerprint": fingerprint_model_dir(model),
         "epsilon": args.epsilon,
         "shots": args.shots,
-        "clip-norm": clip_norm,
+        "clip-norm": 1.0,
         "num-selected-heads": args.heads,
         "expected-sites": args.sites,
         "min-sites": min(args.sites, 3),
@@ -228,15 +244,18 @@ def run_config(args: argparse.Namespace, model: Path, *, clip_norm: float) -> di
             args.workdir / "data" / "site-0", check_images=False
         ).privacy_unit,
     }
-    if args.candidates:
-        config["candidate-heads"] = args.candidate_heads
+    choice = getattr(args, "choice", None)
+    if choice is not None:
+        config |= choice.config
+    if args.clip_norm is not None:  # given on the command line: it wins
+        config["clip-norm"] = args.clip_norm
     if args.noise_mode == "distributed":  # bounds every site's sum on SecAgg+'s grid
         config["max-chunks-per-site"] = max(site_chunks(args))
     return config
 
 
 def federated_release(args: argparse.Namespace, model: Path):
-    config = run_config(args, model, clip_norm=args.clip_norm)
+    config = run_config(args, model)
     noise = secure_noise()
     require_cryptographic(noise)
     # Every site is a real site service behind a real relay, in this process.
@@ -263,17 +282,23 @@ def site_zero_inference(
         artifact, loaded=loaded, keys=keys, policy=PatchPolicy.PROMPT_LAST_TOKEN, instruction=None
     )
     test = load_dataset(work / "data" / "test").records
-    support = load_dataset(work / "data" / "public").records
-    for mode, kwargs in (
-        (EvaluationMode.ZERO_SHOT, {}),
-        (EvaluationMode.ICL, {"support": support, "shots": args.shots}),
-        (EvaluationMode.ARTIFACT, {"patch": patch}),
-    ):
-        beat.step(f"{mode.value} on {len(test)} test queries")
+    own = load_dataset(work / "data" / "site-0").records  # what site 0 has without the release
+    rows: list[tuple[str, EvaluationMode, dict]] = [
+        ("zero-shot", EvaluationMode.ZERO_SHOT, {}),
+        (f"alone: {args.shots}-shot ICL, own data", EvaluationMode.ICL,
+         {"support": own, "shots": args.shots}),
+    ]  # fmt: skip
+    scope = args.choice.scope
+    if scope is not None:  # the public data alone: the centre patched into the same heads
+        heads = patch.heads
+        centre = torch.as_tensor(scope.centre.rows(heads), dtype=torch.float32)
+        public_only = TaskVectorPatch(heads, centre, PatchPolicy.PROMPT_LAST_TOKEN)
+        rows.append(("public only (centre)", EvaluationMode.ARTIFACT, {"patch": public_only}))
+    rows.append(("private release", EvaluationMode.ARTIFACT, {"patch": patch}))
+    for label, mode, kwargs in rows:
+        beat.step(f"{label} on {len(test)} test queries")
         result = evaluate(loaded, test, mode=mode, **kwargs)
-        print(
-            f"  site-0 {mode.value:9}: accuracy {result.accuracy:.3f} on {len(test)} test queries"
-        )
+        print(f"  site-0 {label:32}: accuracy {result.accuracy:.3f} on {len(test)} test queries")
     first = test[0]
     answer = evaluate(loaded, test[:1], mode=EvaluationMode.ARTIFACT, patch=patch).predictions[0]
     print(f"  site-0 asks {first.question!r} about {first.image_path.name}: {answer!r}")
@@ -297,11 +322,10 @@ def main() -> int:
     beat = Heartbeat(every=args.progress_every)
     _log_steps(beat)
     started = time.monotonic()
-    print("[1/3] preparing data, model and keys; C and candidates from public data ...", flush=True)
+    print("[1/3] preparing data, model and keys; every choice from public data ...", flush=True)
     with beat.phase("[1/3]"):
         beat.step("writing data, model and keys")
         work, model = prepare(args)
-        args.clip_factor = None
         public_choices(work, model, args, beat)
     print(f"[1/3] data, model and keys ready in {work} ({time.monotonic() - started:.1f} s)")
     if args.tiny_random_model:
@@ -310,11 +334,7 @@ def main() -> int:
         print(f"      model: {model}; data: {args.data or 'synthetic shapes'};")
     else:
         print(f"      model: the embedded shapes VLM ({model}); task {args.task!r};")
-    chosen = "given"
-    if args.clip_factor is not None:
-        chosen = f"{args.clip_factor:g} x public median, best with this release's noise"
-    print(f"      clip norm C = {args.clip_norm:.3g} ({chosen}); private selection among ", end="")
-    print(f"{args.candidates or 'all'} public candidate heads")
+    print(f"      public choices: {args.choice.summary}")
     print(
         f"[2/3] federated release over {args.sites} site services: plan, SecAgg+ secure sums, "
         "one noise draw, head selection, signed artifact ... (the longest phase: tens of "
