@@ -62,7 +62,7 @@ __all__ = [
     "held_out_accuracy_by_chunks",
 ]
 
-CENTRED_CLIP_FACTORS = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0)
+CENTRED_CLIP_FACTORS = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
 """Multiples of the public median centred layer norm tried for C'."""
 
 
