@@ -1,8 +1,9 @@
 """The HTTP clients of ``benchmarks/serving.py``, run as a process of their own (own GIL).
 
-Reads ``{"url", "token", "clients", "requests", "tokens", "model"}`` as JSON on stdin; each of
-``clients`` threads sends a chat request, waits for its answer, and sends the next (a closed
-loop) until ``requests`` were answered; prints the latencies and the elapsed time as JSON.
+Reads ``{"url", "token", "clients", "requests", "seconds", "tokens", "model"}`` as JSON on
+stdin; each of ``clients`` threads sends a chat request, waits for its answer, and sends the
+next (a closed loop; see :func:`closed_loop`); prints the latencies and the elapsed time as
+JSON.
 Imports httpx and Pillow only, so its start costs nothing measured.
 """
 
@@ -33,28 +34,31 @@ def png(index: int) -> bytes:
 
 
 def closed_loop(
-    clients: int, requests: int, one: Any, left: Any = None
+    clients: int, requests: int, seconds: float, one: Any, left: Any = None
 ) -> tuple[list[float], float]:
-    """``clients`` threads answering ``requests`` in a closed loop; latencies and elapsed s.
+    """``clients`` threads in a closed loop; every answer's latency, and the elapsed seconds.
 
-    ``left`` (if given) is called by each client thread when it has no request left to send.
+    Clients send at least ``requests`` requests in all, and keep sending until ``seconds``
+    have passed (so a cell lasts long enough to average out a shared machine's other work).
+    ``left`` (if given) is called by each client thread when it sends no more.
     """
     latencies: list[float] = []
     lock = threading.Lock()
-    counter = iter(range(requests))
+    sent = 0
 
     def client() -> None:
+        nonlocal sent
         while True:
             with lock:
-                index = next(counter, None)
-            if index is None:
-                if left is not None:
-                    left()
-                return
+                if sent >= requests and time.perf_counter() - began >= seconds:
+                    break
+                index, sent = sent, sent + 1
             started = time.perf_counter()
             one(index)
             with lock:
                 latencies.append(time.perf_counter() - started)
+        if left is not None:
+            left()
 
     began = time.perf_counter()
     with ThreadPoolExecutor(clients) as pool:
@@ -91,7 +95,7 @@ def main() -> int:
             local.client = idle.get()
         ask(local.client, job, index)
 
-    latencies, elapsed = closed_loop(job["clients"], job["requests"], one)
+    latencies, elapsed = closed_loop(job["clients"], job["requests"], job["seconds"], one)
     json.dump({"latencies": latencies, "elapsed": elapsed}, sys.stdout)
     return 0
 

@@ -16,10 +16,16 @@ use of the model takes, so no release's hooks ever see a served row) in one of t
   is bit-identical to plain ``generate()`` on its prompt whatever the load, at the price of
   every batching gain.
 
-Rows that arrive close together start together: a request being parsed is announced
-(:meth:`Batcher.expect`), and waiting rows start once every announced row has arrived, or they
-fill the free rows, or the oldest has waited ``gather_s`` (a prefill of one row costs nearly as
-much as one of several). Running rows never wait for them: they keep stepping meanwhile.
+**When rows start.** A prefill (its own forward pass) costs nearly as much for one row as for
+several, so rows are started in groups, and rows that ask together stay together:
+
+- With rows running, waiting rows join at the next step, unless every running row ends within
+  ``join_horizon`` steps: then they start with the next batch, in step with the rows that are
+  ending (whose clients often ask again at once). Running rows never wait.
+- With none running, waiting rows start once they fill the free rows, or once ``gather_s`` has
+  passed (counted from the later of the oldest's arrival and the last batch's end), or at once
+  if they all arrived after that end and no request is being parsed. A request being parsed is
+  announced (:meth:`Batcher.expect`), so rows that arrive together start together.
 """
 
 from __future__ import annotations
@@ -55,8 +61,9 @@ class Batcher:
         model_lock: The lock that serialises every use of the model in this process.
         rows: Most rows generated at once.
         max_queue: Rows that may wait; one more is refused with :class:`OverloadedError`.
-        gather_s: How long a waiting row may wait for announced rows (:meth:`expect`) to join
-            it.
+        gather_s: How long rows about to start may wait for others (see the module docstring).
+        join_horizon: Rows do not join a running batch whose rows all end within this many
+            steps: they start with the next one.
         batch_invariant: Answer each row alone (see the module docstring).
     """
 
@@ -68,12 +75,15 @@ class Batcher:
         rows: int,
         max_queue: int,
         gather_s: float = 0.05,
+        join_horizon: int = 2,
         batch_invariant: bool = False,
     ) -> None:
         if not 0 <= gather_s <= 1:
             raise ConfigError(f"gather_s must be within [0, 1] seconds, got {gather_s}.")
         if rows < 1:
             raise ConfigError(f"rows must be >= 1, got {rows}.")
+        if join_horizon < 0:
+            raise ConfigError(f"join_horizon must be >= 0, got {join_horizon}.")
         if max_queue < 1:
             raise ConfigError(f"max_queue must be >= 1, got {max_queue}.")
         self.loaded = loaded
@@ -87,12 +97,14 @@ class Batcher:
         self.rows = 1 if batch_invariant else rows
         self.max_queue = max_queue
         self.gather_s = gather_s
+        self.join_horizon = join_horizon
         self.stats = BatchStats()
         self._model_lock = model_lock
         self._queue: collections.deque[Ticket] = collections.deque()
         self._ready = threading.Condition()
         self._stopped = False
         self._expected = 0  # rows announced by expect() and not yet submitted
+        self._ended = 0.0  # when the last batch (or pass) ended, time.monotonic()
         self._thread = threading.Thread(target=self._run, name="dpmtv-batcher", daemon=True)
 
     @property
@@ -151,28 +163,42 @@ class Batcher:
             self._queue.append(Ticket(row, sink, time.monotonic()))
             self._ready.notify()
 
-    def _take(self, running: int) -> list[Ticket] | None:
+    def _take(self, running: int = 0, steps_left: int = 0) -> list[Ticket] | None:
         """The rows to start now (oldest first, up to ``rows - running``); None: stop.
 
-        Waiting rows start together once every announced row has arrived, or they fill the
-        free rows, or the oldest has waited ``gather_s``: a prefill costs about as much for
-        one row as for several. With rows running this never blocks (they step meanwhile);
-        with none, it blocks until rows can start.
+        See the module docstring for when. With rows running this never blocks (they step
+        meanwhile); with none, it blocks until rows can start.
+
+        Args:
+            running: Rows running now.
+            steps_left: Steps the longest of them may still take.
         """
         with self._ready:
             while not self._stopped:
                 room = self.rows - running
                 mates = self._mates() if room > 0 else []
-                waited = time.monotonic() - mates[0].queued if mates else 0.0
-                if mates and (len(mates) >= room or not self._expected or waited >= self.gather_s):
-                    taken = mates[:room]
-                    for ticket in taken:
-                        self._queue.remove(ticket)
-                    return taken
                 if running:
-                    return []
-                self._ready.wait(self.gather_s - waited if mates else None)
+                    late = steps_left <= self.join_horizon  # they start with the next batch
+                    return [] if late or not mates else self._pop(mates[:room])
+                if not mates:
+                    self._ready.wait()
+                    continue
+                opened = max(mates[0].queued, self._ended)
+                waited_for_end = mates[0].queued < self._ended
+                now = time.monotonic()
+                if (
+                    len(mates) >= room
+                    or now - opened >= self.gather_s
+                    or not (self._expected or waited_for_end)
+                ):
+                    return self._pop(mates[:room])
+                self._ready.wait(opened + self.gather_s - now)
             return [] if running else None
+
+    def _pop(self, tickets: list[Ticket]) -> list[Ticket]:
+        for ticket in tickets:
+            self._queue.remove(ticket)
+        return tickets
 
     def _mates(self) -> list[Ticket]:
         """The queued rows that can start together, oldest first.
@@ -189,7 +215,7 @@ class Batcher:
         if self.mode == "continuous":
             self._run_continuous()
             return
-        while (tickets := self._take(running=0)) is not None:
+        while (tickets := self._take()) is not None:
             if not tickets:
                 continue
             started = time.monotonic()
@@ -200,11 +226,12 @@ class Batcher:
                 self.stats.failures += 1
                 for ticket in tickets:
                     ticket.sink.fail(exc)
+            self._ended = time.monotonic()
             self.stats.worker_seconds += time.monotonic() - started
 
     def _run_continuous(self) -> None:
         batch = ContinuousBatch(self.loaded, self._model_lock, self.stats)
-        while (tickets := self._take(running=batch.size)) is not None:
+        while (tickets := self._take(batch.size, batch.steps_left)) is not None:
             started = time.monotonic()
             try:
                 if tickets:
@@ -214,4 +241,6 @@ class Batcher:
                 _log.warning("a decoding step failed for %d rows: %s", batch.size, exc)
                 self.stats.failures += 1
                 batch.fail_all(exc)
+            if batch.size == 0:
+                self._ended = time.monotonic()
             self.stats.worker_seconds += time.monotonic() - started

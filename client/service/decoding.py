@@ -161,6 +161,11 @@ class ContinuousBatch:
         """Rows running now."""
         return len(self._live)
 
+    @property
+    def steps_left(self) -> int:
+        """Steps the longest-running row may still take (its ``max_new_tokens`` left)."""
+        return max((item.ticket.row.max_new_tokens - item.made for item in self._live), default=0)
+
     def join(self, tickets: Sequence[Ticket]) -> None:
         """Prefill the arriving rows and add them to the running batch.
 

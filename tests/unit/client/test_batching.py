@@ -107,6 +107,24 @@ def forward_rows(loaded: LoadedModel) -> Iterator[list[tuple[int, int]]]:
         handle.remove()
 
 
+@contextmanager
+def paused_before_pass(loaded: LoadedModel, number: int) -> Iterator[threading.Event]:
+    """The worker stops before the model's ``number``-th forward pass until the event is set."""
+    go, calls = threading.Event(), [0]
+
+    def hook(module, args, kwargs) -> None:
+        calls[0] += 1
+        if calls[0] == number:
+            assert go.wait(120)
+
+    handle = loaded.model.register_forward_pre_hook(hook, with_kwargs=True)
+    try:
+        yield go
+    finally:
+        go.set()
+        handle.remove()
+
+
 def staggered(loaded: LoadedModel, rows: list[Row], joins: dict[int, list[int]]) -> list[Collected]:
     """Rows joining a continuous batch at the given steps; each row's sink."""
     batch = ContinuousBatch(loaded, threading.Lock(), BatchStats())
@@ -175,20 +193,17 @@ def test_every_continuously_batched_family_answers_as_plain_generate(arch):
 
 @ONE_ARCH
 def test_a_row_joins_the_running_batch_and_leaves_it_without_waiting(loaded):
-    # Arrange: a long answer under way, paused (the model's lock held) after three tokens
-    lock = threading.Lock()
-    batcher = Batcher(loaded, lock, rows=4, max_queue=4)
+    # Arrange: a long answer under way, held before its fourth pass (three tokens made)
+    batcher = Batcher(loaded, threading.Lock(), rows=4, max_queue=4)
     long_row, short_row = Collected(), Collected()
     batcher.start()
-    with forward_rows(loaded) as seen:
+    with forward_rows(loaded) as seen, paused_before_pass(loaded, 4) as go:
         batcher.submit(row(loaded, "red", None, max_new_tokens=40), long_row)
-        with lock:
-            while len(long_row.tokens) < 3:
-                lock.release()
-                threading.Event().wait(0.001)
-                lock.acquire()
-            # Act: a short row arrives mid-answer
-            batcher.submit(row(loaded, "blue", None, max_new_tokens=3), short_row)
+        while len(long_row.tokens) < 3:
+            threading.Event().wait(0.001)
+        # Act: a short row arrives mid-answer
+        batcher.submit(row(loaded, "blue", None, max_new_tokens=3), short_row)
+        go.set()
         assert short_row.done.wait(120)
         assert long_row.done.wait(120)
     batcher.stop()
@@ -201,6 +216,30 @@ def test_a_row_joins_the_running_batch_and_leaves_it_without_waiting(loaded):
     assert steps.count(2) == 2  # its prefill gave its first token, two steps the others
     assert steps[0] == steps[-1] == 1
     assert len(steps) == 39  # every step of the short row was also one of the long row's
+
+
+@ONE_ARCH
+def test_a_row_arriving_as_the_batch_ends_starts_with_the_next_one(loaded):
+    # Arrange: a row of 5 tokens, held before its fourth pass (the last but one)
+    batcher = Batcher(loaded, threading.Lock(), rows=4, max_queue=4, gather_s=0.5, join_horizon=2)
+    ending, late, next_one = Collected(), Collected(), Collected()
+    batcher.start()
+    with forward_rows(loaded) as seen, paused_before_pass(loaded, 4) as go:
+        batcher.submit(row(loaded, "red", None, max_new_tokens=5), ending)
+        while len(ending.tokens) < 3:
+            threading.Event().wait(0.001)
+        # Act: one row arrives now, another just after the batch ends
+        batcher.submit(row(loaded, "blue", None), late)
+        go.set()
+        assert ending.done.wait(120)
+        batcher.submit(row(loaded, "green", None), next_one)
+        assert late.done.wait(120)
+        assert next_one.done.wait(120)
+    batcher.stop()
+    # Assert: the late row did not join the ending batch; it started with the next row
+    prefills = [rows for rows, positions in seen if positions > 1]
+    assert prefills == [1, 2]
+    assert late.tokens == plain_generate(loaded, row(loaded, "blue", None))
 
 
 @ONE_ARCH
