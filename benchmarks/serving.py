@@ -24,7 +24,9 @@ and count the rows of each decoding step, in every path; the worker's own time (
 ``generate()``; served: the batcher's joins and steps) less its forward passes is the decoding
 loop's Python; the rest of the wall time the model had nothing to do. Forward passes alone
 are timed by batch size too. Ratios are medians over ``--repeats`` of each repeat's
-side-by-side ratio. Writes docs/benchmarks/serving.md::
+side-by-side ratio. One torch thread in every path: the cores are shared with the clients, the
+endpoint's threads and other work, and a pool of one thread a core then waits on its slowest
+thread at every operation. Writes docs/benchmarks/serving.md::
 
     .venv/bin/python benchmarks/serving.py --model tiny pretrained [--repeats 2]
 """
@@ -50,7 +52,7 @@ sys.path.insert(0, str(REPO / "benchmarks"))
 
 from dpmtv_common.thread_policy import apply_thread_policy
 
-apply_thread_policy()  # before torch loads: its thread pool must not spin on shared cores
+apply_thread_policy(1)  # before torch loads; one torch thread (see the docstring)
 
 import io
 
@@ -95,6 +97,7 @@ class ForwardClock:
     """Hooks on the model: time in forward passes, and the rows of each decoding step."""
 
     seconds: float = 0.0
+    passes: int = 0
     step_rows: collections.Counter[int] = field(default_factory=collections.Counter)
     _started: float = 0.0
 
@@ -103,6 +106,7 @@ class ForwardClock:
 
         def before(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
             self._started = time.perf_counter()
+            self.passes += 1
             ids = kwargs.get("input_ids")
             if isinstance(ids, torch.Tensor) and ids.shape[1] == 1:
                 self.step_rows[int(ids.shape[0])] += 1
@@ -113,13 +117,15 @@ class ForwardClock:
         model.register_forward_pre_hook(before, with_kwargs=True)
         model.register_forward_hook(after, with_kwargs=True)
 
-    def snapshot(self) -> tuple[float, collections.Counter[int]]:
+    def snapshot(self) -> tuple[float, int, collections.Counter[int]]:
         """The counters now."""
-        return self.seconds, collections.Counter(self.step_rows)
+        return self.seconds, self.passes, collections.Counter(self.step_rows)
 
 
-def _profile(clock: ForwardClock, before: tuple[float, Any], wall: float, worker: float) -> Cell:
-    seconds, rows = before
+def _profile(
+    clock: ForwardClock, before: tuple[float, int, Any], wall: float, worker: float, answered: int
+) -> Cell:
+    seconds, passes, rows = before
     forward = clock.seconds - seconds
     steps = clock.step_rows - rows
     count = sum(steps.values())
@@ -129,6 +135,7 @@ def _profile(clock: ForwardClock, before: tuple[float, Any], wall: float, worker
         "loop": max(0.0, worker - forward) / wall,
         "idle": max(0.0, 1 - worker / wall),
         "rows_a_step": mean_rows,
+        "passes": (clock.passes - passes) / answered,
     }
 
 
@@ -193,6 +200,7 @@ class PlainServer:
         self.loaded, self.rows, self.tokens = loaded, rows, tokens
         self.active = clients
         self.worker_seconds = 0.0
+        self.prepared: list[float] = []  # seconds a prompt, in its batch
         self._waiting: list[tuple[Prompt, threading.Event]] = []
         self._ready = threading.Condition()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -223,6 +231,7 @@ class PlainServer:
             started = time.perf_counter()
             loaded = self.loaded
             inputs = loaded.adapter.build_batch_inputs(loaded.processor, [p for p, _ in batch])
+            self.prepared += [(time.perf_counter() - started) / len(batch)] * len(batch)
             with torch.no_grad():
                 loaded.model.generate(  # type: ignore[operator]
                     **inputs, max_new_tokens=self.tokens, do_sample=False,
@@ -237,7 +246,8 @@ def _plain(site: Site, clock: ForwardClock, clients: int, n: int, args: Any) -> 
     before = clock.snapshot()
     server = PlainServer(site.model(), clients, args.rows, args.max_tokens)
     latencies, elapsed = closed_loop(clients, n, args.seconds, server.one, server.left)
-    return _timed(latencies, elapsed) | _profile(clock, before, elapsed, server.worker_seconds)
+    profile = _profile(clock, before, elapsed, server.worker_seconds, len(latencies))
+    return _timed(latencies, elapsed) | profile | {"prepare": statistics.median(server.prepared)}
 
 
 class _Done:
@@ -288,7 +298,7 @@ def _batcher(
     finally:
         batcher.stop()
     worker = batcher.stats.worker_seconds
-    cell = _timed(latencies, elapsed) | _profile(clock, before, elapsed, worker)
+    cell = _timed(latencies, elapsed) | _profile(clock, before, elapsed, worker, len(latencies))
     return cell | {"prepare": statistics.median(prepared)}
 
 
@@ -314,7 +324,8 @@ def _http(site: Site, root: Path, clock: ForwardClock, clients: int, n: int, arg
     result = json.loads(done.stdout)
     worker = endpoint.batcher.stats.worker_seconds - worked
     elapsed = result["elapsed"]
-    return _timed(result["latencies"], elapsed) | _profile(clock, before, elapsed, worker)
+    answered = len(result["latencies"])
+    return _timed(result["latencies"], elapsed) | _profile(clock, before, elapsed, worker, answered)
 
 
 # --- forward passes alone ---------------------------------------------------------------------
@@ -433,8 +444,8 @@ def _goal(results: dict[tuple[str, int], list[Cell]], path: str) -> tuple[bool, 
 def _table(results: dict[tuple[str, int], list[Cell]]) -> list[str]:
     lines = [
         "| clients | path | requests/s | vs plain | p50 ms | p95 ms | p95 vs plain "
-        "| rows a step | forward | loop | idle |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| rows a step | passes a request | forward | loop | idle |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for clients in CLIENTS:
         plain = results[("plain", clients)]
@@ -447,6 +458,7 @@ def _table(results: dict[tuple[str, int], list[Cell]]) -> list[str]:
                 f"| {_median_ratio(cells, plain, 'throughput'):.2f} "
                 f"| {1000 * _med(cells, 'p50'):.0f} | {1000 * _med(cells, 'p95'):.0f} "
                 f"| {_median_ratio(cells, plain, 'p95'):.2f} | {_med(cells, 'rows_a_step'):.1f} "
+                f"| {_med(cells, 'passes'):.2f} "
                 f"| {_med(cells, 'forward'):.0%} | {_med(cells, 'loop'):.0%} "
                 f"| {_med(cells, 'idle'):.0%} |"
             )
@@ -458,17 +470,22 @@ def _model_ms(cells: list[Cell]) -> float:
     return 1000 * statistics.median(c["forward"] / c["throughput"] for c in cells)
 
 
+def _forward_ms(cells: list[Cell]) -> str:
+    """``"a (b)"``: the model's forward ms a request, and a forward pass's."""
+    request = _model_ms(cells)
+    return f"{request:.0f} ({request / _med(cells, 'passes'):.1f})"
+
+
 def _causes(measured: dict[str, Any]) -> list[str]:
     results, costs = measured["results"], measured["costs"]
     per_row = {rows: costs[f"step {rows}"] / rows for rows in (1, 8, 32)}
     model_ms = {
-        path: " / ".join(f"{_model_ms(results[(path, c)]):.0f}" for c in CLIENTS)
+        path: " / ".join(_forward_ms(results[(path, c)]) for c in CLIENTS)
         for path in ("plain", "batcher", "http")
     }
     http = {c: _median_ratio(results[("http", c)], results[("batcher", c)], "throughput")
             for c in CLIENTS}  # fmt: skip
     added = 1000 * (_med(results[("http", 1)], "p50") - _med(results[("batcher", 1)], "p50"))
-    prepare = 1000 * _med(results[("batcher", 1)], "prepare")
     invariant = {c: _median_ratio(results[("invariant", c)], results[("plain", c)], "throughput")
                  for c in INVARIANT_CLIENTS}  # fmt: skip
     return [
@@ -477,13 +494,20 @@ def _causes(measured: dict[str, Any]) -> list[str]:
         + f". A decoding step costs {per_row[1]:.1f} ms a row alone, {per_row[8]:.1f} in a "
         f"step of 8 and {per_row[32]:.1f} in a step of 32: what batching can gain, and where "
         "it stops gaining.",
-        "- The model's forward time a request, at 1 / 8 / 32 clients (ms): "
+        "- The model's forward time a request, and in brackets a forward pass's, at 1 / 8 / "
+        "32 clients (ms): "
         + "; ".join(f"{path} {ms}" for path, ms in model_ms.items())
-        + ". Where the served paths match plain here, their rows shared steps as plain's did "
-        "(`rows a step`); the rest of a request's time is in `loop` and `idle` above.",
-        f"- Preparing a request (decode its image, render and tokenise its prompt), timed in "
-        f"the batcher's client threads: {prepare:.1f} ms (the endpoint does the same in its "
-        "worker threads, in the process that runs the model).",
+        + ". With as many passes a request and rows a step as plain's (table), a served "
+        "request costs the model more only where its passes ran slower: beside the requests' "
+        "preparation and HTTP work, which share the worker's interpreter lock and the cores.",
+        "- Preparing a request (render and tokenise its prompt, process its image) costs "
+        + ", ".join(
+            f"{1000 * _med(results[(path, c)], 'prepare'):.1f} ms in `{path}` at {c}"
+            for path in ("plain", "batcher")
+            for c in (1, 8)
+        )
+        + " clients: a served request is prepared alone, in its own thread (the endpoint's "
+        "worker threads over HTTP), plain's in one call for its batch, in its worker.",
         "- The HTTP layer's own cost (HTTP parsing, JSON, base64 images, the event loop and "
         "its worker threads, all sharing one interpreter lock with the batcher; the clients in "
         "a process of their own on the same cores): http against the in-process batcher "
@@ -516,7 +540,8 @@ def _report(measured: dict[str, dict[str, Any]], args: Any) -> str:
         f"endpoint's continuous batcher in-process (at most {args.rows} rows at once), every "
         "row patched with a release (all heads). `http`: the whole endpoint on 127.0.0.1 "
         "(httpx clients in another process, data URIs), patched. `invariant`: the batcher's "
-        "batch-invariant mode, patched. `rows a step`: mean rows of a decoding step. Of the "
+        "batch-invariant mode, patched. `rows a step`: mean rows of a decoding step; `passes "
+        "a request`: forward passes (prefills and steps) over requests answered. Of the "
         "wall time: `forward` in the model's forward passes (timed by hooks on the model), "
         "`loop` in the decoding loop around them (plain: the rest of `generate()`; served: "
         "the batcher's joins, cache cuts, masks and token choices), `idle` with nothing to "

@@ -24,8 +24,9 @@ several, so rows are started in groups, and rows that ask together stay together
   ending (whose clients often ask again at once). Running rows never wait.
 - With none running, waiting rows start once they fill the free rows, or once ``gather_s`` has
   passed (counted from the later of the oldest's arrival and the last batch's end), or at once
-  if they all arrived after that end and no request is being parsed. A request being parsed is
-  announced (:meth:`Batcher.expect`), so rows that arrive together start together.
+  if none of them was waiting for that batch to end and no request is being parsed. A request
+  being parsed is announced (:meth:`Batcher.expect`), so rows that arrive together start
+  together.
 """
 
 from __future__ import annotations
@@ -104,7 +105,9 @@ class Batcher:
         self._ready = threading.Condition()
         self._stopped = False
         self._expected = 0  # rows announced by expect() and not yet submitted
-        self._ended = 0.0  # when the last batch (or pass) ended, time.monotonic()
+        # When the last batch's final step (or the last pass) began and ended (monotonic s):
+        # rows queued before it began waited for that end; rows queued later came after it.
+        self._ended = (0.0, 0.0)
         self._thread = threading.Thread(target=self._run, name="dpmtv-batcher", daemon=True)
 
     @property
@@ -183,8 +186,9 @@ class Batcher:
                 if not mates:
                     self._ready.wait()
                     continue
-                opened = max(mates[0].queued, self._ended)
-                waited_for_end = mates[0].queued < self._ended
+                began, ended = self._ended
+                opened = max(mates[0].queued, ended)
+                waited_for_end = mates[0].queued < began
                 now = time.monotonic()
                 if (
                     len(mates) >= room
@@ -226,7 +230,7 @@ class Batcher:
                 self.stats.failures += 1
                 for ticket in tickets:
                     ticket.sink.fail(exc)
-            self._ended = time.monotonic()
+            self._ended = (started, time.monotonic())
             self.stats.worker_seconds += time.monotonic() - started
 
     def _run_continuous(self) -> None:
@@ -242,5 +246,5 @@ class Batcher:
                 self.stats.failures += 1
                 batch.fail_all(exc)
             if batch.size == 0:
-                self._ended = time.monotonic()
+                self._ended = (started, time.monotonic())
             self.stats.worker_seconds += time.monotonic() - started

@@ -47,7 +47,15 @@ from transformers.cache_utils import DynamicLayer
 
 from client.hooks import prompt_length_guard
 from client.models import LoadedModel
-from client.service.rows import Ticket, draw_token, eos_ids, row_generators, row_patches, stack_rows
+from client.service.rows import (
+    Row,
+    Ticket,
+    draw_token,
+    eos_ids,
+    row_generators,
+    row_patches,
+    stack_rows,
+)
 from dpmtv_common.errors import ModelError
 
 __all__ = ["BatchStats", "ContinuousBatch", "steps_continuously"]
@@ -195,15 +203,14 @@ class ContinuousBatch:
         live, cache = self._live, self._cache
         if not live or cache is None:
             return
-        columns = cache.get_seq_length()
-        pads = torch.tensor([item.pad for item in live])
-        mask = (torch.arange(columns + 1)[None, :] >= pads[:, None]).long()
         inputs: dict[str, Any] = {
             "input_ids": torch.tensor([[item.last] for item in live]),
             "position_ids": torch.tensor([[item.length] for item in live]),
         }
+        pads = torch.tensor([item.pad for item in live])
         if bool(pads.any()):  # as generate(): no mask when nothing is padded
-            inputs["attention_mask"] = mask
+            columns = torch.arange(cache.get_seq_length() + 1)
+            inputs["attention_mask"] = (columns[None, :] >= pads[:, None]).long()
         rows = [item.ticket.row for item in live]
         every_call = any(row.every_call for row in rows)
         logits = self._forward(inputs, cache, rows if every_call else None, prefill=False)
@@ -231,7 +238,8 @@ class ContinuousBatch:
         if not bool(mask.all()):  # as generate(): no mask when nothing is padded
             inputs["attention_mask"] = mask
         cache = DynamicCache(config=loaded.model.config.get_text_config(decoder=True))
-        logits = self._forward(inputs, cache, rows, prefill=True)
+        patched = any(row.patch is not None for row in rows)
+        logits = self._forward(inputs, cache, rows if patched else None, prefill=True)
         width = int(mask.shape[1])
         _plain_layers(cache)  # refuses a cache of another kind
         if cache.get_seq_length() != width:
@@ -254,11 +262,14 @@ class ContinuousBatch:
         self,
         inputs: dict[str, Any],
         cache: DynamicCache,
-        patched: Sequence[Any] | None,
+        patched: Sequence[Row] | None,
         *,
         prefill: bool,
     ) -> torch.Tensor:
-        """One forward pass under the model lock; the last position's logits, ``(rows, V)``."""
+        """One forward pass under the model lock; the last position's logits, ``(rows, V)``.
+
+        ``patched``: the batch's rows when some must be patched in this pass, else None.
+        """
         model = self.loaded.model
         device = model.device
         kwargs = {key: value.to(device) for key, value in inputs.items()}
