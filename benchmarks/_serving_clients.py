@@ -2,8 +2,8 @@
 
 Reads ``{"url", "token", "clients", "requests", "seconds", "tokens", "model"}`` as JSON on
 stdin; each of ``clients`` threads sends a chat request, waits for its answer, and sends the
-next (a closed loop; see :func:`closed_loop`); prints the latencies and the elapsed time as
-JSON.
+next (a closed loop; see :func:`closed_loop`); prints the latencies, the elapsed time and the
+process's CPU time over the loop as JSON.
 Imports httpx and Pillow only, so its start costs nothing measured.
 """
 
@@ -95,8 +95,10 @@ def main() -> int:
             local.client = idle.get()
         ask(local.client, job, index)
 
+    cpu = time.process_time()
     latencies, elapsed = closed_loop(job["clients"], job["requests"], job["seconds"], one)
-    json.dump({"latencies": latencies, "elapsed": elapsed}, sys.stdout)
+    cpu = time.process_time() - cpu
+    json.dump({"latencies": latencies, "elapsed": elapsed, "cpu": cpu}, sys.stdout)
     return 0
 
 

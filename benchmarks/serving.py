@@ -117,15 +117,16 @@ class ForwardClock:
         model.register_forward_pre_hook(before, with_kwargs=True)
         model.register_forward_hook(after, with_kwargs=True)
 
-    def snapshot(self) -> tuple[float, int, collections.Counter[int]]:
-        """The counters now."""
-        return self.seconds, self.passes, collections.Counter(self.step_rows)
+    def snapshot(self) -> tuple[float, int, collections.Counter[int], float]:
+        """The counters now, and this process's CPU time."""
+        return self.seconds, self.passes, collections.Counter(self.step_rows), time.process_time()
 
 
 def _profile(
-    clock: ForwardClock, before: tuple[float, int, Any], wall: float, worker: float, answered: int
-) -> Cell:
-    seconds, passes, rows = before
+    clock: ForwardClock, before: tuple[float, int, Any, float], wall: float, worker: float,
+    answered: int,
+) -> Cell:  # fmt: skip
+    seconds, passes, rows, cpu = before
     forward = clock.seconds - seconds
     steps = clock.step_rows - rows
     count = sum(steps.values())
@@ -136,6 +137,7 @@ def _profile(
         "idle": max(0.0, 1 - worker / wall),
         "rows_a_step": mean_rows,
         "passes": (clock.passes - passes) / answered,
+        "cpu": (time.process_time() - cpu) / answered,
     }
 
 
@@ -325,7 +327,8 @@ def _http(site: Site, root: Path, clock: ForwardClock, clients: int, n: int, arg
     worker = endpoint.batcher.stats.worker_seconds - worked
     elapsed = result["elapsed"]
     answered = len(result["latencies"])
-    return _timed(result["latencies"], elapsed) | _profile(clock, before, elapsed, worker, answered)
+    profile = _profile(clock, before, elapsed, worker, answered)
+    return _timed(result["latencies"], elapsed) | profile | {"client_cpu": result["cpu"] / answered}
 
 
 # --- forward passes alone ---------------------------------------------------------------------
@@ -441,11 +444,17 @@ def _goal(results: dict[tuple[str, int], list[Cell]], path: str) -> tuple[bool, 
     return met, f"**{verdict}** (throughput {figures} clients; p95 at 32 clients {p95:.2f}x)"
 
 
+def _cpu_ratios(results: dict[tuple[str, int], list[Cell]], path: str) -> str:
+    """Plain's CPU a request over ``path``'s, at each concurrency."""
+    ratios = [_median_ratio(results[("plain", c)], results[(path, c)], "cpu") for c in CLIENTS]
+    return " / ".join(f"{r:.2f}" for r in ratios)
+
+
 def _table(results: dict[tuple[str, int], list[Cell]]) -> list[str]:
     lines = [
         "| clients | path | requests/s | vs plain | p50 ms | p95 ms | p95 vs plain "
-        "| rows a step | passes a request | forward | loop | idle |",
-        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| CPU ms a request | vs plain | rows a step | passes a request | forward | loop | idle |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     for clients in CLIENTS:
         plain = results[("plain", clients)]
@@ -457,7 +466,8 @@ def _table(results: dict[tuple[str, int], list[Cell]]) -> list[str]:
                 f"| {clients} | {path} | {_med(cells, 'throughput'):.2f} "
                 f"| {_median_ratio(cells, plain, 'throughput'):.2f} "
                 f"| {1000 * _med(cells, 'p50'):.0f} | {1000 * _med(cells, 'p95'):.0f} "
-                f"| {_median_ratio(cells, plain, 'p95'):.2f} | {_med(cells, 'rows_a_step'):.1f} "
+                f"| {_median_ratio(cells, plain, 'p95'):.2f} | {1000 * _med(cells, 'cpu'):.0f} "
+                f"| {_median_ratio(plain, cells, 'cpu'):.2f} | {_med(cells, 'rows_a_step'):.1f} "
                 f"| {_med(cells, 'passes'):.2f} "
                 f"| {_med(cells, 'forward'):.0%} | {_med(cells, 'loop'):.0%} "
                 f"| {_med(cells, 'idle'):.0%} |"
@@ -540,7 +550,11 @@ def _report(measured: dict[str, dict[str, Any]], args: Any) -> str:
         f"endpoint's continuous batcher in-process (at most {args.rows} rows at once), every "
         "row patched with a release (all heads). `http`: the whole endpoint on 127.0.0.1 "
         "(httpx clients in another process, data URIs), patched. `invariant`: the batcher's "
-        "batch-invariant mode, patched. `rows a step`: mean rows of a decoding step; `passes "
+        "batch-invariant mode, patched. `CPU ms a request`: this process's CPU time (the "
+        "model, the batcher, the endpoint's threads, the in-process clients; not the HTTP "
+        "clients' process) over requests answered, which other jobs on the machine inflate far "
+        "less than wall time; its `vs plain` is plain's over the path's (above 1: the path "
+        "costs less). `rows a step`: mean rows of a decoding step; `passes "
         "a request`: forward passes (prefills and steps) over requests answered. Of the "
         "wall time: `forward` in the model's forward passes (timed by hooks on the model), "
         "`loop` in the decoding loop around them (plain: the rest of `generate()`; served: "
@@ -558,7 +572,9 @@ def _report(measured: dict[str, dict[str, Any]], args: Any) -> str:
             "",
             "Goal (patched serving >= 0.9x plain throughput at 1, 8 and 32 clients, p95 at 32 "
             f"clients <= 1.5x plain's): over HTTP {over_http}; the batcher in-process "
-            f"{in_process}.",
+            f"{in_process}. CPU a request, plain's over the path's, at 1 / 8 / 32 clients: "
+            f"batcher {_cpu_ratios(data['results'], 'batcher')}; "
+            f"http {_cpu_ratios(data['results'], 'http')}.",
             "",
             "Where the time goes, measured in this run:",
             "",
