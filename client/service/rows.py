@@ -88,7 +88,6 @@ class Row:
         max_new_tokens: Most tokens to generate.
         temperature: 0 for greedy, else the sampling temperature.
         seed: Seed of this row's own sampling generator.
-        image_crops: The crop cap its prompt was built under.
     """
 
     inputs: _Inputs
@@ -98,7 +97,6 @@ class Row:
     max_new_tokens: int
     temperature: float
     seed: int
-    image_crops: int | None = None
 
     @property
     def every_call(self) -> bool:
@@ -158,7 +156,6 @@ def prepare_row(
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         seed=seed,
-        image_crops=loaded.max_image_crops,
     )
 
 
