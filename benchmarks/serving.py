@@ -1,60 +1,76 @@
-"""Serving throughput and latency: the HTTP endpoint, its batcher alone, plain transformers.
+"""Serving throughput and latency: plain ``generate()``, the batcher, the HTTP endpoint.
 
-On the tiny random LLaVA of the tests, for 1, 8 and 32 concurrent clients (closed loop: each
-client sends its next request when the last is answered), every request a zero-shot image
-query, greedy, exactly ``--max-tokens`` new tokens (end of sequence is suppressed in all
-three, so every row does the same work):
+For each model (``--model tiny``: the tests' tiny random LLaVA; ``--model pretrained``: the
+assembled SmolLM2 LLaVA of ``client.models.pretrained``) and 1, 8 and 32 clients in a closed
+loop (each client sends its next request when the last is answered), every request a
+zero-shot image query answered greedily with exactly ``--max-tokens`` tokens (end of sequence
+suppressed, so every path does the same work). The paths alternate within each repeat:
 
-- **plain**: ``transformers`` ``generate()`` on batches of ``min(clients, rows)`` prompts,
-  padded to the longest, no patch; its latency is the batch's time (a lower bound: no queue).
-- **batcher**: :class:`client.service.batching.Batcher`, every row patched with a stored
-  release (all heads), fixed-shape passes of ``rows`` rows; the prompt is built in the
-  client's thread, as the endpoint does.
-- **http**: the whole endpoint (:class:`client.service.http_server.HttpEndpoint`) on 127.0.0.1,
-  one ``httpx`` client a thread in a client process of its own (so the clients do not
-  share the server's interpreter lock), the images as data URIs, the release as the model
-  name.
+- **plain**: ``transformers`` ``generate()`` serving the same clients, unpatched: a worker
+  runs the waiting prompts in batches of ``min(clients, rows)``, padded to the longest, and
+  waits for exactly that many (an ideal static batcher that knows how many clients there are);
+  a request's latency includes its wait for the batches before it, as the served paths' does.
+- **batcher**: :class:`client.service.batching.Batcher` in-process, every row patched with a
+  stored release (all heads); each client thread prepares its row, as the endpoint does.
+- **http**: the whole endpoint (:class:`client.service.http_server.HttpEndpoint`) on
+  127.0.0.1, every request patched, its clients in a process of their own
+  (``benchmarks/_serving_clients.py``, httpx, images as data URIs). ``http`` against
+  ``batcher`` is the HTTP layer's own cost.
+- **invariant**: the batcher in its batch-invariant mode (each row alone), patched; at 1 and 8
+  clients only (from 8 on its throughput cannot change: one row a pass).
 
-The HTTP layer's own cost is ``http`` against ``batcher``. Writes
-docs/benchmarks/serving.md::
+Where the time goes is measured, not inferred: hooks on the model time every forward pass
+and count the rows of each decoding step, in every path; the worker's own time (plain: inside
+``generate()``; served: the batcher's joins and steps) less its forward passes is the decoding
+loop's Python; the rest of the wall time the model had nothing to do. Forward passes alone
+are timed by batch size too. Ratios are medians over ``--repeats`` of each repeat's
+side-by-side ratio. One torch thread in every path: the cores are shared with the clients, the
+endpoint's threads and other work, and a pool of one thread a core then waits on its slowest
+thread at every operation. Writes docs/benchmarks/serving.md::
 
-    .venv/bin/python benchmarks/serving.py [--requests 96] [--rows 8] [--max-tokens 16]
+    .venv/bin/python benchmarks/serving.py --model tiny pretrained [--repeats 2]
 """
 
 from __future__ import annotations
 
 import argparse
-import base64
-import io
-import multiprocessing
+import collections
+import json
 import statistics
+import subprocess
 import sys
 import tempfile
 import threading
 import time
-from collections.abc import Callable
-from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
 
 from dpmtv_common.thread_policy import apply_thread_policy
 
-apply_thread_policy()  # before torch loads: its thread pool must not spin on shared cores
+apply_thread_policy(1)  # before torch loads; one torch thread (see the docstring)
+
+import io
 
 import httpx
 import numpy as np
 import torch
+from _serving_clients import QUESTION, ask, closed_loop, png
 from PIL import Image
+from torch import nn
+from transformers import DynamicCache
 
 from client.hooks import PatchPolicy
 from client.models import Example, LoadedModel, Prompt, save_tiny_model
+from client.models.pretrained import default_pretrained_model_dir
 from client.service.batching import Batcher
 from client.service.http_server import HttpEndpoint, HttpSettings
 from client.service.releases import ReleaseCatalogue
-from client.service.rows import prepare_row
+from client.service.rows import RowPatch, prepare_row
 from client.settings import SiteSettings
 from client.site import Site
 from dpmtv_common.artifact import ReleaseDescription, write_artifact
@@ -62,28 +78,94 @@ from dpmtv_common.crypto import SigningKey
 from dpmtv_common.heads import HeadSet
 
 CLIENTS = (1, 8, 32)
-QUESTION = "What colour is the shape?"
-COLOURS = ("red", "blue", "green", "yellow", "purple", "orange", "white", "black")
+INVARIANT_CLIENTS = (1, 8)
+PATHS = ("plain", "batcher", "http", "invariant")
+TOKEN = "bench-token-" + "z" * 32
+MODELS = {
+    "tiny": "the tests' tiny random LLaVA (2 layers x 4 heads)",
+    "pretrained": "the assembled pretrained-decoder LLaVA (SmolLM2-135M: 30 layers x 9 heads)",
+}
+
+Cell = dict[str, float]
 
 
-def _png(index: int) -> bytes:
-    buffer = io.BytesIO()
-    Image.new("RGB", (40, 40), COLOURS[index % len(COLOURS)]).save(buffer, format="PNG")
-    return buffer.getvalue()
+# --- the model, timed ------------------------------------------------------------------------
 
 
-def _make_site(root: Path, rows: int) -> Site:
-    save_tiny_model("llava", root / "model", seed=0)
+@dataclass
+class ForwardClock:
+    """Hooks on the model: time in forward passes, and the rows of each decoding step."""
+
+    seconds: float = 0.0
+    passes: int = 0
+    step_rows: collections.Counter[int] = field(default_factory=collections.Counter)
+    _started: float = 0.0
+
+    def install(self, model: nn.Module) -> None:
+        """Hook ``model`` (for the whole run: the counters are read as differences)."""
+
+        def before(module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+            self._started = time.perf_counter()
+            self.passes += 1
+            ids = kwargs.get("input_ids")
+            if isinstance(ids, torch.Tensor) and ids.shape[1] == 1:
+                self.step_rows[int(ids.shape[0])] += 1
+
+        def after(module: nn.Module, args: Any, kwargs: dict[str, Any], out: Any) -> None:
+            self.seconds += time.perf_counter() - self._started
+
+        model.register_forward_pre_hook(before, with_kwargs=True)
+        model.register_forward_hook(after, with_kwargs=True)
+
+    def snapshot(self) -> tuple[float, int, collections.Counter[int], float]:
+        """The counters now, and this process's CPU time."""
+        return self.seconds, self.passes, collections.Counter(self.step_rows), time.process_time()
+
+
+def _profile(
+    clock: ForwardClock, before: tuple[float, int, Any, float], wall: float, worker: float,
+    answered: int,
+) -> Cell:  # fmt: skip
+    seconds, passes, rows, cpu = before
+    forward = clock.seconds - seconds
+    steps = clock.step_rows - rows
+    count = sum(steps.values())
+    mean_rows = sum(k * v for k, v in steps.items()) / count if count else 0.0
+    return {
+        "forward": forward / wall,
+        "loop": max(0.0, worker - forward) / wall,
+        "idle": max(0.0, 1 - worker / wall),
+        "rows_a_step": mean_rows,
+        "passes": (clock.passes - passes) / answered,
+        "cpu": (time.process_time() - cpu) / answered,
+    }
+
+
+def _timed(latencies: list[float], elapsed: float) -> Cell:
+    ordered = sorted(latencies)
+    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
+    return {"throughput": len(latencies) / elapsed, "p50": statistics.median(ordered), "p95": p95}
+
+
+# --- the site ---------------------------------------------------------------------------------
+
+
+def _make_site(root: Path, model: str, rows: int) -> Site:
+    if model == "tiny":
+        save_tiny_model("llava", root / "model", seed=0)
+        model_path = root / "model"
+    else:
+        model_path = default_pretrained_model_dir()
+        if not (model_path / "assembly.json").is_file():
+            raise SystemExit(
+                "the pretrained model is not assembled: scripts/assemble_pretrained_model"
+            )
     key = SigningKey.generate()
     key.verify_key.save(root / "coordinator.pub")
     settings = SiteSettings(
-        name="bench",
-        model_path=root / "model",
-        state_dir=root / "state",
-        trusted_keys=(root / "coordinator.pub",),
-        batch_size=rows,
-        device="cpu",
-    )
+        name="bench", model_path=model_path, state_dir=root / "state",
+        trusted_keys=(root / "coordinator.pub",), batch_size=rows, device="cpu",
+    )  # fmt: skip
     site = Site(settings)
     loaded = site.model()
     shape = loaded.adapter.head_shape(loaded.model)
@@ -99,216 +181,406 @@ def _make_site(root: Path, rows: int) -> Site:
         settings.artifacts_folder / "r1", heads=heads, values=values, release=release,
         signing_key=key,
     )  # fmt: skip
-    (root / "token").write_text("bench-token-" + "z" * 32)
+    (root / "token").write_text(TOKEN)
     (root / "token").chmod(0o600)
+    loaded.model.generation_config.eos_token_id = None  # every answer: exactly max_tokens
     return site
 
 
-def _no_eos(loaded: LoadedModel) -> None:
-    """Every row generates exactly max_tokens (same work in all three paths)."""
-    loaded.model.generation_config.eos_token_id = None
+def _prompt(index: int) -> Prompt:
+    image = Image.open(io.BytesIO(png(index))).convert("RGB")
+    return Prompt.of([], Example(image, QUESTION))
 
 
-def _percentiles(latencies: list[float]) -> tuple[float, float]:
-    ordered = sorted(latencies)
-    p95 = ordered[min(len(ordered) - 1, round(0.95 * (len(ordered) - 1)))]
-    return statistics.median(ordered), p95
+# --- the paths --------------------------------------------------------------------------------
 
 
-def _closed_loop(clients: int, requests: int, one: Callable[[int], None]) -> dict[str, float]:
-    latencies: list[float] = []
-    lock = threading.Lock()
-    counter = iter(range(requests))
+class PlainServer:
+    """``generate()`` on batches of ``min(clients, rows)`` waiting prompts, one worker."""
 
-    def client() -> None:
+    def __init__(self, loaded: LoadedModel, clients: int, rows: int, tokens: int) -> None:
+        self.loaded, self.rows, self.tokens = loaded, rows, tokens
+        self.active = clients
+        self.worker_seconds = 0.0
+        self.prepared: list[float] = []  # seconds a prompt, in its batch
+        self._waiting: list[tuple[Prompt, threading.Event]] = []
+        self._ready = threading.Condition()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def one(self, index: int) -> None:
+        """Client side: queue request ``index`` and wait for its batch."""
+        done = threading.Event()
+        with self._ready:
+            self._waiting.append((_prompt(index), done))
+            self._ready.notify_all()
+        done.wait()
+
+    def left(self) -> None:
+        """Client side: this client sends no more (batches stop waiting for it)."""
+        with self._ready:
+            self.active -= 1
+            self._ready.notify_all()
+
+    def _run(self) -> None:
         while True:
-            with lock:
-                index = next(counter, None)
-            if index is None:
-                return
+            with self._ready:
+                while self.active and len(self._waiting) < min(self.rows, self.active):
+                    self._ready.wait()
+                if not self.active:
+                    return
+                batch, self._waiting = self._waiting[: self.rows], self._waiting[self.rows :]
             started = time.perf_counter()
-            one(index)
-            with lock:
-                latencies.append(time.perf_counter() - started)
-
-    began = time.perf_counter()
-    with ThreadPoolExecutor(clients) as pool:
-        for future in [pool.submit(client) for _ in range(clients)]:
-            future.result()
-    elapsed = time.perf_counter() - began
-    p50, p95 = _percentiles(latencies)
-    return {"throughput": requests / elapsed, "p50": p50, "p95": p95}
-
-
-def _plain(loaded: LoadedModel, clients: int, requests: int, rows: int, tokens: int) -> Any:
-    batch = min(clients, rows)
-    prompts = [
-        Prompt.of([], Example(Image.open(io.BytesIO(_png(i))).convert("RGB"), QUESTION))
-        for i in range(requests)
-    ]
-    times: list[float] = []
-    began = time.perf_counter()
-    for start in range(0, requests, batch):
-        started = time.perf_counter()
-        part = prompts[start : start + batch]
-        inputs = loaded.adapter.build_batch_inputs(loaded.processor, part)
-        with torch.no_grad():
-            loaded.model.generate(  # type: ignore[operator]
-                **inputs, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False,
-                pad_token_id=loaded.processor.tokenizer.pad_token_id,
-            )  # fmt: skip
-        times += [time.perf_counter() - started] * len(part)
-    elapsed = time.perf_counter() - began
-    p50, p95 = _percentiles(times)
-    return {"throughput": requests / elapsed, "p50": p50, "p95": p95, "rows_per_pass": batch}
+            loaded = self.loaded
+            inputs = loaded.adapter.build_batch_inputs(loaded.processor, [p for p, _ in batch])
+            self.prepared += [(time.perf_counter() - started) / len(batch)] * len(batch)
+            with torch.no_grad():
+                loaded.model.generate(  # type: ignore[operator]
+                    **inputs, max_new_tokens=self.tokens, do_sample=False,
+                    pad_token_id=loaded.processor.tokenizer.pad_token_id,
+                )  # fmt: skip
+            self.worker_seconds += time.perf_counter() - started
+            for _, done in batch:
+                done.set()
 
 
-def _batcher(site: Site, clients: int, requests: int, rows: int, tokens: int) -> Any:
-    loaded = site.model()
-    patch, _ = ReleaseCatalogue(site).patch("r1", PatchPolicy.PROMPT_LAST_TOKEN)
-    batcher = Batcher(loaded, threading.Lock(), rows=rows, max_queue=max(64, clients))
+def _plain(site: Site, clock: ForwardClock, clients: int, n: int, args: Any) -> Cell:
+    before = clock.snapshot()
+    server = PlainServer(site.model(), clients, args.rows, args.max_tokens)
+    latencies, elapsed = closed_loop(clients, n, args.seconds, server.one, server.left)
+    profile = _profile(clock, before, elapsed, server.worker_seconds, len(latencies))
+    return _timed(latencies, elapsed) | profile | {"prepare": statistics.median(server.prepared)}
+
+
+class _Done:
+    def __init__(self) -> None:
+        self.event = threading.Event()
+
+    def token(self, token_id: int) -> None:
+        pass
+
+    def finish(self, reason: str) -> None:
+        self.event.set()
+
+    def fail(self, error: Exception) -> None:
+        self.event.set()
+
+
+def _release(site: Site) -> RowPatch | None:
+    patch, _ = ReleaseCatalogue(site).patch("r1", PatchPolicy.PROMPT_LAST_TOKEN, instruction=None)
+    return patch
+
+
+def _batcher(
+    site: Site, clock: ForwardClock, clients: int, n: int, args: Any, *, invariant: bool = False
+) -> Cell:
+    loaded, patch = site.model(), _release(site)
+    batcher = Batcher(
+        loaded, threading.Lock(), rows=args.rows, max_queue=max(64, clients),
+        batch_invariant=invariant,
+    )  # fmt: skip
     batcher.start()
-
-    class Done:
-        def __init__(self) -> None:
-            self.event = threading.Event()
-
-        def token(self, token_id: int) -> None:
-            pass
-
-        def finish(self, reason: str) -> None:
-            self.event.set()
-
-        def fail(self, error: Exception) -> None:
-            self.event.set()
+    prepared: list[float] = []
 
     def one(index: int) -> None:
         batcher.expect()  # as the endpoint announces a row it is preparing
-        image = Image.open(io.BytesIO(_png(index))).convert("RGB")
+        started = time.perf_counter()
         row = prepare_row(
-            loaded, Prompt.of([], Example(image, QUESTION)), instruction=None, patch=patch,
-            max_new_tokens=tokens, temperature=0.0, seed=0,
+            loaded, _prompt(index), instruction=None, patch=patch,
+            max_new_tokens=args.max_tokens, temperature=0.0, seed=0,
         )  # fmt: skip
-        sink = Done()
+        prepared.append(time.perf_counter() - started)
+        sink = _Done()
         batcher.submit(row, sink, expected=True)
         sink.event.wait()
 
+    before = clock.snapshot()
     try:
-        result = _closed_loop(clients, requests, one)
+        latencies, elapsed = closed_loop(clients, n, args.seconds, one)
     finally:
         batcher.stop()
-    return result | {"rows_per_pass": batcher.stats.rows_served / max(1, batcher.stats.passes)}
+    worker = batcher.stats.worker_seconds
+    cell = _timed(latencies, elapsed) | _profile(clock, before, elapsed, worker, len(latencies))
+    return cell | {"prepare": statistics.median(prepared)}
 
 
-def _http_clients(url: str, token: str, clients: int, requests: int, tokens: int) -> Any:
-    """The HTTP clients' closed loop (run in a process of its own: its own GIL)."""
-    headers = {"Authorization": "Bearer " + token}
-    local = threading.local()
-
-    def one(index: int) -> None:
-        if not hasattr(local, "client"):
-            local.client = httpx.Client(timeout=600)
-        uri = "data:image/png;base64," + base64.b64encode(_png(index)).decode()
-        body = {
-            "model": "r1",
-            "messages": [{"role": "user", "content": [
-                {"type": "text", "text": QUESTION},
-                {"type": "image_url", "image_url": {"url": uri}},
-            ]}],
-            "max_tokens": tokens,
-        }  # fmt: skip
-        reply = local.client.post(url, json=body, headers=headers)
-        reply.raise_for_status()
-
-    return _closed_loop(clients, requests, one)
-
-
-def _http(site: Site, root: Path, clients: int, requests: int, tokens: int) -> Any:
+def _http(site: Site, root: Path, clock: ForwardClock, clients: int, n: int, args: Any) -> Cell:
     settings = HttpSettings(
-        address="127.0.0.1:0", token_file=root / "token", max_queue=max(64, clients)
-    )
+        address="127.0.0.1:0", token_file=root / "token", max_queue=max(64, clients),
+        max_connections=max(256, 2 * clients),
+    )  # fmt: skip
     endpoint = HttpEndpoint(site, threading.Lock(), settings)
     url = endpoint.start() + "/v1/chat/completions"
-    token = (root / "token").read_text()
+    job = {"url": url, "token": TOKEN, "clients": clients, "requests": n,
+           "seconds": args.seconds, "tokens": args.max_tokens, "model": "r1"}  # fmt: skip
     try:
-        with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as pool:
-            result = pool.submit(_http_clients, url, token, clients, requests, tokens).result()
+        with httpx.Client(timeout=600) as client:  # untimed: the release is verified on first use
+            ask(client, job, 0)
+        before, worked = clock.snapshot(), endpoint.batcher.stats.worker_seconds
+        done = subprocess.run(  # noqa: S603 (our own script, no input of anyone's)
+            [sys.executable, str(REPO / "benchmarks" / "_serving_clients.py")],
+            input=json.dumps(job), capture_output=True, text=True, check=True,
+        )  # fmt: skip
     finally:
         endpoint.stop()
-    stats = endpoint.batcher.stats
-    return result | {"rows_per_pass": stats.rows_served / max(1, stats.passes)}
+    result = json.loads(done.stdout)
+    worker = endpoint.batcher.stats.worker_seconds - worked
+    elapsed = result["elapsed"]
+    answered = len(result["latencies"])
+    profile = _profile(clock, before, elapsed, worker, answered)
+    return _timed(result["latencies"], elapsed) | profile | {"client_cpu": result["cpu"] / answered}
+
+
+# --- forward passes alone ---------------------------------------------------------------------
+
+
+def _pass_costs(site: Site, tokens: int) -> dict[str, float]:
+    """Median ms of one forward pass: prefills of 1 and 8 prompts, steps of 1, 8 and 32 rows."""
+    loaded = site.model()
+    model = loaded.model
+    out: dict[str, float] = {}
+    for rows in (1, 8, 32):
+        inputs = loaded.adapter.build_batch_inputs(
+            loaded.processor, [_prompt(i) for i in range(rows)]
+        )
+        times: dict[str, list[float]] = {"prefill": [], "step": []}
+        for _ in range(3):
+            with torch.no_grad():
+                cache = DynamicCache()
+                started = time.perf_counter()
+                output = model(**inputs, cache=cache, use_cache=True, logits_to_keep=1)
+                times["prefill"].append(time.perf_counter() - started)
+                length = int(inputs["input_ids"].shape[1])
+                step = {
+                    "input_ids": output.logits[:, -1].argmax(-1, keepdim=True),
+                    "position_ids": torch.full((rows, 1), length),
+                    "cache": cache,
+                    "use_cache": True,
+                    "logits_to_keep": 1,
+                }
+                started = time.perf_counter()
+                model(**step)
+                times["step"].append(time.perf_counter() - started)
+        if rows in (1, 8):
+            out[f"prefill {rows}"] = 1000 * statistics.median(times["prefill"])
+        out[f"step {rows}"] = 1000 * statistics.median(times["step"])
+    return out
+
+
+# --- the run ----------------------------------------------------------------------------------
+
+
+def _requests(clients: int, args: Any) -> int:
+    return max(args.min_requests, args.per_client * clients)
+
+
+def _run_model(model: str, args: Any) -> dict[str, Any]:
+    results: dict[tuple[str, int], list[Cell]] = collections.defaultdict(list)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        site = _make_site(root, model, args.rows)
+        clock = ForwardClock()
+        clock.install(site.model().model)
+        costs = _pass_costs(site, args.max_tokens)
+        warm = argparse.Namespace(**(vars(args) | {"seconds": 0.0}))
+        _plain(site, clock, 1, 2, warm)  # warm-up
+        _batcher(site, clock, 1, 2, warm)
+        for clients in CLIENTS:
+            n = _requests(clients, args)
+            for repeat in range(args.repeats):
+                results[("plain", clients)].append(_plain(site, clock, clients, n, args))
+                results[("batcher", clients)].append(_batcher(site, clock, clients, n, args))
+                results[("http", clients)].append(_http(site, root, clock, clients, n, args))
+                if clients in INVARIANT_CLIENTS:
+                    results[("invariant", clients)].append(
+                        _batcher(site, clock, clients, n, args, invariant=True)
+                    )
+                line = {p: round(c[-1]["throughput"], 2) for (p, k), c in results.items()
+                        if k == clients}  # fmt: skip
+                print(model, clients, repeat, line, flush=True)
+    return {"results": results, "costs": costs}
+
+
+def _median_ratio(cells: list[Cell], plain: list[Cell], key: str) -> float:
+    return statistics.median(c[key] / p[key] for c, p in zip(cells, plain, strict=True))
+
+
+def _med(cells: list[Cell], key: str) -> float:
+    return statistics.median(c[key] for c in cells)
 
 
 def main() -> int:
-    """Measure every path at every concurrency; write the table."""
+    """Measure every path at every concurrency on each model; write the report."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--requests", type=int, default=96)
-    parser.add_argument("--rows", type=int, default=8)
+    parser.add_argument(
+        "--model", nargs="+", choices=sorted(MODELS), default=["tiny", "pretrained"]
+    )
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--per-client", type=int, default=2, help="fewest requests a client")
+    parser.add_argument("--min-requests", type=int, default=4, help="fewest requests a cell")
+    parser.add_argument("--seconds", type=float, default=3.0, help="shortest cell (s)")
+    parser.add_argument("--rows", type=int, default=8, help="most rows generated at once")
     parser.add_argument("--max-tokens", type=int, default=16)
+    parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "serving.md")
     args = parser.parse_args()
-    results: dict[tuple[str, int], dict[str, float]] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        site = _make_site(root, args.rows)
-        loaded = site.model()
-        _no_eos(loaded)
-        _plain(loaded, 1, 4, args.rows, args.max_tokens)  # warm-up
-        for clients in CLIENTS:
-            n = args.requests
-            results[("plain", clients)] = _plain(loaded, clients, n, args.rows, args.max_tokens)
-            results[("batcher", clients)] = _batcher(site, clients, n, args.rows, args.max_tokens)
-            results[("http", clients)] = _http(site, root, clients, n, args.max_tokens)
-            print(clients, {k: v for k, v in results.items() if k[1] == clients}, flush=True)
-    _write(results, args)
+    measured = {model: _run_model(model, args) for model in args.model}
+    text = _report(measured, args)
+    args.out.write_text(text)
+    print(text)
     return 0
 
 
-def _write(results: dict[tuple[str, int], dict[str, float]], args: argparse.Namespace) -> None:
+# --- the report -------------------------------------------------------------------------------
+
+
+def _goal(results: dict[tuple[str, int], list[Cell]], path: str) -> tuple[bool, str]:
+    """Whether ``path`` meets the goal against plain, and its figures."""
+    ratios = {c: _median_ratio(results[(path, c)], results[("plain", c)], "throughput")
+              for c in CLIENTS}  # fmt: skip
+    p95 = _median_ratio(results[(path, 32)], results[("plain", 32)], "p95")
+    met = all(r >= 0.9 for r in ratios.values()) and p95 <= 1.5
+    figures = ", ".join(f"{r:.2f} at {c}" for c, r in ratios.items())
+    verdict = "met" if met else "not met"
+    return met, f"**{verdict}** (throughput {figures} clients; p95 at 32 clients {p95:.2f}x)"
+
+
+def _cpu_ratios(results: dict[tuple[str, int], list[Cell]], path: str) -> str:
+    """Plain's CPU a request over ``path``'s, at each concurrency."""
+    ratios = [_median_ratio(results[("plain", c)], results[(path, c)], "cpu") for c in CLIENTS]
+    return " / ".join(f"{r:.2f}" for r in ratios)
+
+
+def _table(results: dict[tuple[str, int], list[Cell]]) -> list[str]:
+    lines = [
+        "| clients | path | requests/s | vs plain | p50 ms | p95 ms | p95 vs plain "
+        "| CPU ms a request | vs plain | rows a step | passes a request | forward | loop | idle |",
+        "|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for clients in CLIENTS:
+        plain = results[("plain", clients)]
+        for path in PATHS:
+            cells = results.get((path, clients))
+            if not cells:
+                continue
+            lines.append(
+                f"| {clients} | {path} | {_med(cells, 'throughput'):.2f} "
+                f"| {_median_ratio(cells, plain, 'throughput'):.2f} "
+                f"| {1000 * _med(cells, 'p50'):.0f} | {1000 * _med(cells, 'p95'):.0f} "
+                f"| {_median_ratio(cells, plain, 'p95'):.2f} | {1000 * _med(cells, 'cpu'):.0f} "
+                f"| {_median_ratio(plain, cells, 'cpu'):.2f} | {_med(cells, 'rows_a_step'):.1f} "
+                f"| {_med(cells, 'passes'):.2f} "
+                f"| {_med(cells, 'forward'):.0%} | {_med(cells, 'loop'):.0%} "
+                f"| {_med(cells, 'idle'):.0%} |"
+            )
+    return lines
+
+
+def _model_ms(cells: list[Cell]) -> float:
+    """The model's forward time a request: its share of the wall time over the throughput."""
+    return 1000 * statistics.median(c["forward"] / c["throughput"] for c in cells)
+
+
+def _forward_ms(cells: list[Cell]) -> str:
+    """``"a (b)"``: the model's forward ms a request, and a forward pass's."""
+    request = _model_ms(cells)
+    return f"{request:.0f} ({request / _med(cells, 'passes'):.1f})"
+
+
+def _causes(measured: dict[str, Any]) -> list[str]:
+    results, costs = measured["results"], measured["costs"]
+    per_row = {rows: costs[f"step {rows}"] / rows for rows in (1, 8, 32)}
+    model_ms = {
+        path: " / ".join(_forward_ms(results[(path, c)]) for c in CLIENTS)
+        for path in ("plain", "batcher", "http")
+    }
+    http = {c: _median_ratio(results[("http", c)], results[("batcher", c)], "throughput")
+            for c in CLIENTS}  # fmt: skip
+    added = 1000 * (_med(results[("http", 1)], "p50") - _med(results[("batcher", 1)], "p50"))
+    invariant = {c: _median_ratio(results[("invariant", c)], results[("plain", c)], "throughput")
+                 for c in INVARIANT_CLIENTS}  # fmt: skip
+    return [
+        "- Forward passes alone (ms, median of 3): "
+        + ", ".join(f"{name} {ms:.0f}" for name, ms in costs.items())
+        + f". A decoding step costs {per_row[1]:.1f} ms a row alone, {per_row[8]:.1f} in a "
+        f"step of 8 and {per_row[32]:.1f} in a step of 32: what batching can gain, and where "
+        "it stops gaining.",
+        "- The model's forward time a request, and in brackets a forward pass's, at 1 / 8 / "
+        "32 clients (ms): "
+        + "; ".join(f"{path} {ms}" for path, ms in model_ms.items())
+        + ". With as many passes a request and rows a step as plain's (table), a served "
+        "request costs the model more only where its passes ran slower: beside the requests' "
+        "preparation and HTTP work, which share the worker's interpreter lock and the cores.",
+        "- Preparing a request (render and tokenise its prompt, process its image) costs "
+        + ", ".join(
+            f"{1000 * _med(results[(path, c)], 'prepare'):.1f} ms in `{path}` at {c}"
+            for path in ("plain", "batcher")
+            for c in (1, 8)
+        )
+        + " clients: a served request is prepared alone, in its own thread (the endpoint's "
+        "worker threads over HTTP), plain's in one call for its batch, in its worker.",
+        "- The HTTP layer's own cost (HTTP parsing, JSON, base64 images, the event loop and "
+        "its worker threads, all sharing one interpreter lock with the batcher; the clients in "
+        "a process of their own on the same cores): http against the in-process batcher "
+        + ", ".join(f"{r:.2f} at {c}" for c, r in http.items())
+        + f" clients; at one client it adds {added:.0f} ms to a request's p50.",
+        "- Batch-invariant answers (each row alone): "
+        + ", ".join(f"{r:.2f}x plain's throughput at {c}" for c, r in invariant.items())
+        + " clients.",
+    ]
+
+
+def _report(measured: dict[str, dict[str, Any]], args: Any) -> str:
+    models = " ".join(measured)
     lines = [
         "# Serving: the HTTP endpoint against plain generation",
         "",
-        f"Reproduce: `.venv/bin/python benchmarks/serving.py --requests {args.requests} --rows "
-        f"{args.rows} --max-tokens {args.max_tokens}` (tiny random LLaVA, float32, CPU, one "
-        "torch thread, a shared 2-core machine, one run). Closed loop: each client sends its "
-        f"next request when the last is answered; {args.requests} requests a cell, each a "
+        f"Reproduce: `.venv/bin/python benchmarks/serving.py --model {models} --repeats "
+        f"{args.repeats} --per-client {args.per_client} --min-requests {args.min_requests} "
+        f"--seconds {args.seconds:g} "
+        f"--rows {args.rows} --max-tokens {args.max_tokens}` (float32, CPU, one torch thread, "
+        "a 2-core machine shared with other work; the paths alternate within each repeat, and "
+        "every figure is the median over repeats, ratios of each repeat's side-by-side pair). "
+        "Closed loop: each client sends its next request when the last is answered; "
+        f"a cell sends at least max({args.min_requests}, {args.per_client} x clients) requests "
+        f"and goes on for at least {args.seconds:g} s; each request a "
         f"zero-shot image query answered with exactly {args.max_tokens} tokens. `plain`: "
-        "`generate()` on batches of min(clients, rows), padded to the longest, unpatched (its "
-        "latency is the batch's time, no queue). `batcher`: the endpoint's batcher, every row "
-        f"patched with a release (all heads), passes of {args.rows} rows always. `http`: the "
-        "whole endpoint on 127.0.0.1 (httpx clients in another process, data URIs). A pass "
-        "waits up to 50 ms for rows announced (being prepared) to fill it. Throughput in "
-        "requests/s; latency in ms.",
-        "",
-        "| clients | path | throughput | vs plain | p50 | p95 | rows a pass |",
-        "|---:|---|---:|---:|---:|---:|---:|",
+        "`generate()` serving the same clients, unpatched, in batches of min(clients, "
+        f"{args.rows}) prompts (it waits for exactly that many: an ideal static batcher); a "
+        "request's latency includes its wait for the batches before it. `batcher`: the "
+        f"endpoint's continuous batcher in-process (at most {args.rows} rows at once), every "
+        "row patched with a release (all heads). `http`: the whole endpoint on 127.0.0.1 "
+        "(httpx clients in another process, data URIs), patched. `invariant`: the batcher's "
+        "batch-invariant mode, patched. `CPU ms a request`: this process's CPU time (the "
+        "model, the batcher, the endpoint's threads, the in-process clients; not the HTTP "
+        "clients' process) over requests answered, which other jobs on the machine inflate far "
+        "less than wall time; its `vs plain` is plain's over the path's (above 1: the path "
+        "costs less). `rows a step`: mean rows of a decoding step; `passes "
+        "a request`: forward passes (prefills and steps) over requests answered. Of the "
+        "wall time: `forward` in the model's forward passes (timed by hooks on the model), "
+        "`loop` in the decoding loop around them (plain: the rest of `generate()`; served: "
+        "the batcher's joins, cache cuts, masks and token choices), `idle` with nothing to "
+        "run (rows in preparation or in transit).",
     ]
-    for clients in CLIENTS:
-        plain = results[("plain", clients)]["throughput"]
-        for path in ("plain", "batcher", "http"):
-            r = results[(path, clients)]
-            lines.append(
-                f"| {clients} | {path} | {r['throughput']:.1f} | {r['throughput'] / plain:.2f} "
-                f"| {1000 * r['p50']:.0f} | {1000 * r['p95']:.0f} | {r['rows_per_pass']:.1f} |"
-            )
-    met = all(
-        results[(path, c)]["throughput"] >= 0.9 * results[("plain", c)]["throughput"]
-        for path in ("batcher", "http")
-        for c in CLIENTS
-    )
-    lines += [
-        "",
-        f"Goal, patched serving within 10 % of plain throughput at every concurrency: "
-        f"{'met' if met else 'not met'} in this run. Where it falls short, the causes are "
-        "structural: every pass runs all its rows (the copies that keep a row's answer "
-        "independent of its batch-mates cost as much as real rows, so one client pays for "
-        f"{args.rows}), and on this tiny model each generation step is mostly Python, which "
-        "the endpoint's threads (HTTP, image decoding, tokenising) share with the generating "
-        "thread under one interpreter lock. `http` against `batcher` is the HTTP layer's own "
-        "cost. The machine is shared with other work: repeated runs differ by up to 2x.",
-    ]
-    out = REPO / "docs" / "benchmarks" / "serving.md"
-    out.write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    for model, data in measured.items():
+        _, over_http = _goal(data["results"], "http")
+        _, in_process = _goal(data["results"], "batcher")
+        lines += [
+            "",
+            f"## {model}: {MODELS[model]}",
+            "",
+            *_table(data["results"]),
+            "",
+            "Goal (patched serving >= 0.9x plain throughput at 1, 8 and 32 clients, p95 at 32 "
+            f"clients <= 1.5x plain's): over HTTP {over_http}; the batcher in-process "
+            f"{in_process}. CPU a request, plain's over the path's, at 1 / 8 / 32 clients: "
+            f"batcher {_cpu_ratios(data['results'], 'batcher')}; "
+            f"http {_cpu_ratios(data['results'], 'http')}.",
+            "",
+            "Where the time goes, measured in this run:",
+            "",
+            *_causes(data),
+        ]
+    return "\n".join(lines) + "\n"
 
 
 if __name__ == "__main__":

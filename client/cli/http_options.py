@@ -56,6 +56,13 @@ def add_http_options(parser: Any) -> None:
         help="open connections served at once; more are answered 503 (default 256)",
     )
     group.add_argument(
+        "--http-batch-invariant",
+        action="store_true",
+        help="answer each request alone, so an answer is bit-identical to plain generate()'s "
+        "whatever else is asked at the time (costs the batching gain: see "
+        "docs/benchmarks/serving.md)",
+    )
+    group.add_argument(
         "--http-socket-mode",
         type=file_mode,
         default=0o660,
@@ -89,6 +96,7 @@ def check_http(args: argparse.Namespace) -> HttpSettings | None:
         max_queue=args.http_max_queue,
         max_connections=args.http_max_connections,
         socket_mode=args.http_socket_mode,
+        batch_invariant=args.http_batch_invariant,
     )
 
 

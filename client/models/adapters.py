@@ -98,6 +98,11 @@ class ModelAdapter:
             such a layer is an error: the adapter is wrong for the model.
         image_crops: How the family's processor obeys a plan's ``max_image_crops``
             (:mod:`client.models.image_crops`); None refuses every cap.
+        continuous_batching: Whether the service may step the family's decoder itself, rows
+            joining and leaving a shared cache (``client.service.decoding``): its cache is
+            plain full-attention layers, one column a prompt token, and its positions one
+            number a token. Set only where answers were tested equal to ``generate()``'s;
+            other families are served in passes through ``generate()``.
     """
 
     model_types: tuple[str, ...]
@@ -106,6 +111,7 @@ class ModelAdapter:
     projection_paths: tuple[str, ...] = ("self_attn.o_proj",)
     headless_layers: bool = False
     image_crops: image_crops.ImageCropCap | None = None
+    continuous_batching: bool = False
 
     def decoder_layers(self, model: nn.Module) -> nn.ModuleList:
         """Return the model's decoder layers, in order."""
@@ -383,20 +389,49 @@ def _builtin(model_types: tuple[str, ...], layers_path: str, template: str, **kw
 
 _LM = "model.language_model.layers"
 _ONE = image_crops.never_splits
-_builtin(("llava",), _LM, _templates.LLAVA, image_crops=_ONE)
+# continuous_batching only where the service's stepped decoding was tested equal to generate():
+# not for sliding-window decoders (idefics2's Mistral, Gemma 3), PaliGemma's prefix attention,
+# multimodal rotary positions (Qwen-VL), Mllama's cross-attention cache, hybrid stacks, or
+# families without a tiny build here (Mistral 3, LFM2-VL); those are served in passes.
+_builtin(("llava",), _LM, _templates.LLAVA, image_crops=_ONE, continuous_batching=True)
 # Anyres: the crops follow the model config's image_grid_pinpoints (refused below their count).
 _ANYRES = image_crops.fixed_by_model(image_crops.llava_next_max_crops, "image_grid_pinpoints")
-_builtin(("llava_next",), _LM, _templates.LLAVA, image_crops=_ANYRES)
-_builtin(("llava_onevision",), _LM, _templates.LLAVA_ONEVISION, image_crops=_ANYRES)
-# Dynamic resolution: image tokens grow with pixels up to max_pixels, never crops.
+_builtin(("llava_next",), _LM, _templates.LLAVA, image_crops=_ANYRES, continuous_batching=True)
+_builtin(
+    ("llava_onevision",),
+    _LM,
+    _templates.LLAVA_ONEVISION,
+    image_crops=_ANYRES,
+    continuous_batching=True,
+)
+# Dynamic resolution: image tokens grow with pixels up to max_pixels, never crops. Served in
+# passes through generate(): their rotary positions are three numbers a token, offset per prompt.
 _builtin(("qwen2_vl", "qwen2_5_vl", "qwen3_vl"), _LM, _templates.QWEN_VL, image_crops=_ONE)
 _TEXT = "model.text_model.layers"
 _builtin(("idefics2",), _TEXT, _templates.IDEFICS2, image_crops=image_crops.split_in_four)
-_builtin(("idefics3",), _TEXT, _templates.IDEFICS3, image_crops=image_crops.split_into_tiles)
-_builtin(("smolvlm",), _TEXT, _templates.SMOLVLM, image_crops=image_crops.split_into_tiles)
+_builtin(
+    ("idefics3",),
+    _TEXT,
+    _templates.IDEFICS3,
+    image_crops=image_crops.split_into_tiles,
+    continuous_batching=True,
+)
+_builtin(
+    ("smolvlm",),
+    _TEXT,
+    _templates.SMOLVLM,
+    image_crops=image_crops.split_into_tiles,
+    continuous_batching=True,
+)
 _builtin(("paligemma",), _LM, _templates.PALIGEMMA, image_crops=_ONE)
 _builtin(("gemma3",), _LM, _templates.GEMMA3, image_crops=image_crops.pan_and_scan)
-_builtin(("internvl",), _LM, _templates.INTERNVL, image_crops=image_crops.crop_to_patches)
+_builtin(
+    ("internvl",),
+    _LM,
+    _templates.INTERNVL,
+    image_crops=image_crops.crop_to_patches,
+    continuous_batching=True,
+)
 # Its processor (Pixtral, never splits) needs torchvision: tested model-only, like LFM2-VL.
 _builtin(("mistral3",), _LM, _templates.MISTRAL3, image_crops=_ONE)
 # Cross-attention stack: every fifth layer or so attends to the image through cross_attn.

@@ -1,27 +1,32 @@
-"""Batched generation across requests: a bounded queue, fixed shapes, a patch per row.
+"""Batched generation across requests: a bounded queue and one worker that schedules rows.
 
 How this connects: the HTTP endpoint (:mod:`client.service.http_api`) turns each chat request
-into one :class:`Row` (its prompt's tensors, the release's patch or none, its sampling
-settings) and hands it to :class:`Batcher` with a :class:`RowSink` that receives the row's
-tokens. One worker thread takes rows from the queue, runs them together through the model's
-``generate()`` under the service's model lock (the lock every other use of the model takes,
-so no release's hooks ever see a served row), and feeds each row's tokens to its sink as
-they are generated.
+into one :class:`~client.service.rows.Row` (its prompt's tensors, the release's patch or none,
+its sampling settings) and hands it to :class:`Batcher` with a sink that receives the row's
+tokens. One worker thread runs the rows under the service's model lock (the lock every other
+use of the model takes, so no release's hooks ever see a served row) in one of three modes:
 
-**A row's answer never depends on its batch-mates**, the guarantee extraction gives its
-chunks (:mod:`client.fixed_shape`) and for the same reasons, measured on CPU: a batch padded
-to its longest prompt, or of another number of rows, changes a row's logits in the last bits
-(about 1e-7 in float32), which can flip a near-tie. So every pass has a shape fixed by the
-row alone and public settings: each prompt is left-padded to the next multiple of
-:data:`~client.fixed_shape.PAD_MULTIPLE` tokens; rows share a pass only with rows of the same
-padded length and image-tensor shapes; and every pass holds exactly ``rows`` rows, the empty
-ones filled with copies of a member (their output discarded). No kernel reduces across rows,
-so a row's tokens are bit-identical alone or batched, in whichever row it sits (tested).
-Batching is dynamic, not continuous: rows join a pass when it starts; a row cannot join a
-pass under way, since its prompt would change the pass's shape mid-generation.
+- ``continuous`` (the default where the family allows it): rows join the running batch at the
+  next decoding step and leave when they finish (:mod:`client.service.decoding`), up to
+  ``rows`` at once; no row waits for another's answer to end, and no pass runs empty rows.
+- ``passes``: for families the continuous batch cannot step, the waiting rows (up to ``rows``)
+  go through one ``generate()`` call together (:mod:`client.service.passes`); rows that
+  arrive meanwhile wait for the next pass.
+- ``invariant`` (``batch_invariant=True``, a site's choice): passes of one row, so each answer
+  is bit-identical to plain ``generate()`` on its prompt whatever the load, at the price of
+  every batching gain.
 
-The rows themselves, and the per-row controls of a pass (patch, sampling, stop), are in
-:mod:`client.service.rows`.
+**When rows start.** A prefill (its own forward pass) costs nearly as much for one row as for
+several, so rows are started in groups, and rows that ask together stay together:
+
+- With rows running, waiting rows join at the next step, unless every running row ends within
+  ``join_horizon`` steps: then they start with the next batch, in step with the rows that are
+  ending (whose clients often ask again at once). Running rows never wait.
+- With none running, waiting rows start once they fill the free rows, or once ``gather_s`` has
+  passed (counted from the later of the oldest's arrival and the last batch's end), or at once
+  if none of them was waiting for that batch to end and no request is being parsed. A request
+  being parsed is announced (:meth:`Batcher.expect`), so rows that arrive together start
+  together.
 """
 
 from __future__ import annotations
@@ -30,62 +35,37 @@ import collections
 import logging
 import threading
 import time
-from dataclasses import dataclass, field
+from typing import Literal
 
-import torch
-from transformers import LogitsProcessorList, StoppingCriteriaList
-from transformers.generation.streamers import BaseStreamer
-
-from client.hooks import prompt_length_guard
 from client.models import LoadedModel
-from client.service.rows import (
-    Row,
-    RowLimit,
-    RowSampler,
-    RowSink,
-    eos_ids,
-    row_patches,
-    stack_rows,
-)
+from client.service.decoding import BatchStats, ContinuousBatch, steps_continuously
+from client.service.passes import run_pass
+from client.service.rows import Row, RowSink, Ticket
 from dpmtv_common.errors import ConfigError, ServiceError
 
 __all__ = ["BatchStats", "Batcher", "OverloadedError"]
 
 _log = logging.getLogger(__name__)
 
+Mode = Literal["continuous", "passes", "invariant"]
+
 
 class OverloadedError(ServiceError):
     """The queue of waiting rows is full: the caller should retry later."""
 
 
-@dataclass
-class _Ticket:
-    row: Row
-    sink: RowSink
-
-
-@dataclass
-class BatchStats:
-    """What the worker did, for the metrics endpoint (read without a lock: approximate)."""
-
-    passes: int = 0
-    rows_served: int = 0
-    rows_filled: int = 0
-    tokens_generated: int = 0
-    failures: int = 0
-    busy_seconds: float = 0.0
-
-
 class Batcher:
-    """A bounded queue of rows and the one worker thread that generates them in passes.
+    """A bounded queue of rows and the one worker thread that generates them.
 
     Args:
         loaded: The site's model (shared: every use of it takes ``model_lock``).
         model_lock: The lock that serialises every use of the model in this process.
-        rows: Rows of every pass (fixed: see the module docstring).
+        rows: Most rows generated at once.
         max_queue: Rows that may wait; one more is refused with :class:`OverloadedError`.
-        gather_s: How long the oldest row may wait for announced rows (:meth:`expect`) to
-            fill its pass (a pass of one row costs as much as a full one).
+        gather_s: How long rows about to start may wait for others (see the module docstring).
+        join_horizon: Rows do not join a running batch whose rows all end within this many
+            steps: they start with the next one.
+        batch_invariant: Answer each row alone (see the module docstring).
     """
 
     def __init__(
@@ -96,23 +76,38 @@ class Batcher:
         rows: int,
         max_queue: int,
         gather_s: float = 0.05,
+        join_horizon: int = 2,
+        batch_invariant: bool = False,
     ) -> None:
         if not 0 <= gather_s <= 1:
             raise ConfigError(f"gather_s must be within [0, 1] seconds, got {gather_s}.")
         if rows < 1:
             raise ConfigError(f"rows must be >= 1, got {rows}.")
+        if join_horizon < 0:
+            raise ConfigError(f"join_horizon must be >= 0, got {join_horizon}.")
         if max_queue < 1:
             raise ConfigError(f"max_queue must be >= 1, got {max_queue}.")
         self.loaded = loaded
-        self.rows = rows
+        self.mode: Mode = (
+            "invariant"
+            if batch_invariant
+            else "continuous"
+            if steps_continuously(loaded)
+            else "passes"
+        )
+        self.rows = 1 if batch_invariant else rows
         self.max_queue = max_queue
         self.gather_s = gather_s
+        self.join_horizon = join_horizon
         self.stats = BatchStats()
         self._model_lock = model_lock
-        self._queue: collections.deque[_Ticket] = collections.deque()
+        self._queue: collections.deque[Ticket] = collections.deque()
         self._ready = threading.Condition()
         self._stopped = False
         self._expected = 0  # rows announced by expect() and not yet submitted
+        # When the last batch's final step (or the last pass) began and ended (monotonic s):
+        # rows queued before it began waited for that end; rows queued later came after it.
+        self._ended = (0.0, 0.0)
         self._thread = threading.Thread(target=self._run, name="dpmtv-batcher", daemon=True)
 
     @property
@@ -125,7 +120,7 @@ class Batcher:
         self._thread.start()
 
     def stop(self, timeout: float = 30.0) -> None:
-        """Finish the pass under way, fail the rows still waiting, and stop the worker."""
+        """Fail the rows still waiting, let the running ones finish, and stop the worker."""
         with self._ready:
             self._stopped = True
             waiting = list(self._queue)
@@ -137,7 +132,7 @@ class Batcher:
             self._thread.join(timeout)
 
     def expect(self) -> None:
-        """Announce a row being prepared: a pass about to start waits for it (``gather_s``)."""
+        """Announce a row being prepared: rows waiting to start wait for it (``gather_s``)."""
         with self._ready:
             self._expected += 1
 
@@ -168,109 +163,88 @@ class Batcher:
                 raise OverloadedError(
                     f"queued rows must stay below {self.max_queue}, got a full queue; retry later."
                 )
-            self._queue.append(_Ticket(row, sink))
+            self._queue.append(Ticket(row, sink, time.monotonic()))
             self._ready.notify()
 
-    def _next_pass(self) -> list[_Ticket] | None:
-        """The oldest row and up to ``rows - 1`` later rows that can share its pass."""
-        with self._ready:
-            while not self._queue and not self._stopped:
-                self._ready.wait()
-            # A pass costs the same with one row as with ``rows``: while rows are announced
-            # (being prepared), wait a moment for them; with none announced, start at once.
-            deadline = time.monotonic() + self.gather_s
-            while not self._stopped and self._expected and len(self._mates()) < self.rows:
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    break
-                self._ready.wait(remaining)
-            if self._stopped:
-                return None
-            taken = self._mates()[: self.rows]
-            for ticket in taken:
-                self._queue.remove(ticket)
-            return taken
+    def _take(self, running: int = 0, steps_left: int = 0) -> list[Ticket] | None:
+        """The rows to start now (oldest first, up to ``rows - running``); None: stop.
 
-    def _mates(self) -> list[_Ticket]:
-        """The oldest row and every queued row that can share its pass, oldest first."""
-        first = self._queue[0]
-        key = (first.row.signature, first.row.image_crops)
-        return [t for t in self._queue if (t.row.signature, t.row.image_crops) == key]
+        See the module docstring for when. With rows running this never blocks (they step
+        meanwhile); with none, it blocks until rows can start.
+
+        Args:
+            running: Rows running now.
+            steps_left: Steps the longest of them may still take.
+        """
+        with self._ready:
+            while not self._stopped:
+                room = self.rows - running
+                mates = self._mates() if room > 0 else []
+                if running:
+                    late = steps_left <= self.join_horizon  # they start with the next batch
+                    return [] if late or not mates else self._pop(mates[:room])
+                if not mates:
+                    self._ready.wait()
+                    continue
+                began, ended = self._ended
+                opened = max(mates[0].queued, ended)
+                waited_for_end = mates[0].queued < began
+                now = time.monotonic()
+                if (
+                    len(mates) >= room
+                    or now - opened >= self.gather_s
+                    or not (self._expected or waited_for_end)
+                ):
+                    return self._pop(mates[:room])
+                self._ready.wait(opened + self.gather_s - now)
+            return [] if running else None
+
+    def _pop(self, tickets: list[Ticket]) -> list[Ticket]:
+        for ticket in tickets:
+            self._queue.remove(ticket)
+        return tickets
+
+    def _mates(self) -> list[Ticket]:
+        """The queued rows that can start together, oldest first.
+
+        All of them for the continuous batch (it prefills each stack key apart); a pass takes
+        the rows whose image tensors stack with the oldest row's.
+        """
+        if self.mode == "continuous" or not self._queue:
+            return list(self._queue)
+        key = self._queue[0].row.stack_key
+        return [t for t in self._queue if t.row.stack_key == key]
 
     def _run(self) -> None:
-        while (tickets := self._next_pass()) is not None:
+        if self.mode == "continuous":
+            self._run_continuous()
+            return
+        while (tickets := self._take()) is not None:
+            if not tickets:
+                continue
+            started = time.monotonic()
             try:
-                self._generate(tickets)
+                run_pass(self.loaded, self._model_lock, tickets, self.stats)
             except Exception as exc:  # one pass's failure fails its rows, not the service
                 _log.warning("generation failed for %d rows: %s", len(tickets), exc)
                 self.stats.failures += 1
                 for ticket in tickets:
                     ticket.sink.fail(exc)
+            self._ended = (started, time.monotonic())
+            self.stats.worker_seconds += time.monotonic() - started
 
-    def _generate(self, tickets: list[_Ticket]) -> None:
-        rows = [t.row for t in tickets]
-        filled = rows + [rows[0]] * (self.rows - len(rows))  # copies: outputs discarded
-        loaded = self.loaded
-        tokenizer = loaded.processor.tokenizer
-        pad_id = getattr(tokenizer, "pad_token_id", None) or 0
-        device = loaded.model.device
-        inputs = {k: v.to(device) for k, v in stack_rows(filled, pad_id).items()}
-        prompt_length = int(inputs["input_ids"].shape[1])
-        streamer = _RowStreamer(tickets, eos_ids(loaded), self.stats)
-        started = time.monotonic()
-        with self._model_lock, row_patches(loaded, filled), prompt_length_guard(loaded.model):
-            loaded.model.generate(  # type: ignore[operator]
-                **inputs,
-                max_new_tokens=max(row.max_new_tokens for row in rows),
-                do_sample=False,
-                pad_token_id=pad_id,
-                logits_processor=LogitsProcessorList([RowSampler(filled)]),
-                stopping_criteria=StoppingCriteriaList([RowLimit(filled, prompt_length)]),
-                streamer=streamer,
-            )
-        self.stats.busy_seconds += time.monotonic() - started
-        self.stats.passes += 1
-        self.stats.rows_served += len(rows)
-        self.stats.rows_filled += self.rows - len(rows)
-        streamer.finish_all()
-
-
-@dataclass
-class _RowStreamer(BaseStreamer):
-    """Sends each real row's new tokens to its sink as ``generate()`` makes them."""
-
-    tickets: list[_Ticket]
-    eos: frozenset[int]
-    stats: BatchStats
-    counts: list[int] = field(default_factory=list)
-    reasons: list[str | None] = field(default_factory=list)
-    prompt_seen: bool = False
-
-    def __post_init__(self) -> None:
-        self.counts = [0] * len(self.tickets)
-        self.reasons = [None] * len(self.tickets)
-
-    def put(self, value: torch.Tensor) -> None:
-        if not self.prompt_seen:  # generate() first puts the prompt itself
-            self.prompt_seen = True
-            return
-        tokens = value.reshape(-1).tolist()
-        for index, ticket in enumerate(self.tickets):
-            if self.reasons[index] is not None:
-                continue
-            token = int(tokens[index])
-            if token in self.eos:
-                self.reasons[index] = "stop"
-                continue
-            ticket.sink.token(token)
-            self.counts[index] += 1
-            self.stats.tokens_generated += 1
-            if self.counts[index] >= ticket.row.max_new_tokens:
-                self.reasons[index] = "length"
-
-    def end(self) -> None:
-        """Called by ``generate()`` at its end; rows are finished by :meth:`finish_all`."""
-
-    def finish_all(self) -> None:
-        for ticket, reason in zip(self.tickets, self.reasons, strict=True):
-            ticket.sink.finish(reason or "length")
+    def _run_continuous(self) -> None:
+        batch = ContinuousBatch(self.loaded, self._model_lock, self.stats)
+        while (tickets := self._take(batch.size, batch.steps_left)) is not None:
+            started = time.monotonic()
+            try:
+                if tickets:
+                    batch.join(tickets)  # each row joins, or is failed
+                batch.step()
+            except Exception as exc:  # a failed step fails the running rows, not the service
+                _log.warning("a decoding step failed for %d rows: %s", batch.size, exc)
+                self.stats.failures += 1
+                batch.fail_all(exc)
+            if batch.size == 0:
+                self._ended = (started, time.monotonic())
+            self.stats.worker_seconds += time.monotonic() - started

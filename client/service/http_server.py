@@ -47,6 +47,8 @@ class HttpSettings:
         max_queue: Requests admitted at once (being prepared, queued or generated).
         max_connections: Open connections uvicorn serves; more get 503.
         socket_mode: Permission bits of a Unix socket.
+        batch_invariant: Answer each request alone, bit-identical to plain ``generate()``
+            whatever the load, at the price of batching (``client.service.batching``).
     """
 
     address: str
@@ -55,6 +57,7 @@ class HttpSettings:
     max_queue: int = 64
     max_connections: int = 256
     socket_mode: int = 0o660
+    batch_invariant: bool = False
 
 
 def parse_address(address: str, *, allow_remote: bool) -> tuple[str, int] | Path:
@@ -137,7 +140,8 @@ class HttpEndpoint:
         token = read_token(settings.token_file)
         self._target = parse_address(settings.address, allow_remote=settings.allow_remote)
         rows = site.settings.batch_size
-        self.batcher = Batcher(site.model(), model_lock, rows=rows, max_queue=settings.max_queue)
+        self.batcher = Batcher(site.model(), model_lock, rows=rows, max_queue=settings.max_queue,
+                               batch_invariant=settings.batch_invariant)  # fmt: skip
         api = ChatApi(site, self.batcher, token, max_queue=settings.max_queue,
                    plain_name=site.settings.name)  # fmt: skip
         config = uvicorn.Config(

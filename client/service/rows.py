@@ -1,24 +1,26 @@
-"""One query of a batched pass: its tensors, its release's patch, its own sampling and stop.
+"""One query of a batch: its tensors, its release's patch, its own sampling and stop.
 
 How this connects: the HTTP endpoint prepares each request as one :class:`Row`
-(:func:`prepare_row`: its prompt tokenised alone, its padded length fixed by itself) and the
-batcher (:mod:`client.service.batching`) stacks rows into a pass (:func:`stack_rows`) and runs
-``generate()`` with this module's per-row controls: :func:`row_patches`, :class:`RowSampler`
-and :class:`RowLimit`. Each control acts on a row from that row's own settings only, so a row's
-tokens never depend on its batch-mates.
+(:func:`prepare_row`: its prompt tokenised alone) and the batcher
+(:mod:`client.service.batching`) runs rows together, either stepped by the continuous batch
+(:mod:`client.service.decoding`) or in passes through ``generate()``
+(:mod:`client.service.passes`). Both apply this module's per-row controls: :func:`row_patches`
+and, in passes, :class:`RowSampler` and :class:`RowLimit`. Each control acts on a row from
+that row's own settings only.
 
 **The patch is per row.** Each row carries its own release's heads and values (or none: the
-plain model), so one pass may mix releases. A forward pre-hook on every patched layer's
+plain model), so one batch may mix releases. A forward pre-hook on every patched layer's
 ``o_proj`` overwrites, in each patched row, that row's heads at the last position, with
 ``torch.where`` (elementwise: a row's patch cannot touch another row). Under the
-``prompt-last-token`` policy (the default, what was measured) a row is patched in the
+``prompt-last-token`` policy (the default, what was measured) a row is patched in its
 prefill only, at its prompt's last token: the generated tokens then attend to the patched
 position through the KV cache, and each decoding step itself runs unpatched. Under
-``every-call`` (MTV's code) the row is patched at every step's position as well.
+``every-call`` (MTV's code) the row is patched at every step's position as well. This is
+what :func:`client.hooks.patch_heads` does to a whole batch (tested equal).
 
 **Sampling is per row.** A row with ``temperature > 0`` draws its tokens from its own
 ``torch.Generator``, seeded by the request (or at random): its draws never depend on its
-batch-mates either. ``temperature == 0`` is greedy.
+batch-mates' draws. ``temperature == 0`` is greedy.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ import torch
 from torch import nn
 from transformers import LogitsProcessor, StoppingCriteria
 
-from client.fixed_shape import PAD_MULTIPLE
 from client.hooks import PatchPolicy, registered_pre_hooks
 from client.models import LoadedModel, Prompt, check_prompt_length
 from dpmtv_common.errors import ConfigError
@@ -44,14 +45,17 @@ __all__ = [
     "RowPatch",
     "RowSampler",
     "RowSink",
+    "Ticket",
+    "draw_token",
     "eos_ids",
     "prepare_row",
+    "row_generators",
     "row_patches",
     "stack_rows",
 ]
 
 _Inputs = dict[str, torch.Tensor]
-_Signature = tuple[int, tuple[tuple[str, tuple[int, ...]], ...]]
+_StackKey = tuple[tuple[str, tuple[int, ...]], ...]
 
 
 @dataclass(frozen=True)
@@ -77,23 +81,27 @@ class Row:
 
     Attributes:
         inputs: The processor's tensors for this prompt alone (a batch of one).
-        prompt_tokens: Tokens of the unpadded prompt.
-        signature: Padded length and image-tensor shapes: rows share a pass only if equal.
+        prompt_tokens: Tokens of the prompt.
+        stack_key: The shapes of its tensors that are not per token (the images'): rows
+            share a prefill only if equal (per-token tensors are padded to the longest).
         patch: The release's patch, or None for the plain model.
         max_new_tokens: Most tokens to generate.
         temperature: 0 for greedy, else the sampling temperature.
         seed: Seed of this row's own sampling generator.
-        image_crops: The crop cap its prompt was built under (rows share it in a pass).
     """
 
     inputs: _Inputs
     prompt_tokens: int
-    signature: _Signature
+    stack_key: _StackKey
     patch: RowPatch | None
     max_new_tokens: int
     temperature: float
     seed: int
-    image_crops: int | None = None
+
+    @property
+    def every_call(self) -> bool:
+        """Whether its patch applies at every decoding step too (MTV's policy)."""
+        return self.patch is not None and self.patch.policy is PatchPolicy.EVERY_CALL
 
 
 class RowSink(Protocol):
@@ -106,7 +114,16 @@ class RowSink(Protocol):
         """The row is done: ``stop`` (end of sequence) or ``length`` (``max_new_tokens``)."""
 
     def fail(self, error: Exception) -> None:
-        """The row's pass failed; no more calls follow."""
+        """The row's generation failed; no more calls follow."""
+
+
+@dataclass
+class Ticket:
+    """A queued row, where its tokens go, and when it was queued (``time.monotonic()``)."""
+
+    row: Row
+    sink: RowSink
+    queued: float = 0.0
 
 
 def prepare_row(
@@ -119,27 +136,26 @@ def prepare_row(
     temperature: float,
     seed: int,
 ) -> Row:
-    """Tokenise one prompt and check it fits the model, padded, before it is queued.
+    """Tokenise one prompt and check it fits the model before it is queued.
 
     Raises:
-        ConfigError: The prompt (padded, plus ``max_new_tokens``) exceeds the model's context,
-            or the processor returns something other than tensors.
+        ConfigError: The prompt plus ``max_new_tokens`` exceeds the model's context, or the
+            processor returns something other than tensors.
     """
     built = loaded.adapter.build_batch_inputs(loaded.processor, [prompt], instruction=instruction)
     inputs = {key: value for key, value in built.items() if isinstance(value, torch.Tensor)}
     if len(inputs) != len(built):
         raise ConfigError("processor outputs must all be tensors to be batched.")
-    signature = _signature(inputs)
-    check_prompt_length(loaded.model, signature[0] + max_new_tokens)
+    prompt_tokens = int(inputs["input_ids"].shape[1])
+    check_prompt_length(loaded.model, prompt_tokens + max_new_tokens)
     return Row(
         inputs=inputs,
-        prompt_tokens=int(inputs["input_ids"].shape[1]),
-        signature=signature,
+        prompt_tokens=prompt_tokens,
+        stack_key=_stack_key(inputs),
         patch=patch,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
         seed=seed,
-        image_crops=loaded.max_image_crops,
     )
 
 
@@ -148,23 +164,18 @@ def _token_keys(inputs: _Inputs) -> list[str]:
     return [k for k, v in inputs.items() if v.ndim == 2 and v.shape == (1, length)]
 
 
-def _signature(inputs: _Inputs) -> _Signature:
-    """Padded length (its own prompt's, rounded up) and the other tensors' shapes.
-
-    A prompt whose other tensors have a dimension as long as the prompt (a per-token tensor
-    we would not know how to pad) keeps its exact length: still a function of itself only.
-    """
-    length = int(inputs["input_ids"].shape[1])
+def _stack_key(inputs: _Inputs) -> _StackKey:
+    """The shapes of the tensors that are not per token, which rows must share to stack."""
     tokens = set(_token_keys(inputs))
-    others = tuple(sorted((k, tuple(v.shape)) for k, v in inputs.items() if k not in tokens))
-    if any(length in shape[1:] for _, shape in others):
-        return length, others
-    return -(-length // PAD_MULTIPLE) * PAD_MULTIPLE, others
+    return tuple(sorted((k, tuple(v.shape)) for k, v in inputs.items() if k not in tokens))
 
 
 def stack_rows(rows: Sequence[Row], pad_id: int) -> _Inputs:
-    """Left-pad each row's per-token tensors to their shared padded length; stack them all."""
-    length = rows[0].signature[0]
+    """Left-pad each row's per-token tensors to the longest prompt's length; stack them all.
+
+    Rows must share their :attr:`Row.stack_key`. A single row comes back as it was prepared.
+    """
+    length = max(row.prompt_tokens for row in rows)
     tokens = set(_token_keys(rows[0].inputs))
     out: _Inputs = {}
     for key in rows[0].inputs:
@@ -180,10 +191,8 @@ def stack_rows(rows: Sequence[Row], pad_id: int) -> _Inputs:
 
 
 def eos_ids(loaded: LoadedModel) -> frozenset[int]:
-    """The tokens that end an answer (the generation config's, else the tokenizer's)."""
+    """The tokens that end an answer: the generation config's, where ``generate()`` stops."""
     eos = getattr(loaded.model.generation_config, "eos_token_id", None)
-    if eos is None:
-        eos = getattr(loaded.processor.tokenizer, "eos_token_id", None)
     if eos is None:
         return frozenset()
     return frozenset([eos] if isinstance(eos, int) else eos)
@@ -202,6 +211,21 @@ class RowLimit(StoppingCriteria):
         return (made >= self._limits).to(input_ids.device)
 
 
+def row_generators(rows: Sequence[Row]) -> dict[int, torch.Generator]:
+    """A generator seeded by its row for each sampling row, by position in ``rows``."""
+    return {
+        index: torch.Generator().manual_seed(row.seed)
+        for index, row in enumerate(rows)
+        if row.temperature > 0
+    }
+
+
+def draw_token(logits: torch.Tensor, temperature: float, generator: torch.Generator) -> int:
+    """One token drawn from ``softmax(logits / temperature)`` with the row's own generator."""
+    probs = torch.softmax(logits.detach().to(device="cpu", dtype=torch.float32) / temperature, -1)
+    return int(torch.multinomial(probs, 1, generator=generator))
+
+
 class RowSampler(LogitsProcessor):
     """Sampling rows draw from their own generator; greedy rows are left as they are.
 
@@ -211,10 +235,7 @@ class RowSampler(LogitsProcessor):
 
     def __init__(self, rows: Sequence[Row]) -> None:
         self._rows = list(rows)
-        self._generators: dict[int, torch.Generator] = {}
-        for index, row in enumerate(rows):
-            if row.temperature > 0:
-                self._generators[index] = torch.Generator().manual_seed(row.seed)
+        self._generators = row_generators(rows)
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         """Scores with each sampling row one-hot on its own draw."""
@@ -222,44 +243,64 @@ class RowSampler(LogitsProcessor):
             return scores
         out = scores.clone()
         for index, generator in self._generators.items():
-            logits = scores[index].detach().to(device="cpu", dtype=torch.float32)
-            probs = torch.softmax(logits / self._rows[index].temperature, dim=-1)
-            token = int(torch.multinomial(probs, 1, generator=generator))
+            token = draw_token(scores[index], self._rows[index].temperature, generator)
             out[index] = float("-inf")
             out[index, token] = 0.0
         return out
 
 
-@contextmanager
-def row_patches(loaded: LoadedModel, rows: Sequence[Row]) -> Iterator[None]:
-    """Each patched row's heads overwritten at the last position, per its own policy."""
+def _patch_tables(
+    loaded: LoadedModel, rows: Sequence[Row], active: Sequence[bool]
+) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+    """``{layer: (mask (batch, H), values (batch, H, D))}`` of the active patched rows."""
     shape = loaded.adapter.head_shape(loaded.model)
     batch = len(rows)
     tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    every_call = torch.tensor(
-        [row.patch is not None and row.patch.policy is PatchPolicy.EVERY_CALL for row in rows]
-    )
-    for index, row in enumerate(rows):
-        if row.patch is None:
+    for index, (row, on) in enumerate(zip(rows, active, strict=True)):
+        if row.patch is None or not on:
             continue
-        for (layer, head), value in zip(row.patch.heads.heads, row.patch.values, strict=True):
+        heads = torch.as_tensor(row.patch.heads.to_array())
+        for layer in row.patch.heads.layers:
             if layer not in tables:
                 mask = torch.zeros(batch, shape.num_heads, dtype=torch.bool)
                 values = torch.zeros(batch, shape.num_heads, shape.head_dim)
                 tables[layer] = (mask, values)
-            tables[layer][0][index, head] = True
-            tables[layer][1][index, head] = value
+            in_layer = heads[:, 0] == layer
+            tables[layer][0][index, heads[in_layer, 1]] = True
+            tables[layer][1][index, heads[in_layer, 1]] = row.patch.values[in_layer]
+    return tables
+
+
+@contextmanager
+def row_patches(
+    loaded: LoadedModel, rows: Sequence[Row], *, prefill: bool | None = None
+) -> Iterator[None]:
+    """Each patched row's heads overwritten at the last position, per its own policy.
+
+    Args:
+        loaded: The model.
+        rows: The rows of the batch, in batch order.
+        prefill: Whether the forward calls in the block are prefills (every patched row is
+            patched) or decoding steps (only ``every-call`` rows are). None: decided per
+            call by its length (more than one position: a prefill), for ``generate()``.
+    """
+    shape = loaded.adapter.head_shape(loaded.model)
+    every_call = [row.every_call for row in rows]
+    active = [True] * len(rows) if prefill is not False else every_call
+    tables = _patch_tables(loaded, rows, active)
+    every_call_mask = torch.tensor(every_call)
 
     def make_hook(mask: torch.Tensor, values: torch.Tensor) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
             hidden = args[0]
-            prefill = hidden.shape[1] > 1
-            active = mask & (every_call | prefill)[:, None]
-            if not bool(active.any()):
+            on = mask
+            if prefill is None and hidden.shape[1] == 1:  # a decoding step of generate()
+                on = mask & every_call_mask[:, None]
+            if not bool(on.any()):
                 return None
             patched = hidden.clone(memory_format=torch.contiguous_format)
             per_head = patched.view(*hidden.shape[:2], shape.num_heads, shape.head_dim)
-            where = active.to(hidden.device)[..., None]
+            where = on.to(hidden.device)[..., None]
             per_head[:, -1] = torch.where(where, values.to(hidden), per_head[:, -1])
             return (patched, *args[1:])
 

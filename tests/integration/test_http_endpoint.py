@@ -415,6 +415,7 @@ def test_metrics_count_requests_and_passes_and_name_no_path(endpoint: Endpoint) 
     assert reply.status_code == 200
     assert 'dpmtv_http_requests_total{route="chat",code="200"}' in reply.text
     assert "dpmtv_batch_passes_total" in reply.text
+    assert 'dpmtv_batch_mode{mode="continuous"} 1' in reply.text
     assert str(Path.home()) not in reply.text
 
 

@@ -151,3 +151,70 @@ def test_ordinary_word_labels_pass_data_check_and_go_through_release_infer_evalu
     assert (infer, evaluate) == (0, 0)
     assert answer.strip()
     assert "over 24 queries" in capsys.readouterr().out
+
+
+def test_served_greedy_answers_equal_plain_generate_whatever_joins_around_them(loaded):
+    # Arrange: prompts of 0 to 3 demonstrations (so of different lengths), two releases (one
+    # patched at every step) and the plain model, joining a running batch at four steps.
+    import threading
+    from contextlib import ExitStack
+
+    from client.hooks import PatchPolicy, patch_heads
+    from client.models import Prompt
+    from client.service.decoding import BatchStats, ContinuousBatch, steps_continuously
+    from client.service.rows import RowPatch, Ticket, prepare_row
+    from dpmtv_common.heads import HeadSet
+
+    rng = make_rng(5)
+    scenes = all_scenes("test")
+    heads = HeadSet.of([(layer, layer % 9) for layer in range(0, 30, 3)])
+    values = torch.tensor(rng.standard_normal((len(heads), 64)), dtype=torch.float32)
+    first = RowPatch("r1", heads, values)
+    second = RowPatch("r2", heads, -values, PatchPolicy.EVERY_CALL)
+    patches = [None, first, second, first, None, second]
+    rows = []
+    for index, patch in enumerate(patches):
+        picked = [scenes[int(i)] for i in rng.integers(0, len(scenes), 4)]
+        demos = [Example(draw_scene(s, rng), QUESTION, s.colour) for s in picked[: index % 4]]
+        prompt = Prompt.of(demos, Example(draw_scene(picked[3], rng), QUESTION))
+        rows.append(
+            prepare_row(loaded, prompt, instruction=None, patch=patch,
+                        max_new_tokens=6, temperature=0.0, seed=0)
+        )  # fmt: skip
+    answers: list[list[int]] = [[] for _ in rows]
+
+    class Sink:
+        def __init__(self, index: int) -> None:
+            self.index = index
+
+        def token(self, token_id: int) -> None:
+            answers[self.index].append(token_id)
+
+        def finish(self, reason: str) -> None:
+            pass
+
+        def fail(self, error: Exception) -> None:
+            raise AssertionError(error)
+
+    # Act
+    batch = ContinuousBatch(loaded, threading.Lock(), BatchStats())
+    joins, step = {0: [0, 1], 1: [2], 3: [3, 4], 4: [5]}, 0
+    while batch.size or joins:
+        if step in joins:
+            batch.join([Ticket(rows[i], Sink(i)) for i in joins.pop(step)])
+        batch.step()
+        step += 1
+    # Assert
+    assert steps_continuously(loaded)
+    eos = loaded.model.generation_config.eos_token_id
+    for item, answer in zip(rows, answers, strict=True):
+        with ExitStack() as stack, torch.no_grad():
+            if item.patch is not None:
+                p = item.patch
+                stack.enter_context(
+                    patch_heads(loaded.model, loaded.adapter, p.heads, p.values, policy=p.policy)
+                )
+            output = loaded.model.generate(**item.inputs, max_new_tokens=6, do_sample=False)
+        plain = output[0, item.prompt_tokens :].tolist()
+        assert answer == (plain[: plain.index(eos)] if eos in plain else plain)
+    assert len({row.prompt_tokens for row in rows}) >= 3

@@ -172,3 +172,23 @@ def test_serve_refuses_bad_http_flags_before_loading_anything(tmp_path, capsys, 
     assert code == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "ledger.sqlite").exists()
+
+
+@pytest.mark.parametrize(("flags", "invariant"), [([], False), (["--http-batch-invariant"], True)])
+def test_batch_invariant_answers_are_a_site_option_off_by_default(tmp_path, flags, invariant):
+    # Arrange
+    import argparse
+
+    from client.cli.http_options import add_http_options, check_http
+
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    token.chmod(0o600)
+    parser = argparse.ArgumentParser()
+    add_http_options(parser)
+    # Act
+    args = parser.parse_args(["--http", "127.0.0.1:0", "--http-token-file", str(token), *flags])
+    settings = check_http(args)
+    # Assert
+    assert settings is not None
+    assert settings.batch_invariant is invariant
