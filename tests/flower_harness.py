@@ -28,6 +28,7 @@ import numpy as np
 from flwr.clientapp import ClientApp
 from flwr.supercore.task_identity import TaskIdentity
 
+from dpmtv_common.centre import ActivationCentre
 from dpmtv_common.crypto import SigningKey
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.roster import Roster
@@ -142,8 +143,10 @@ class StandInSite:
     requests: list[SecureSumRequest] = field(default_factory=list)
     references: dict[str, np.ndarray] = field(default_factory=dict)
 
-    def accept_plan(self, plan: ReleasePlan, *, run_id: int) -> PlanAccept:
-        """Accept ``plan`` (no policy, no ledger) and report m_i."""
+    def accept_plan(
+        self, plan: ReleasePlan, *, run_id: int, centre: ActivationCentre | None = None
+    ) -> PlanAccept:
+        """Accept ``plan`` (no policy, no ledger, no centre check) and report m_i."""
         self.records.by_release[plan.release_id] = StandInRecord(plan, self.num_chunks)
         num_layers, num_heads, head_dim = STAND_IN_SHAPE
         return PlanAccept(

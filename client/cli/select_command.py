@@ -114,6 +114,13 @@ def run(args: argparse.Namespace) -> int:
         from client.cli.select_agnostic import run_task_agnostic
 
         return run_task_agnostic(args)
+    if args.data is None:
+        raise ConfigError(
+            "select-heads needs PUBLIC data: --data DIR (one labelled public set of the task) or "
+            "--public-task DIR twice or more (labelled public sets of other tasks), got neither; "
+            "public data is never taken from DPMTV_CLIENT_DATA_PATH or a config file's data-path "
+            "(the site's private data)."
+        )
     public = public_data_folder(args)  # never the site's private data setting
     settings = settings_from(args)
     _check_out(args.out)

@@ -25,8 +25,10 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 def _required_public(ws: Workspace, tmp: Path) -> dict[tuple[str, str], list[str]]:
     """Each public input a command needs, with a command line that leaves it out."""
     model = ws.model_args()
+    select = ["select-heads", *model, "--out", str(tmp / "heads.json")]
     return {
-        ("select-heads", "--data"): ["select-heads", *model, "--out", str(tmp / "heads.json")],
+        ("select-heads", "--data"): select,
+        ("select-heads", "--public-task"): select,  # the task-agnostic alternative to --data
         ("release", "--public-heads"): [
             "release", *model, "--out", str(tmp / "artifact"), "--selection", "public",
             "--clip-norm", "1", "--shots", "2", "--signing-key", str(ws.signing_key), "--quiet",
@@ -38,8 +40,9 @@ def _required_public(ws: Workspace, tmp: Path) -> dict[tuple[str, str], list[str
     }  # fmt: skip
 
 
-# Public inputs whose absence reads nothing public: without candidates every head is one.
-OPTIONAL_PUBLIC = {("release", "--candidate-heads")}
+# Public inputs whose absence reads nothing public: without candidates every head is one;
+# without a centre the release is of raw activations.
+OPTIONAL_PUBLIC = {("release", "--candidate-heads"), ("release", "--centre")}
 
 
 def _public_path_options() -> set[tuple[str, str]]:
@@ -72,7 +75,12 @@ def test_every_public_input_of_the_commands_is_classed_here(
 @pytest.mark.parametrize("setting", ["environment", "config-file"])
 @pytest.mark.parametrize(
     ("command", "option"),
-    [("select-heads", "--data"), ("release", "--public-heads"), ("audit", "--public-heads")],
+    [
+        ("select-heads", "--data"),
+        ("select-heads", "--public-task"),
+        ("release", "--public-heads"),
+        ("audit", "--public-heads"),
+    ],
 )
 def test_a_public_input_never_falls_back_to_the_private_data_setting(
     workspace: Workspace,  # noqa: F811
