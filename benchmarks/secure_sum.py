@@ -10,9 +10,12 @@ inputs. Part 2 runs whole releases (3 sites, tiny random LLaVA, production noise
 selection mode ``all`` and ``private`` select-first, and splits the wall time by stage
 (``ReleaseReport.stage_seconds``).
 
-Neighbourhoods are ``protocol.sum_graph.neighbourhood(n)``: a complete graph with a
-majority threshold up to 10 sites, SecAgg+'s sparse graph beyond (Bell et al. 2020). Site
-inputs are uniform in ±64, as a site's sum of 64 chunks clipped to C = 1.
+Graphs are ``protocol.sum_graph.graph_shape(n, minimum=3)``: complete with a majority
+threshold up to 10 sites, beyond it SecAgg+'s sparse graph (Bell et al. 2020), here a random
+regular graph drawn from every site's committed-then-revealed nonce, sized so that whatever
+the coordinator can unmask holds 3 honest sites with a tenth of the sites colluding (the
+nonce round is part of the timed work). Site inputs are uniform in ±64, as a site's sum of
+64 chunks clipped to C = 1.
 
 Usage (from the repository root; about 2-3 minutes on 2 cores)::
 
@@ -59,10 +62,9 @@ from protocol.secure_sum import (
     SurvivorsRequest,
     UnmaskRequest,
     dequantise,
-    key_transcript,
     ranges_for,
 )
-from protocol.sum_graph import neighbourhood, neighbours, ring_order
+from protocol.sum_graph import graph_shape
 from server.coordinator import ReleaseReport, run_coordinated_release
 from server.secure_sum.unmask import unmask_total
 from server.settings import CoordinatorSettings, RunConfig
@@ -70,6 +72,7 @@ from server.simulation import InProcessGrid, make_server_context
 
 REPO = Path(__file__).resolve().parents[1]
 SITE_COUNTS = (3, 10, 30, 100)
+MINIMUM = 3  # honest sites whatever the coordinator unmasks must hold (the plan's min_sites)
 DIMENSIONS = (10_000, 100_000)
 SITE_BOUND = 64.0  # |coordinate| of a site's input: its sum of 64 chunks clipped to C = 1
 RELEASE_SITES = 3
@@ -111,7 +114,7 @@ class ReleaseResult:
 def time_secure_sum(sites: int, dimension: int, repeats: int) -> SumResult:
     ranges = ranges_for(SITE_BOUND, sites)
     seconds, errors = [], []
-    size, threshold = neighbourhood(sites)
+    shape = graph_shape(sites, minimum=MINIMUM)
     for repeat in range(repeats):
         inputs = {
             node: np.random.default_rng([node, repeat, dimension]).uniform(
@@ -127,8 +130,8 @@ def time_secure_sum(sites: int, dimension: int, repeats: int) -> SumResult:
     return SumResult(
         sites=sites,
         dimension=dimension,
-        num_shares=str(size),
-        threshold=str(threshold),
+        num_shares=str(shape.degree + 1),
+        threshold=str(shape.threshold),
         median_s=statistics.median(seconds),
         min_s=min(seconds),
         max_abs_error=max(errors),
@@ -141,13 +144,21 @@ def _one_sum(inputs: dict[int, np.ndarray], ranges: SumRanges) -> tuple[np.ndarr
     identities = {node: SigningKey.generate() for node in inputs}
     roster = Roster("bench", {f"s{node}": key.verify_key for node, key in identities.items()})
     sessions = {
-        node: SiteSumSession("bench", node, f"s{node}", roster, key, 1, 2, 0.5)
+        node: SiteSumSession("bench", node, f"s{node}", roster, key, 1, MINIMUM, 0.5)
         for node, key in identities.items()
     }
     adverts = [session.advertise() for session in sessions.values()]
+    for session in sessions.values():
+        session.join(adverts)
+    shape = next(iter(sessions.values())).agreement.shape  # type: ignore[union-attr]
+    nonces = (
+        []
+        if shape.complete
+        else [NodeBytes(node_id=node, value=s.reveal_nonce().nonce) for node, s in sessions.items()]
+    )
     boxes = {}
     for node, session in sessions.items():
-        session.join(adverts)
+        session.draw_graph(adverts, nonces)
         session.begin_sum(0)
         boxes[node] = session.seal_shares()
     masked = {node: s.mask(inputs[node], ranges) for node, s in sessions.items()}
@@ -169,14 +180,13 @@ def _one_sum(inputs: dict[int, np.ndarray], ranges: SumRanges) -> tuple[np.ndarr
         release_id="bench", sum_index=0, survivors=survivors, signatures=signatures
     )
     replies = {node: sessions[node].reveal(unmask) for node in survivors}
-    size, threshold = neighbourhood(len(inputs))
-    ring = ring_order(survivors, key_transcript(adverts))
+    graph = next(iter(sessions.values())).drawn.graph  # type: ignore[union-attr]
     total = unmask_total(
         masked=masked,
         replies=replies,
         participants=survivors,
-        neighbours={node: neighbours(ring, node, size) for node in survivors},
-        threshold=threshold,
+        neighbours=graph.neighbours,
+        threshold=shape.threshold,
         modulus=ranges.modulus_range,
     )
     return dequantise(total, ranges, len(survivors)), survivors
