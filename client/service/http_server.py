@@ -8,7 +8,9 @@ reads the admin's token, and runs uvicorn (h11) on the routes of
 :mod:`client.service.http_api` in a thread with its own event loop, beside the batcher's
 worker thread. uvicorn answers requests beyond ``max_connections`` open connections with
 503; :class:`_GuardedH11` closes connections beyond twice that at once, and any whose
-request head does not arrive whole within 10 s.
+request head does not arrive whole within 10 s. Idle connections (no request under way) are
+bounded per client address and in total, oldest closed first (:class:`IdleConnections`),
+so connections held open without a request never keep a real request out.
 """
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import socket
 import stat
 import threading
 import time
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,7 +34,7 @@ from client.service.http_api import ChatApi, build_app
 from client.site import Site
 from dpmtv_common.errors import ConfigError, ServiceError
 
-__all__ = ["HttpEndpoint", "HttpSettings", "parse_address", "read_token"]
+__all__ = ["HttpEndpoint", "HttpSettings", "IdleConnections", "parse_address", "read_token"]
 
 _MIN_TOKEN_CHARS = 24
 _HEAD_TIMEOUT_S = 10.0  # a request's head must arrive whole within this
@@ -47,6 +51,10 @@ class HttpSettings:
         max_queue: Requests admitted at once (being prepared, queued or generated).
         max_connections: Open connections uvicorn serves; more get 503.
         socket_mode: Permission bits of a Unix socket.
+        max_idle: Connections without a request under way kept open at once; a newcomer
+            past it closes the oldest idle one. None: a quarter of ``max_connections``.
+        max_idle_per_client: The same, per client address (a Unix socket's peers are one
+            client). None: a quarter of ``max_idle``.
     """
 
     address: str
@@ -55,6 +63,14 @@ class HttpSettings:
     max_queue: int = 64
     max_connections: int = 256
     socket_mode: int = 0o660
+    max_idle: int | None = None
+    max_idle_per_client: int | None = None
+
+    def idle_bounds(self) -> tuple[int, int]:
+        """(idle connections in total, per client address), defaults filled in."""
+        total = self.max_idle if self.max_idle is not None else max(2, self.max_connections // 4)
+        per_client = self.max_idle_per_client
+        return total, per_client if per_client is not None else max(1, total // 4)
 
 
 def parse_address(address: str, *, allow_remote: bool) -> tuple[str, int] | Path:
@@ -133,6 +149,11 @@ class HttpEndpoint:
                 "max_queue and max_connections must be >= 1, got "
                 f"{settings.max_queue} and {settings.max_connections}."
             )
+        idle, per_client = settings.idle_bounds()
+        if not 1 <= per_client <= idle:
+            raise ConfigError(
+                f"max_idle_per_client must be in [1, max_idle={idle}], got {per_client}."
+            )
         self.settings = settings
         token = read_token(settings.token_file)
         self._target = parse_address(settings.address, allow_remote=settings.allow_remote)
@@ -146,7 +167,7 @@ class HttpEndpoint:
             log_config=None,
             access_log=False,
             server_header=False,
-            http=_GuardedH11,
+            http=type("_EndpointH11", (_GuardedH11,), {"idle": IdleConnections(idle, per_client)}),
             ws="none",  # no websockets served (nor their library imported)
             loop="asyncio",
             limit_concurrency=settings.max_connections,
@@ -198,39 +219,93 @@ class HttpEndpoint:
             self._target.unlink(missing_ok=True)
 
 
+class IdleConnections:
+    """The endpoint's connections without a request under way, oldest first, by client.
+
+    A connection is idle from its start until its request head arrives, and again after each
+    answer (keep-alive). Past ``total`` idle connections, or ``per_client`` of one client
+    address, the oldest idle one (of that client first) is closed: a newcomer always gets
+    in, so connections held open without a request cannot keep a real request out. One
+    event loop uses it, so it needs no lock.
+    """
+
+    def __init__(self, total: int, per_client: int) -> None:
+        self.total = total
+        self.per_client = per_client
+        self._order: OrderedDict[asyncio.BaseProtocol, str] = OrderedDict()
+        self._clients: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def idle(self, connection: asyncio.BaseProtocol, client: str) -> list[asyncio.BaseProtocol]:
+        """Mark ``connection`` idle (the newest); return the connections to close for it."""
+        self.busy(connection)
+        self._order[connection] = client
+        self._clients[client] += 1
+        evicted = []
+        while self._clients[client] > self.per_client:
+            evicted.append(self._drop(next(c for c, k in self._order.items() if k == client)))
+        while len(self._order) > self.total:
+            evicted.append(self._drop(next(iter(self._order))))
+        return evicted
+
+    def busy(self, connection: asyncio.BaseProtocol) -> None:
+        """``connection`` has a request under way, or is gone: no longer idle."""
+        client = self._order.pop(connection, None)
+        if client is not None:
+            self._clients[client] -= 1
+
+    def _drop(self, connection: asyncio.BaseProtocol) -> asyncio.BaseProtocol:
+        self.busy(connection)
+        return connection
+
+
 class _GuardedH11(H11Protocol):
     """uvicorn's h11 protocol, with the service's file descriptors bounded.
 
     uvicorn answers requests beyond ``limit_concurrency`` with 503 but keeps every connection
     it accepts, and a connection may stay silent, or trickle a request's head, forever: a flood
     of such connections would exhaust the process's descriptors (and with them the ledger's and
-    the relay's). So a connection beyond twice the limit is closed at once, and each request's
-    head must arrive whole within :data:`_HEAD_TIMEOUT_S` of the connection or of the previous
-    answer, or the connection is closed (as the relay's socket does with a trickled frame).
+    the relay's), and enough silent ones would keep every real request out. So idle
+    connections are bounded per client and in total, the oldest closed for a newcomer
+    (:class:`IdleConnections`); a connection beyond twice the limit is closed at once; and
+    each request's head must arrive whole within :data:`_HEAD_TIMEOUT_S` of the connection
+    or of the previous answer, or the connection is closed (as the relay's socket does with a
+    trickled frame).
     """
 
+    idle: IdleConnections  # set per endpoint (HttpEndpoint)
     _head_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._now_idle()  # closes the oldest idle connections past the bounds first
         limit = self.limit_concurrency
-        if limit is not None and len(self.connections) > 2 * limit:
+        if limit is not None and _open_count(self.connections) > 2 * limit:
             transport.close()
-            return
-        self._arm_head_deadline()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         if self.cycle is not None and not self.cycle.response_complete:  # a head arrived
             self._disarm_head_deadline()
+            self.idle.busy(self)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._arm_head_deadline()
+        if not self.transport.is_closing():
+            self._now_idle()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_deadline()
+        self.idle.busy(self)
         super().connection_lost(exc)
+
+    def _now_idle(self) -> None:
+        self._arm_head_deadline()
+        for connection in self.idle.idle(self, _client_of(self.transport)):
+            if isinstance(connection, _GuardedH11):
+                connection.transport.close()
 
     def _arm_head_deadline(self) -> None:
         self._disarm_head_deadline()
@@ -244,6 +319,20 @@ class _GuardedH11(H11Protocol):
     def _head_timed_out(self) -> None:
         if self.cycle is None or self.cycle.response_complete:
             self.transport.close()
+
+
+def _open_count(connections: Iterable[asyncio.Protocol]) -> int:
+    """Connections not already closing (a closed one leaves the set a loop turn later)."""
+    transports = [getattr(connection, "transport", None) for connection in connections]
+    return len([t for t in transports if t is None or not t.is_closing()])
+
+
+def _client_of(transport: asyncio.BaseTransport) -> str:
+    """The client's address (its host, not its port); a Unix socket's peers are one client."""
+    peer = transport.get_extra_info("peername")
+    if isinstance(peer, tuple) and peer:
+        return str(peer[0])
+    return "local"
 
 
 def _listen(target: tuple[str, int] | Path, mode: int) -> socket.socket:
