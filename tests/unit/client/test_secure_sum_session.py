@@ -673,19 +673,27 @@ def test_survivors_below_the_site_s_minimum_are_refused() -> None:
         group.sessions[0].sign_survivors(request)
 
 
-def test_survivors_leaving_fewer_than_r_neighbours_are_refused_even_as_a_majority() -> None:
-    # Arrange: 12 sites, a sparse graph (degree 4, r = 2); U holds a majority of the sites
-    # but only one of site 0's neighbours, so its input could be unmasked with that one.
-    group, inbound = after_first_sum(12)
+@pytest.mark.parametrize(("count", "required"), [(12, 2), (30, 12)])
+def test_survivors_leaving_fewer_than_r_neighbours_are_refused_even_as_a_majority(
+    count: int, required: int
+) -> None:
+    # Arrange: a sparse graph; U holds a majority of the sites and one neighbour fewer than r
+    # of site 0's (at 30 sites with a minimum of 12: r = 14 > t - 1 = 9, so even a set that
+    # rebuilds every seed is refused: with its 3 possibly colluding neighbours, fewer than
+    # 11 honest sites would be tied to its input).
+    group, inbound = after_first_sum(count, required_sites=required)
     session = group.sessions[0]
+    shape = drawn(session).graph.shape
+    need = shape.required_neighbours(required)
     near = drawn(session).neighbours
-    others = [node for node in range(1001, 1012) if node not in near]
-    survivors = sorted([1000, near[0], *others])
+    others = [node for node in range(1001, 1000 + count) if node not in near]
+    survivors = sorted([1000, *near[: need - 1], *others])
     request = group.survivors_request(1000, survivors, inbound)
 
     # Act / Assert
-    assert 2 * len(survivors) > 12
-    with pytest.raises(PolicyError, match=r"r = 2 surviving neighbours .* got 1"):
+    assert 2 * len(survivors) > count
+    assert len(survivors) >= required
+    with pytest.raises(PolicyError, match=rf"r = {need} surviving neighbours .* got {need - 1}"):
         session.sign_survivors(request)
 
 
