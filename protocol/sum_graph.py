@@ -33,9 +33,11 @@ the coordinator claims:
   neighbour's): with at most ĉ of its r neighbours colluding, at least m - 1 honest survivors
   are tied to it, so every sum the coordinator can compute that holds an honest site's input
   holds at least m honest inputs. No dropout pattern changes that: it is checked per site.
-* t (``threshold``, the self-mask seed's Shamir threshold, the owner's share counted) is at
-  least ĉ + 1 (a dropped site's seed cannot be rebuilt from its colluding neighbours' shares)
-  and a majority of its d + 1 holders.
+* t (``threshold``, the self-mask seed's Shamir threshold over the d + 1 holders, the owner's
+  own share counted, as the site does) is at least ĉ + 1, so a site named as dropped, which
+  reveals nothing, never has its seed rebuilt from colluding neighbours' shares, and a majority
+  of the holders. A survivor's seed is revealed by design (its own share among the t): what
+  keeps its input hidden is its pair masks with its honest surviving neighbours, hence r.
 * Correctness: with ⌈δ n⌉ random dropouts (δ = :data:`DEFAULT_DROPOUT_FRACTION`), some site
   keeps fewer than r surviving neighbours with probability at most 2^-20
   (:data:`CORRECTNESS_FAILURE`; the sum then aborts, nothing is revealed).

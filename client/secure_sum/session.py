@@ -25,7 +25,10 @@ Its methods run in protocol order and each refuses what it cannot check:
    survivors' seeds, pair seeds of the neighbours that dropped out.
 
 Refusals raise :class:`~dpmtv_common.errors.PolicyError` or
-:class:`~protocol.StageOrderError` and reveal nothing.
+:class:`~protocol.StageOrderError` and reveal nothing. The checks of the advertisements and
+nonces are pure functions (:mod:`client.secure_sum.agreement`); this file keeps the state
+machine whole, one method a stage in protocol order, so it reads top to bottom (over 400
+lines for that reason).
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from client.secure_sum.agreement import check_shape, checked_nonces, verified_members
 from dpmtv_common.aliases import Int64Array
 from dpmtv_common.crypto import SigningKey, mask_prg, shamir
 from dpmtv_common.crypto import key_agreement as ka
@@ -157,14 +161,18 @@ class SiteSumSession:
         """
         if self.agreement is not None:
             raise StageOrderError("the key advertisements must arrive once a release.")
-        members = self._verified_members(adverts)
+        members = verified_members(adverts, release_id=self.release_id, roster=self.roster)
         mine = [a for a in adverts if a.node_id == self.node_id]
         if len(mine) != 1 or mine[0] != self.advertise():
             raise PolicyError("the advertisements must hold this site's own, unchanged.")
         self._require_enough(len(members), "the secure sum's participants")
         minimum = self.graph_minimum if self.graph_minimum is not None else self.required_sites
         shape = graph_shape(len(members), minimum=minimum)
-        self._check_shape(shape)
+        check_shape(
+            shape,
+            min_threshold_fraction=self.min_threshold_fraction,
+            required_sites=self.required_sites,
+        )
         self.agreement = _Agreement(
             transcript=key_transcript(adverts),
             members=members,
@@ -223,7 +231,13 @@ class SiteSumSession:
         else:
             if not self.revealed:
                 raise StageOrderError("a sparse graph needs this site's nonce revealed first.")
-            seed = graph_seed(agreement.transcript, self._checked_nonces(nonces, agreement))
+            checked = checked_nonces(
+                nonces,
+                adverts=agreement.adverts,
+                release_id=self.release_id,
+                own=(self.node_id, self.nonce),
+            )
+            seed = graph_seed(agreement.transcript, checked)
         graph = build_graph(self.participants, agreement.shape, seed)
         near = graph.of(self.node_id)
         publics = {node: agreement.adverts[node].public_key for node in near}
@@ -362,25 +376,6 @@ class SiteSumSession:
 
     # ------------------------------------------------------------------ checks
 
-    def _verified_members(self, adverts: list[KeyAdvert]) -> dict[int, str]:
-        members: dict[int, str] = {}
-        for advert in adverts:
-            if advert.release_id != self.release_id:
-                raise PolicyError("an advertisement must be for this release, got another.")
-            if advert.roster_sha256 != self.roster.fingerprint:
-                raise PolicyError(
-                    f"every participant must hold this site's roster {self.roster.fingerprint}, "
-                    f"got {advert.roster_sha256} from {advert.member!r}: install one roster."
-                )
-            self.roster.verify(advert.member, advert.signed_bytes(), advert.signature)
-            if advert.node_id in members or advert.member in members.values():
-                raise PolicyError(
-                    f"participants must be distinct roster members on distinct nodes, got "
-                    f"{advert.member!r} (node {advert.node_id}) twice."
-                )
-            members[advert.node_id] = advert.member
-        return members
-
     def _check_survivors(self, survivors: tuple[int, ...], agreement: _Drawn) -> None:
         if self.node_id not in survivors or not set(survivors) <= set(self.participants):
             raise PolicyError(
@@ -405,42 +400,6 @@ class SiteSumSession:
                 f"(its minimum of {self.required_sites} honest sites with up to "
                 f"{agreement.graph.shape.colluding_neighbours} colluding), got {len(alive)}."
             )
-
-    def _check_shape(self, shape: GraphShape) -> None:
-        size = shape.degree + 1
-        if shape.threshold <= int(size * self.min_threshold_fraction) or shape.threshold > size:
-            raise PolicyError(
-                f"the reconstruction threshold must exceed {self.min_threshold_fraction} of "
-                f"the neighbourhood of {size}, got {shape.threshold}."
-            )
-        need = shape.required_neighbours(self.required_sites)
-        if need > shape.degree:
-            raise PolicyError(
-                f"a secure sum of {shape.sites} sites must leave this site r = {need} "
-                f"neighbours (its minimum of {self.required_sites} honest sites with "
-                f"{shape.colluding_neighbours} colluding), got a graph of degree {shape.degree}."
-            )
-
-    def _checked_nonces(self, nonces: list[NodeBytes], agreement: _Agreement) -> dict[int, bytes]:
-        by_node = {entry.node_id: entry.value for entry in nonces}
-        if len(by_node) != len(nonces) or set(by_node) != set(agreement.members):
-            raise PolicyError(
-                f"the graph needs one nonce from every participant ({len(agreement.members)}), "
-                f"got {len(nonces)} from {len(by_node)} nodes."
-            )
-        for node, nonce in by_node.items():
-            expected = agreement.adverts[node].nonce_commitment
-            found = nonce_commitment(
-                release_id=self.release_id,
-                member=agreement.members[node],
-                node_id=node,
-                nonce=nonce,
-            )
-            if found != expected or (node == self.node_id and nonce != self.nonce):
-                raise PolicyError(
-                    f"node {node}'s graph nonce must match its advertised commitment, got another."
-                )
-        return by_node
 
     def _open_boxes(
         self, boxes: list[AddressedBox], survivors: tuple[int, ...], agreement: _Drawn
