@@ -100,6 +100,13 @@ class SecureSumSession:
                 f"got {len(nodes)}."
             )
         self.shape = graph_shape(len(nodes), minimum=self.min_sites)
+        if self.shape.required_neighbours() > self.shape.degree:  # every site would refuse
+            raise InsufficientSharesError(
+                f"a secure sum of {len(nodes)} sites cannot hold min-sites={self.min_sites} "
+                f"honest sites with {self.shape.colluding_neighbours} of them assumed colluding "
+                f"(a tenth of the sites): it needs min-sites + {self.shape.colluding_neighbours}"
+                " sites, or a lower min-sites."
+            )
         self.participants = tuple(nodes)
 
     @property
