@@ -7,10 +7,11 @@ mode, unless ``--http-allow-remote``: then put TLS in front, the token travels i
 reads the admin's token, and runs uvicorn (h11) on the routes of
 :mod:`client.service.http_api` in a thread with its own event loop, beside the batcher's
 worker thread. uvicorn answers requests beyond ``max_connections`` open connections with
-503; :class:`_GuardedH11` closes connections beyond twice that at once, and any whose
-request head does not arrive whole within 10 s. Idle connections (no request under way) are
-bounded per client address and in total, oldest closed first (:class:`IdleConnections`),
-so connections held open without a request never keep a real request out.
+503; :class:`_GuardedH11` keeps open connections below that limit (a newcomer closes the
+oldest connection without a request under way; it is refused only when every other one has
+a request under way), bounds idle ones per client address (:class:`IdleConnections`), and
+closes any whose request head does not arrive whole within 10 s: connections held open
+without a request never keep a real request out.
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = ["HttpEndpoint", "HttpSettings", "IdleConnections", "parse_address", "
 
 _MIN_TOKEN_CHARS = 24
 _HEAD_TIMEOUT_S = 10.0  # a request's head must arrive whole within this
+_IDLE_GRACE_S = 1.0  # a fresh connection's head usually arrives within milliseconds
 
 
 @dataclass(frozen=True)
@@ -51,10 +53,10 @@ class HttpSettings:
         max_queue: Requests admitted at once (being prepared, queued or generated).
         max_connections: Open connections uvicorn serves; more get 503.
         socket_mode: Permission bits of a Unix socket.
-        max_idle: Connections without a request under way kept open at once; a newcomer
-            past it closes the oldest idle one. None: a quarter of ``max_connections``.
-        max_idle_per_client: The same, per client address (a Unix socket's peers are one
-            client). None: a quarter of ``max_idle``.
+        max_idle_per_client: Connections without a request under way one client address
+            keeps open (a Unix socket's peers are one client); past it, its oldest idle one
+            is closed once idle for a second. None: a quarter of ``max_connections``. In
+            total, a newcomer at ``max_connections`` open closes the oldest idle one.
     """
 
     address: str
@@ -63,14 +65,12 @@ class HttpSettings:
     max_queue: int = 64
     max_connections: int = 256
     socket_mode: int = 0o660
-    max_idle: int | None = None
     max_idle_per_client: int | None = None
 
-    def idle_bounds(self) -> tuple[int, int]:
-        """(idle connections in total, per client address), defaults filled in."""
-        total = self.max_idle if self.max_idle is not None else max(2, self.max_connections // 4)
-        per_client = self.max_idle_per_client
-        return total, per_client if per_client is not None else max(1, total // 4)
+    def idle_per_client(self) -> int:
+        """Idle connections a client address keeps, the default filled in."""
+        given = self.max_idle_per_client
+        return given if given is not None else max(1, self.max_connections // 4)
 
 
 def parse_address(address: str, *, allow_remote: bool) -> tuple[str, int] | Path:
@@ -149,10 +149,11 @@ class HttpEndpoint:
                 "max_queue and max_connections must be >= 1, got "
                 f"{settings.max_queue} and {settings.max_connections}."
             )
-        idle, per_client = settings.idle_bounds()
-        if not 1 <= per_client <= idle:
+        per_client = settings.idle_per_client()
+        if not 1 <= per_client <= settings.max_connections:
             raise ConfigError(
-                f"max_idle_per_client must be in [1, max_idle={idle}], got {per_client}."
+                f"max_idle_per_client must be in [1, max_connections="
+                f"{settings.max_connections}], got {per_client}."
             )
         self.settings = settings
         token = read_token(settings.token_file)
@@ -167,7 +168,7 @@ class HttpEndpoint:
             log_config=None,
             access_log=False,
             server_header=False,
-            http=type("_EndpointH11", (_GuardedH11,), {"idle": IdleConnections(idle, per_client)}),
+            http=type("_EndpointH11", (_GuardedH11,), {"idle": IdleConnections(per_client)}),
             ws="none",  # no websockets served (nor their library imported)
             loop="asyncio",
             limit_concurrency=settings.max_connections,
@@ -223,42 +224,59 @@ class IdleConnections:
     """The endpoint's connections without a request under way, oldest first, by client.
 
     A connection is idle from its start until its request head arrives, and again after each
-    answer (keep-alive). Past ``total`` idle connections, or ``per_client`` of one client
-    address, the oldest idle one (of that client first) is closed: a newcomer always gets
-    in, so connections held open without a request cannot keep a real request out. One
-    event loop uses it, so it needs no lock.
+    answer (keep-alive). Two rules make room for newcomers, so connections held open without
+    a request never keep a real request out:
+
+    * **per client**: past ``per_client`` idle connections of one client address, its oldest
+      one idle for at least ``grace_s`` is closed (a client's burst of fresh connections,
+      each about to send its request, is left alone);
+    * **in total**: when the open connections reach the endpoint's limit, the oldest idle
+      connection of anyone is closed for the newcomer, whatever its age
+      (:meth:`oldest`); only when none is idle is the newcomer itself refused.
+
+    One event loop uses it, so it needs no lock.
     """
 
-    def __init__(self, total: int, per_client: int) -> None:
-        self.total = total
+    def __init__(self, per_client: int, grace_s: float = _IDLE_GRACE_S) -> None:
         self.per_client = per_client
-        self._order: OrderedDict[asyncio.BaseProtocol, str] = OrderedDict()
+        self.grace_s = grace_s
+        self._order: OrderedDict[asyncio.BaseProtocol, tuple[str, float]] = OrderedDict()
         self._clients: Counter[str] = Counter()
 
     def __len__(self) -> int:
         return len(self._order)
 
-    def idle(self, connection: asyncio.BaseProtocol, client: str) -> list[asyncio.BaseProtocol]:
-        """Mark ``connection`` idle (the newest); return the connections to close for it."""
+    def idle(
+        self, connection: asyncio.BaseProtocol, client: str, now: float
+    ) -> list[asyncio.BaseProtocol]:
+        """Mark ``connection`` idle (the newest); return its client's connections to close."""
         self.busy(connection)
-        self._order[connection] = client
+        self._order[connection] = (client, now)
         self._clients[client] += 1
         evicted = []
         while self._clients[client] > self.per_client:
-            evicted.append(self._drop(next(c for c, k in self._order.items() if k == client)))
-        while len(self._order) > self.total:
-            evicted.append(self._drop(next(iter(self._order))))
+            stale = next(
+                (c for c, (k, since) in self._order.items() if k == client),
+                None,
+            )
+            if stale is None or now - self._order[stale][1] < self.grace_s or stale is connection:
+                break
+            self.busy(stale)
+            evicted.append(stale)
         return evicted
+
+    def oldest(self, besides: asyncio.BaseProtocol) -> asyncio.BaseProtocol | None:
+        """The oldest idle connection other than ``besides`` (now no longer idle), or None."""
+        found = next((c for c in self._order if c is not besides), None)
+        if found is not None:
+            self.busy(found)
+        return found
 
     def busy(self, connection: asyncio.BaseProtocol) -> None:
         """``connection`` has a request under way, or is gone: no longer idle."""
-        client = self._order.pop(connection, None)
-        if client is not None:
-            self._clients[client] -= 1
-
-    def _drop(self, connection: asyncio.BaseProtocol) -> asyncio.BaseProtocol:
-        self.busy(connection)
-        return connection
+        entry = self._order.pop(connection, None)
+        if entry is not None:
+            self._clients[entry[0]] -= 1
 
 
 class _GuardedH11(H11Protocol):
@@ -267,12 +285,12 @@ class _GuardedH11(H11Protocol):
     uvicorn answers requests beyond ``limit_concurrency`` with 503 but keeps every connection
     it accepts, and a connection may stay silent, or trickle a request's head, forever: a flood
     of such connections would exhaust the process's descriptors (and with them the ledger's and
-    the relay's), and enough silent ones would keep every real request out. So idle
-    connections are bounded per client and in total, the oldest closed for a newcomer
-    (:class:`IdleConnections`); a connection beyond twice the limit is closed at once; and
-    each request's head must arrive whole within :data:`_HEAD_TIMEOUT_S` of the connection
-    or of the previous answer, or the connection is closed (as the relay's socket does with a
-    trickled frame).
+    the relay's), and enough silent ones would keep every real request out. So open
+    connections stay below the limit, the oldest idle one closed for each newcomer, and idle
+    ones are bounded per client (:class:`IdleConnections`); a newcomer is refused only when
+    every other connection has a request under way; and each request's head must arrive
+    whole within :data:`_HEAD_TIMEOUT_S` of the connection or of the previous answer, or the
+    connection is closed (as the relay's socket does with a trickled frame).
     """
 
     idle: IdleConnections  # set per endpoint (HttpEndpoint)
@@ -280,10 +298,15 @@ class _GuardedH11(H11Protocol):
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
-        self._now_idle()  # closes the oldest idle connections past the bounds first
+        self._now_idle()
         limit = self.limit_concurrency
-        if limit is not None and _open_count(self.connections) > 2 * limit:
-            transport.close()
+        while limit is not None and _open_count(self.connections) > limit - 1:
+            oldest = self.idle.oldest(besides=self)
+            if oldest is None:  # every other connection has a request under way
+                self.idle.busy(self)
+                transport.close()
+                return
+            _close(oldest)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
@@ -303,9 +326,8 @@ class _GuardedH11(H11Protocol):
 
     def _now_idle(self) -> None:
         self._arm_head_deadline()
-        for connection in self.idle.idle(self, _client_of(self.transport)):
-            if isinstance(connection, _GuardedH11):
-                connection.transport.close()
+        for connection in self.idle.idle(self, _client_of(self.transport), self.loop.time()):
+            _close(connection)
 
     def _arm_head_deadline(self) -> None:
         self._disarm_head_deadline()
@@ -319,6 +341,12 @@ class _GuardedH11(H11Protocol):
     def _head_timed_out(self) -> None:
         if self.cycle is None or self.cycle.response_complete:
             self.transport.close()
+
+
+def _close(connection: asyncio.BaseProtocol) -> None:
+    transport = getattr(connection, "transport", None)
+    if transport is not None:
+        transport.close()
 
 
 def _open_count(connections: Iterable[asyncio.Protocol]) -> int:
