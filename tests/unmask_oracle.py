@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from functools import lru_cache
 
 import numpy as np
 
@@ -78,7 +79,7 @@ class SumView:
         held = self.shares.get(node, {})
         if len(held) < self.inputs[node].threshold:
             return None
-        return shamir.combine_shares(list(held.values()))
+        return _combined(tuple(sorted(held.values())))
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,12 @@ def _proven(view: SumView, group: frozenset[int], seeds: Mapping[int, bytes | No
         )
     minimum = max(view.inputs[node].minimum for node in group)
     return Exposure(view.release_id, view.sum_index, group, minimum, real)
+
+
+@lru_cache(maxsize=4096)
+def _combined(shares: tuple[bytes, ...]) -> bytes:
+    """A seed rebuilt from its shares (the same shares come back at every step's check)."""
+    return shamir.combine_shares(list(shares))
 
 
 def _expand(seed: bytes, modulus: int, size: int) -> Int64Array:

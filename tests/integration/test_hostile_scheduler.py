@@ -17,8 +17,9 @@ colluding (the coordinator runs their sessions and knows their secrets), at 3, 1
 * one survivor set a sum among the honest sites that revealed;
 * no refund after exposure, and every record beside its ledger entry as the table says.
 
-The default run explores a few hundred schedules; ``-m reproduction`` (run by
-``scripts/check-reproductions``) explores thousands: ``DPMTV_SCHEDULES=<n>`` scales both.
+The default run explores about 200 schedules (most reach an unmask; about two minutes of CPU);
+``-m reproduction`` (run by ``scripts/check-reproductions``) explores twenty times as many:
+``DPMTV_SCHEDULES=<n>`` scales either by n instead.
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ MINIMA = {3: (2, 3), 11: (3, 4), 30: (3, 12), 100: (3, 12)}
 HOSTILE = ("plan", "keys", "shares", "survivors", "unmask", "collect", "replay", "abort", "sweep")
 ACTIONS = ("advance",) * len(HOSTILE) + HOSTILE  # half the steps go on as an honest one would
 # sites: (schedules in the default run, steps a schedule); the reproduction run: x20
-BUDGET = {3: (150, 8), 11: (40, 8), 30: (8, 6), 100: (2, 6)}
+BUDGET = {3: (160, 6), 11: (30, 6), 30: (6, 6), 100: (2, 6)}
 
 
 @pytest.fixture(scope="module")
