@@ -6,13 +6,18 @@ survivor set, unmasking) over 3, 10, 30 and 100 in-process sites at 1e4 and 1e5 
 coordinates: the sites' :class:`client.secure_sum.SiteSumSession` and the coordinator's
 ``server.secure_sum.unmask.unmask_total``, driven directly (no messages, no transport:
 the protocol's own CPU), and compares the result with the plain float64 sum of the same
-inputs. Part 2 runs whole releases (3 sites, tiny random LLaVA, production noise) in
+inputs. Part 1b runs one sum of ours and one of Flower's own SecAgg+ (stock workflow and
+mod) through the same in-process grid, messages included (``benchmarks.secure_sum_grid``).
+Part 2 runs whole releases (3 sites, tiny random LLaVA, production noise) in
 selection mode ``all`` and ``private`` select-first, and splits the wall time by stage
 (``ReleaseReport.stage_seconds``).
 
-Neighbourhoods are ``protocol.sum_graph.neighbourhood(n)``: a complete graph with a
-majority threshold up to 10 sites, SecAgg+'s sparse graph beyond (Bell et al. 2020). Site
-inputs are uniform in ±64, as a site's sum of 64 chunks clipped to C = 1.
+Graphs are ``protocol.sum_graph.graph_shape(n, minimum=3)``: complete with a majority
+threshold up to 10 sites, beyond it SecAgg+'s sparse graph (Bell et al. 2020), here a random
+regular graph drawn from every site's committed-then-revealed nonce, sized so that whatever
+the coordinator can unmask holds 3 honest sites with a tenth of the sites colluding (the
+nonce round is part of the timed work). Site inputs are uniform in ±64, as a site's sum of
+64 chunks clipped to C = 1.
 
 Usage (from the repository root; about 2-3 minutes on 2 cores)::
 
@@ -25,6 +30,11 @@ import os
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # read when flwr is first imported
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
+# One BLAS thread: the Shamir rebuild's small matrix products (and nothing else here) use BLAS,
+# and on shared cores a second OpenBLAS thread waiting for a core made each 50-100x slower
+# (109 ms against 1.4 ms a seed at 23 shares, load 9), which measured the machine, not the
+# protocol. Flower's SecAgg+ uses no BLAS.
+os.environ.setdefault("OPENBLAS_NUM_THREADS", "1")
 
 from dpmtv_common.thread_policy import apply_thread_policy
 
@@ -44,6 +54,7 @@ from pathlib import Path
 
 import numpy as np
 
+from benchmarks.secure_sum_grid import time_flower_sum, time_our_sum_on_grid
 from client.models import save_tiny_model
 from client.secure_sum import SiteSumSession
 from client.service.inprocess import in_process_sites, site_settings_for_partition
@@ -59,10 +70,9 @@ from protocol.secure_sum import (
     SurvivorsRequest,
     UnmaskRequest,
     dequantise,
-    key_transcript,
     ranges_for,
 )
-from protocol.sum_graph import neighbourhood, neighbours, ring_order
+from protocol.sum_graph import graph_shape
 from server.coordinator import ReleaseReport, run_coordinated_release
 from server.secure_sum.unmask import unmask_total
 from server.settings import CoordinatorSettings, RunConfig
@@ -70,7 +80,9 @@ from server.simulation import InProcessGrid, make_server_context
 
 REPO = Path(__file__).resolve().parents[1]
 SITE_COUNTS = (3, 10, 30, 100)
+MINIMUM = 3  # honest sites whatever the coordinator unmasks must hold (the plan's min_sites)
 DIMENSIONS = (10_000, 100_000)
+GRID_DIMENSION = 10_000
 SITE_BOUND = 64.0  # |coordinate| of a site's input: its sum of 64 chunks clipped to C = 1
 RELEASE_SITES = 3
 RELEASE_RECORDS = 60  # per site: 12 chunks at K = 4
@@ -88,8 +100,23 @@ class SumResult:
     threshold: str
     median_s: float
     min_s: float
+    cpu_s: float
     max_abs_error: float
     error_bound: float
+
+
+@dataclass(frozen=True)
+class GridResult:
+    """Median seconds of one sum through the in-process grid: ours and Flower's SecAgg+."""
+
+    sites: int
+    dimension: int
+    ours_s: float
+    flower_s: float
+    ours_cpu_s: float
+    flower_cpu_s: float
+    flower_shares: str
+    ours_error: float
 
 
 @dataclass(frozen=True)
@@ -110,8 +137,8 @@ class ReleaseResult:
 
 def time_secure_sum(sites: int, dimension: int, repeats: int) -> SumResult:
     ranges = ranges_for(SITE_BOUND, sites)
-    seconds, errors = [], []
-    size, threshold = neighbourhood(sites)
+    seconds, cpu, errors = [], [], []
+    shape = graph_shape(sites, minimum=MINIMUM)
     for repeat in range(repeats):
         inputs = {
             node: np.random.default_rng([node, repeat, dimension]).uniform(
@@ -119,20 +146,37 @@ def time_secure_sum(sites: int, dimension: int, repeats: int) -> SumResult:
             )
             for node in range(1, sites + 1)
         }
-        started = time.perf_counter()
+        started, started_cpu = time.perf_counter(), time.process_time()
         total, survivors = _one_sum(inputs, ranges)
         seconds.append(time.perf_counter() - started)
+        cpu.append(time.process_time() - started_cpu)
         expected = np.sum([inputs[n] for n in survivors], axis=0, dtype=np.float64)
         errors.append(float(np.max(np.abs(total - expected))))
     return SumResult(
         sites=sites,
         dimension=dimension,
-        num_shares=str(size),
-        threshold=str(threshold),
+        num_shares=str(shape.degree + 1),
+        threshold=str(shape.threshold),
         median_s=statistics.median(seconds),
         min_s=min(seconds),
+        cpu_s=statistics.median(cpu),
         max_abs_error=max(errors),
         error_bound=sites * ranges.clipping_range / ranges.quantization_range,
+    )
+
+
+def time_on_grid(sites: int, dimension: int, repeats: int) -> GridResult:
+    ours = [time_our_sum_on_grid(sites, dimension, seed) for seed in range(repeats)]
+    flower = [time_flower_sum(sites, dimension, seed) for seed in range(repeats)]
+    return GridResult(
+        sites=sites,
+        dimension=dimension,
+        ours_s=statistics.median(seconds for seconds, _, _ in ours),
+        flower_s=statistics.median(seconds for seconds, _, _ in flower),
+        ours_cpu_s=statistics.median(cpu for _, cpu, _ in ours),
+        flower_cpu_s=statistics.median(cpu for _, cpu, _ in flower),
+        flower_shares=flower[0][2],
+        ours_error=max(error for _, _, error in ours),
     )
 
 
@@ -141,13 +185,21 @@ def _one_sum(inputs: dict[int, np.ndarray], ranges: SumRanges) -> tuple[np.ndarr
     identities = {node: SigningKey.generate() for node in inputs}
     roster = Roster("bench", {f"s{node}": key.verify_key for node, key in identities.items()})
     sessions = {
-        node: SiteSumSession("bench", node, f"s{node}", roster, key, 1, 2, 0.5)
+        node: SiteSumSession("bench", node, f"s{node}", roster, key, 1, MINIMUM, 0.5)
         for node, key in identities.items()
     }
     adverts = [session.advertise() for session in sessions.values()]
+    for session in sessions.values():
+        session.join(adverts)
+    shape = next(iter(sessions.values())).agreement.shape  # type: ignore[union-attr]
+    nonces = (
+        []
+        if shape.complete
+        else [NodeBytes(node_id=node, value=s.reveal_nonce().nonce) for node, s in sessions.items()]
+    )
     boxes = {}
     for node, session in sessions.items():
-        session.join(adverts)
+        session.draw_graph(adverts, nonces)
         session.begin_sum(0)
         boxes[node] = session.seal_shares()
     masked = {node: s.mask(inputs[node], ranges) for node, s in sessions.items()}
@@ -169,14 +221,13 @@ def _one_sum(inputs: dict[int, np.ndarray], ranges: SumRanges) -> tuple[np.ndarr
         release_id="bench", sum_index=0, survivors=survivors, signatures=signatures
     )
     replies = {node: sessions[node].reveal(unmask) for node in survivors}
-    size, threshold = neighbourhood(len(inputs))
-    ring = ring_order(survivors, key_transcript(adverts))
+    graph = next(iter(sessions.values())).drawn.graph  # type: ignore[union-attr]
     total = unmask_total(
         masked=masked,
         replies=replies,
         participants=survivors,
-        neighbours={node: neighbours(ring, node, size) for node in survivors},
-        threshold=threshold,
+        neighbours=graph.neighbours,
+        threshold=shape.threshold,
         modulus=ranges.modulus_range,
     )
     return dequantise(total, ranges, len(survivors)), survivors
@@ -288,12 +339,19 @@ def machine_facts() -> list[str]:
         f"- flwr {version('flwr')}, numpy {np.__version__}, cryptography "
         f"{version('cryptography')}, opendp {version('opendp')}",
         f"- load average at start (1, 5, 15 min): {load} — other jobs shared the cores",
+        f"- OPENBLAS_NUM_THREADS={os.environ.get('OPENBLAS_NUM_THREADS')}: one BLAS thread "
+        "(the Shamir rebuild's small products; with a second thread waiting for a shared core "
+        "each was 50-100x slower)",
         f"- run on {datetime.now(UTC).isoformat(timespec='seconds')}",
     ]
 
 
 def render(
-    sums: list[SumResult], releases: list[ReleaseResult], repeats: int, facts: list[str]
+    sums: list[SumResult],
+    grids: list[GridResult],
+    releases: list[ReleaseResult],
+    repeats: int,
+    facts: list[str],
 ) -> str:
     lines = [
         "# Secure-sum benchmark",
@@ -304,27 +362,26 @@ def render(
         "",
         "## One secure sum (in-process sites, the protocol's own work)",
         "",
-        f"Median and fastest wall time of {repeats} runs of every stage of one sum "
+        f"Median and fastest wall time, and median CPU time of the process (what other jobs "
+        f"on the cores do not inflate), of {repeats} runs of every stage of one sum "
         "(roster-signed keys and their checks, X25519 agreements, Shamir shares in sealed "
         "boxes, ChaCha20 masks, survivor signatures and their checks, unmasking), all sites "
         "and the coordinator in one process, messages neither serialised nor sent. Site "
         f"inputs uniform in ±{SITE_BOUND:g}; the error is the largest |secure - float64 sum| "
         "over all runs and coordinates; the bound is n·c/Q (rounding to nearest).",
         "",
-        "| sites | floats | num_shares | threshold | median (s) | min (s) "
+        "| sites | floats | num_shares | threshold | median (s) | min (s) | CPU (s) "
         "| max abs error | error bound |",
-        "|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "|---:|---:|---:|---:|---:|---:|---:|---:|---:|",
     ]
     lines += [
         f"| {r.sites} | {r.dimension:,} | {r.num_shares} | {r.threshold} | {r.median_s:.3f} "
-        f"| {r.min_s:.3f} | {r.max_abs_error:.2e} | {r.error_bound:.2e} |"
+        f"| {r.min_s:.3f} | {r.cpu_s:.3f} | {r.max_abs_error:.2e} | {r.error_bound:.2e} |"
         for r in sums
     ]
     stage_names = list(releases[0].stage_median_s)
+    lines += ["", share_note(), "", *render_grid(grids, repeats), ""]
     lines += [
-        "",
-        share_note(),
-        "",
         f"## Whole release, {RELEASE_SITES} sites in-process (tiny random LLaVA)",
         "",
         f"Median of {repeats} runs of `server.coordinator.run_coordinated_release` with the "
@@ -360,11 +417,41 @@ def render(
     return "\n".join(lines)
 
 
+def render_grid(grids: list[GridResult], repeats: int) -> list[str]:
+    return [
+        "## One secure sum beside Flower's SecAgg+ (in-process grid, messages included)",
+        "",
+        f"Median of {repeats} sums of each, every message through `server.simulation."
+        "InProcessGrid` (copied record by record, no sockets): ours is the coordinator's "
+        "`SecureSumSession` against every site's real handlers (the nonce round beyond 10 "
+        "sites, roster-checked keys and signatures, the survivor set's checks), plan "
+        "acceptance excluded; Flower's is flwr's stock `SecAggPlusWorkflow` (under "
+        "`DefaultWorkflow` and `FedAvg`, as flwr 1.42 runs it) against a `ClientApp` with "
+        "`secaggplus_mod`: its own key agreement every sum, four round trips, its MT19937 "
+        "masks, no consistency check, with our shares and threshold (its ring otherwise). "
+        "Site inputs uniform in ±64 (ours; its error is the largest |secure - float64 "
+        "sum|) and ±8 (Flower's default clipping range).",
+        "",
+        "| sites | floats | ours (s) | ours CPU (s) | Flower's SecAgg+ (s) | Flower's CPU (s) "
+        "| Flower's shares, threshold | our max abs error |",
+        "|---:|---:|---:|---:|---:|---:|---|---:|",
+        *(
+            f"| {g.sites} | {g.dimension:,} | {g.ours_s:.3f} | {g.ours_cpu_s:.3f} "
+            f"| {g.flower_s:.3f} | {g.flower_cpu_s:.3f} | {g.flower_shares} "
+            f"| {g.ours_error:.2e} |"
+            for g in grids
+        ),
+    ]
+
+
 def share_note() -> str:
     return (
         "num_shares is the neighbourhood (the site included) and threshold the shares that "
         "rebuild a self-mask seed: everyone is everyone's neighbour up to 10 sites (a "
-        "majority rebuilds), SecAgg+'s sparse graph beyond (`protocol.sum_graph`)."
+        "majority rebuilds); beyond, a random regular graph drawn from every site's "
+        "committed nonce, sized so that whatever can be unmasked holds 3 honest sites with "
+        "a tenth of the sites colluding (`protocol.sum_graph`, docs/design.md threat model). "
+        "Beyond 10 sites the time includes the nonce round and the graph's draw."
     )
 
 
@@ -392,6 +479,11 @@ def main() -> int:
                 flush=True,
             )
             sums.append(result)
+    grids = []
+    for sites in SITE_COUNTS:
+        print(f"on the grid, ours and Flower's SecAgg+: {sites} sites ...", flush=True)
+        grids.append(time_on_grid(sites, GRID_DIMENSION, args.repeats))
+        print(f"    ours {grids[-1].ours_s:.3f} s, Flower's {grids[-1].flower_s:.3f} s", flush=True)
     releases = []
     with tempfile.TemporaryDirectory(prefix="dpmtv-bench-") as tmp:
         work = Path(tmp)
@@ -401,7 +493,7 @@ def main() -> int:
             print(f"release: selection {selection} ...", flush=True)
             releases.append(time_release(work, fingerprint, selection, args.repeats))
     args.output.parent.mkdir(parents=True, exist_ok=True)
-    args.output.write_text(render(sums, releases, args.repeats, facts))
+    args.output.write_text(render(sums, grids, releases, args.repeats, facts))
     print(f"wrote {args.output}")
     return 0
 

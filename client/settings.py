@@ -41,6 +41,7 @@ _ARTIFACTS_DIR = "artifacts"
 _SOCKET_FILE = "site.sock"
 _RELEASES_SUFFIX = ".releases"
 _STATUS_SUFFIX = ".status.json"
+_GRAPH_DRAWS_SUFFIX = ".graph-draws.json"
 _CONFIG_FILE_ENV = "DPMTV_CLIENT_CONFIG_FILE"
 # Fields whose relative values in a config file are relative to the file's folder.
 _PATH_FIELDS = frozenset(
@@ -110,6 +111,11 @@ class SiteSettings(BaseSettings):
         secagg_min_threshold_fraction: SecAgg+ reconstruction thresholds must exceed this
             fraction of the neighbourhood, so a minority of colluding neighbours cannot rebuild
             this site's mask secrets.
+        secagg_max_graph_draws: The most sparse secure-sum graphs this site helps draw in any
+            window of ``secagg_graph_draw_window_seconds`` (one a release). Each draw is one
+            more chance at the graph's 2^-40 failure probability, and a coordinator that
+            aborts to re-draw the graph spends them; past it the site refuses its nonce.
+        secagg_graph_draw_window_seconds: The window of ``secagg_max_graph_draws`` (a day).
         idle_release_seconds: A release whose run sent no message for this long is resolved
             by the service on its own record (nothing sent: refund; anything sent: counted).
             Keep it above the coordinator's stage timeout (default 600 s): a site that sent its
@@ -152,6 +158,8 @@ class SiteSettings(BaseSettings):
     noise_mode: Literal["central", "distributed"] = "central"
     min_honest: int = Field(default=2, ge=1)
     secagg_min_threshold_fraction: float = Field(default=0.5, ge=0.5, lt=1)
+    secagg_max_graph_draws: int = Field(default=8, ge=1)
+    secagg_graph_draw_window_seconds: float = Field(default=86_400.0, gt=0)
     idle_release_seconds: float = Field(default=900.0, gt=0)
     device: str | None = None
     dtype: str | None = None
@@ -207,6 +215,12 @@ class SiteSettings(BaseSettings):
     def socket_file(self) -> Path:
         """The service socket's absolute path."""
         return _required(self.socket_path)
+
+    @property
+    def graph_draws_file(self) -> Path:
+        """The log of secure-sum graph draws (``client.graph_draws``), by the ledger."""
+        ledger = self.ledger_file
+        return ledger.with_name(ledger.name + _GRAPH_DRAWS_SUFFIX)
 
     @property
     def releases_folder(self) -> Path:

@@ -38,6 +38,7 @@ import numpy as np
 
 from client.chunking import make_chunks, planned_num_chunks
 from client.data import SiteDataset, load_dataset
+from client.graph_draws import GraphDrawLog
 from client.models import (
     LoadedModel,
     default_fingerprint_cache_dir,
@@ -266,6 +267,23 @@ class Site:
         )
         check_plan_centre(plan, centre)
         return centre
+
+    def note_graph_draw(self, release_id: str, *, run_id: int) -> None:
+        """Count one secure-sum graph draw for an open release, or refuse it (before the nonce).
+
+        Raises:
+            StageOrderError: No open release of this run.
+            PolicyError: A second draw for the release, or the site's
+                ``secagg_max_graph_draws`` in the window are spent (``client.graph_draws``).
+        """
+        self._open_record(release_id, run_id, "graph draw")
+        GraphDrawLog(self.settings.graph_draws_file).record(
+            release_id,
+            now=time.time(),
+            limit=self.settings.secagg_max_graph_draws,
+            window_seconds=self.settings.secagg_graph_draw_window_seconds,
+        )
+        _log.info("release %s: secure-sum graph draw counted", release_id)
 
     def contribution(
         self, request: SecureSumRequest, *, run_id: int, ranges: SumRanges | None = None

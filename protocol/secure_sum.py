@@ -3,13 +3,20 @@
 One release runs one key agreement and then one secure sum per stage that needs a total over
 sites (1 with public or all heads, 2 with private selection). A site's messages, in order::
 
-    plan      PlanRequest          -> PlanAccept + KeyAdvert   (plan and one X25519 key, signed)
-    sum 0     SumSharesRequest     -> MaskedInput + boxes      (every advert; sealed shares out)
+    plan      PlanRequest          -> PlanAccept + KeyAdvert   (X25519 key, nonce commitment)
+    graph     SumKeysRequest       -> NonceReveal              (every advert; sparse graphs only)
+    sum 0     SumSharesRequest     -> MaskedInput + boxes      (every nonce; sealed shares out)
               SurvivorsRequest     -> SurvivorsSigned          (the boxes addressed to the site)
               UnmaskRequest        -> UnmaskReply              (all survivors' signatures)
     sum j>0   SumCollectRequest    -> MaskedInput
               SurvivorsRequest     -> SurvivorsSigned
               UnmaskRequest        -> UnmaskReply
+
+Who masks with whom is a graph (``protocol.sum_graph``): complete up to 10 sites, else a
+random regular graph drawn from every participant's nonce, each committed to in its signed
+advertisement and revealed (``graph`` round) only after the site has seen every
+advertisement; the site reveals once a release, and only for the advertisements it checked.
+A complete graph needs no randomness and skips that round.
 
 A site masks its quantised vector x (length d, in [0, Q) per coordinate) as
 ``x + PRG(b_j) + sum over neighbours k of ±PRG(s_ik,j)  (mod M)``: ``b_j`` is a fresh
@@ -17,13 +24,14 @@ self-mask seed per sum, Shamir-shared with its neighbours (any t rebuild it); ``
 derived from the pair's X25519 secret for sum j only (``dpmtv_common.crypto.key_agreement``).
 For sum j the coordinator names the survivors U (whose masked input arrived); every survivor
 signs U with its roster identity, and a site reveals anything only once *every* member of U
-has signed the same U (Bell et al. 2020's consistency check, made all-signers). It then
-reveals its shares of ``b_j`` of the survivors among its neighbours, and its own pair seeds
-with its neighbours that were in sum j but are not in U (they sent nothing; their pair masks
-in the survivors' inputs must cancel). Because every honest site holds one U per sum, no
-neighbour of a site is ever treated both as survivor (self-mask revealed) and as dropped
-(pair masks revealed), and a site's input stays hidden while one honest neighbour survives
-beside it and fewer than t of its neighbours collude.
+has signed the same U (Bell et al. 2020's consistency check, made all-signers) and U holds a
+majority of the sum's participants, so two different survivor sets of one sum cannot both be
+fully signed: one U a sum, across the whole graph. It then reveals its shares of ``b_j`` of
+the survivors among its neighbours, and its own pair seeds with its neighbours that were in
+sum j but are not in U (they sent nothing; their pair masks in the survivors' inputs must
+cancel). A site signs U only with r surviving neighbours (``GraphShape.required_neighbours``),
+so whatever the coordinator can unmask with its input holds at least the plan's minimum of
+honest inputs (the bound: ``protocol.sum_graph``).
 
 This module is pure (pydantic, numpy, hashlib): the site's state machine is
 ``client.secure_sum``, the coordinator's ``server.secure_sum``.
@@ -46,6 +54,7 @@ from protocol.messages import SecureSumRequest, WireMessage
 from protocol.plan import ReleaseId, ReleasePlan, SelectionMode
 from protocol.sum_keys import (
     Box,
+    Digest,
     KeyAdvert,
     NodeId,
     Secret,
@@ -63,8 +72,10 @@ __all__ = [
     "AddressedBox",
     "MaskedInput",
     "NodeBytes",
+    "NonceReveal",
     "SumCollectRequest",
     "SumInstructions",
+    "SumKeysRequest",
     "SumRanges",
     "SumSharesRequest",
     "SurvivorsRequest",
@@ -156,12 +167,32 @@ class NodeBytes(_Model):
     value: Secret
 
 
+class SumKeysRequest(_Model):
+    """Coordinator to site: every key advertisement, before a sparse graph is drawn."""
+
+    kind: Literal["sum-keys-request"] = "sum-keys-request"
+    release_id: ReleaseId
+    adverts: Annotated[list[KeyAdvert], Field(min_length=2, max_length=MAX_SUM_SITES)]
+
+
+class NonceReveal(_Model):
+    """Site to coordinator: the graph nonce its advertisement committed to (once a release)."""
+
+    kind: Literal["nonce-reveal"] = "nonce-reveal"
+    release_id: ReleaseId
+    nonce: Digest
+
+
 class SumSharesRequest(_Model):
-    """Coordinator to site: every key advertisement, and the first sum's instructions."""
+    """Coordinator to site: every advertisement, every revealed nonce, the first sum's request.
+
+    ``nonces`` is empty for a complete graph (nothing to draw), else one per advertisement.
+    """
 
     kind: Literal["sum-shares-request"] = "sum-shares-request"
     release_id: ReleaseId
     adverts: Annotated[list[KeyAdvert], Field(min_length=2, max_length=MAX_SUM_SITES)]
+    nonces: Annotated[list[NodeBytes], Field(max_length=MAX_SUM_SITES)]
     instructions: SumInstructions
 
 
@@ -222,7 +253,9 @@ class UnmaskReply(_Model):
 
 
 AnySumMessage = Annotated[
-    SumSharesRequest
+    SumKeysRequest
+    | NonceReveal
+    | SumSharesRequest
     | SumCollectRequest
     | MaskedInput
     | SurvivorsRequest
@@ -235,6 +268,8 @@ AnySumMessage = Annotated[
 SUM_MESSAGE_KINDS = frozenset(
     model.model_fields["kind"].default
     for model in (
+        SumKeysRequest,
+        NonceReveal,
         SumSharesRequest,
         SumCollectRequest,
         MaskedInput,

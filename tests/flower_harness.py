@@ -142,6 +142,7 @@ class StandInSite:
     records: StandInRecords = field(default_factory=StandInRecords)
     requests: list[SecureSumRequest] = field(default_factory=list)
     references: dict[str, np.ndarray] = field(default_factory=dict)
+    graph_draws: list[str] = field(default_factory=list)
 
     def accept_plan(
         self, plan: ReleasePlan, *, run_id: int, centre: ActivationCentre | None = None
@@ -176,6 +177,10 @@ class StandInSite:
 
     def touch(self, run_id: int) -> None:
         """Nothing to note: a stand-in has no idle releases."""
+
+    def note_graph_draw(self, release_id: str, *, run_id: int) -> None:
+        """Count the draw (a stand-in has no draw limit; ``client.site.Site`` has one)."""
+        self.graph_draws.append(release_id)
 
 
 def stand_in_sites(

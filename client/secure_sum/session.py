@@ -4,21 +4,31 @@ One :class:`SiteSumSession` lives in the site service's memory from the plan to 
 unmask (a restarted service has lost its keys and seeds, and resolves the release instead).
 Its methods run in protocol order and each refuses what it cannot check:
 
-1. :meth:`SiteSumSession.advertise` — a fresh X25519 key for this release, signed with the
-   site's roster identity.
+1. :meth:`SiteSumSession.advertise` — a fresh X25519 key for this release and a commitment
+   to a fresh graph nonce, signed with the site's roster identity.
 2. :meth:`~SiteSumSession.join` — every advertisement: signed by a distinct member of the
    site's own roster, for this release and roster, this site's own unchanged; at least the
-   site's minimum of them. The ring, the neighbours and t follow from them alone.
-3. :meth:`~SiteSumSession.seal_shares` — a fresh self-mask seed per planned sum, Shamir-shared
+   site's minimum of them. The graph's shape (degree, t, ĉ) follows from their number.
+3. :meth:`~SiteSumSession.reveal_nonce` — for a sparse graph only, once a release, and only
+   after step 2 fixed every advertisement: this site's nonce.
+4. :meth:`~SiteSumSession.draw_graph` — the same advertisements again and every nonce, each
+   matching its commitment: the graph (``protocol.sum_graph``), the neighbours, the keys.
+5. :meth:`~SiteSumSession.seal_shares` — a fresh self-mask seed per planned sum, Shamir-shared
    with the neighbours, each share sealed for its receiver.
-4. :meth:`~SiteSumSession.mask` — the quantised input plus every mask of the sum.
-5. :meth:`~SiteSumSession.sign_survivors` — the boxes addressed to this site open; U is a
-   large enough subset of the sum's participants holding this site; one U signed per sum.
-6. :meth:`~SiteSumSession.reveal` — every member of U signed that very U: shares of the
+6. :meth:`~SiteSumSession.mask` — the quantised input plus every mask of the sum.
+7. :meth:`~SiteSumSession.sign_survivors` — the boxes addressed to this site open; U is a
+   subset of the sum's participants holding this site, a majority of them (so one U a sum
+   can be fully signed), at least the site's minimum, and with r surviving neighbours (so
+   whatever can be unmasked with this site's input holds its minimum of honest inputs);
+   one U signed per sum.
+8. :meth:`~SiteSumSession.reveal` — every member of U signed that very U: shares of the
    survivors' seeds, pair seeds of the neighbours that dropped out.
 
 Refusals raise :class:`~dpmtv_common.errors.PolicyError` or
-:class:`~protocol.StageOrderError` and reveal nothing.
+:class:`~protocol.StageOrderError` and reveal nothing. The checks of the advertisements and
+nonces are pure functions (:mod:`client.secure_sum.agreement`); this file keeps the state
+machine whole, one method a stage in protocol order, so it reads top to bottom (over 400
+lines for that reason).
 """
 
 from __future__ import annotations
@@ -28,6 +38,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from client.secure_sum.agreement import check_shape, checked_nonces, verified_members
 from dpmtv_common.aliases import Int64Array
 from dpmtv_common.crypto import SigningKey, mask_prg, shamir
 from dpmtv_common.crypto import key_agreement as ka
@@ -37,6 +48,7 @@ from protocol import StageOrderError
 from protocol.secure_sum import (
     AddressedBox,
     NodeBytes,
+    NonceReveal,
     SumRanges,
     SurvivorsRequest,
     SurvivorsSigned,
@@ -46,8 +58,8 @@ from protocol.secure_sum import (
     quantise,
     survivors_signed_bytes,
 )
-from protocol.sum_graph import neighbourhood, neighbours, ring_order
-from protocol.sum_keys import KeyAdvert, advert_signed_bytes
+from protocol.sum_graph import GraphShape, SumGraph, build_graph, graph_seed, graph_shape
+from protocol.sum_keys import NONCE_BYTES, KeyAdvert, advert_signed_bytes, nonce_commitment
 
 __all__ = ["SiteSumSession"]
 
@@ -56,14 +68,27 @@ _SEED_BYTES = 32
 
 @dataclass
 class _Agreement:
-    """What the advertisements fixed: who takes part, the ring, the thresholds."""
+    """What the advertisements fixed: who takes part, their keys, the graph's shape."""
 
     transcript: bytes
     members: dict[int, str]
+    adverts: dict[int, KeyAdvert]
+    shape: GraphShape
+
+
+@dataclass
+class _Drawn:
+    """What the graph fixed: this site's neighbours and its keys with each of them."""
+
+    graph: SumGraph
     neighbours: tuple[int, ...]
-    threshold: int
     box_keys: dict[int, bytes]
     pair_secrets: dict[int, bytes]
+
+    @property
+    def threshold(self) -> int:
+        """t: shares (the owner's counted) that rebuild a self-mask seed."""
+        return self.graph.shape.threshold
 
 
 @dataclass
@@ -77,8 +102,11 @@ class SiteSumSession:
         roster: The roster the site admin installed.
         identity: This member's roster identity key.
         num_sums: Secure sums the accepted plan runs.
-        required_sites: The fewest participants the site allows in any sum, after dropouts.
+        required_sites: The fewest honest sites the site allows in anything that can be
+            unmasked with its input (its own minimum, the plan's, ``min_honest``).
         min_threshold_fraction: t must exceed this fraction of the neighbourhood.
+        graph_minimum: The plan's ``min_sites``, which sizes the graph (every site computes
+            the same one); None: ``required_sites``.
     """
 
     release_id: str
@@ -89,8 +117,12 @@ class SiteSumSession:
     num_sums: int
     required_sites: int
     min_threshold_fraction: float
+    graph_minimum: int | None = None
     key: ka.AgreementKey = field(default_factory=ka.AgreementKey.generate)
+    nonce: bytes = field(default_factory=lambda: os.urandom(NONCE_BYTES))
     agreement: _Agreement | None = None
+    drawn: _Drawn | None = None
+    revealed: bool = False
     seeds: list[bytes] = field(default_factory=list)
     own_shares: list[bytes] = field(default_factory=list)
     held: dict[int, list[bytes]] = field(default_factory=dict)
@@ -112,53 +144,117 @@ class SiteSumSession:
             "release_id": self.release_id,
             "roster_sha256": self.roster.fingerprint,
             "public_key": self.key.public_bytes,
+            "nonce_commitment": self._commitment(),
         }
         signature = self.identity.sign(advert_signed_bytes(**fields))  # type: ignore[arg-type]
         return KeyAdvert(**fields, signature=signature)  # type: ignore[arg-type]
 
     def join(self, adverts: list[KeyAdvert]) -> None:
-        """Check every advertisement and fix the neighbourhood (stage 2).
+        """Check every advertisement and fix the graph's shape (stage 2).
 
         Raises:
             StageOrderError: Called twice.
             PolicyError: An advertisement is not this release's, not this roster's, not a
                 distinct member's, does not verify; this site's own is missing or altered;
-                fewer participants than the site requires; a threshold below policy.
+                fewer participants than the site requires; a threshold below policy, or a
+                graph that cannot give this site its minimum.
         """
         if self.agreement is not None:
             raise StageOrderError("the key advertisements must arrive once a release.")
-        members = self._verified_members(adverts)
+        members = verified_members(adverts, release_id=self.release_id, roster=self.roster)
         mine = [a for a in adverts if a.node_id == self.node_id]
-        if len(mine) != 1 or mine[0].public_key != self.key.public_bytes:
+        if len(mine) != 1 or mine[0] != self.advertise():
             raise PolicyError("the advertisements must hold this site's own, unchanged.")
         self._require_enough(len(members), "the secure sum's participants")
-        transcript = key_transcript(adverts)
-        size, threshold = neighbourhood(len(members))
-        if threshold <= int(size * self.min_threshold_fraction) or threshold > size:
-            raise PolicyError(
-                f"the reconstruction threshold must exceed {self.min_threshold_fraction} of "
-                f"the neighbourhood of {size}, got {threshold}."
-            )
-        ring = ring_order(sorted(members), transcript)
-        near = neighbours(ring, self.node_id, size)
-        publics = {a.node_id: a.public_key for a in adverts}
-        secrets = {node: self.key.shared_secret(publics[node]) for node in near}
+        minimum = self.graph_minimum if self.graph_minimum is not None else self.required_sites
+        shape = graph_shape(len(members), minimum=minimum)
+        check_shape(
+            shape,
+            min_threshold_fraction=self.min_threshold_fraction,
+            required_sites=self.required_sites,
+        )
         self.agreement = _Agreement(
-            transcript=transcript,
+            transcript=key_transcript(adverts),
             members=members,
+            adverts={advert.node_id: advert for advert in adverts},
+            shape=shape,
+        )
+        self.participants = tuple(sorted(members))
+
+    def reveal_nonce(self) -> NonceReveal:
+        """This site's graph nonce, once, after every advertisement is fixed (stage 3).
+
+        Raises:
+            StageOrderError: As :meth:`require_revealable`.
+        """
+        self.require_revealable()
+        self.revealed = True
+        return NonceReveal(release_id=self.release_id, nonce=self.nonce)
+
+    def require_revealable(self) -> None:
+        """Refuse a reveal now: before :meth:`join`, a second time, or for a complete graph.
+
+        Raises:
+            StageOrderError: As above (a complete graph needs no randomness).
+        """
+        agreement = self._agreement()
+        if agreement.shape.complete:
+            raise StageOrderError(f"a complete graph of {agreement.shape.sites} needs no nonce.")
+        if self.revealed or self.drawn is not None:
+            raise StageOrderError("a site reveals its graph nonce once a release.")
+
+    def draw_graph(self, adverts: list[KeyAdvert], nonces: list[NodeBytes]) -> None:
+        """Draw the graph from the advertisements this site checked and every nonce (stage 4).
+
+        A complete graph joins here (no nonce round); a sparse one needs this site's nonce
+        revealed for exactly these advertisements, and every participant's nonce, each the
+        one its advertisement committed to.
+
+        Raises:
+            StageOrderError: Drawn already, or a sparse graph before this site revealed.
+            PolicyError: Other advertisements than those this site revealed for, a nonce
+                missing, extra or not matching its commitment, or nonces for a complete graph.
+        """
+        if self.drawn is not None:
+            raise StageOrderError("the graph must be drawn once a release.")
+        if self.agreement is None:
+            self.join(adverts)
+        agreement = self._agreement()
+        if key_transcript(adverts) != agreement.transcript:
+            raise PolicyError(
+                "the secure sum's advertisements must be those this site checked, got others."
+            )
+        seed = None
+        if agreement.shape.complete:
+            if nonces:
+                raise PolicyError("a complete graph takes no nonces, got some.")
+        else:
+            if not self.revealed:
+                raise StageOrderError("a sparse graph needs this site's nonce revealed first.")
+            checked = checked_nonces(
+                nonces,
+                adverts=agreement.adverts,
+                release_id=self.release_id,
+                own=(self.node_id, self.nonce),
+            )
+            seed = graph_seed(agreement.transcript, checked)
+        graph = build_graph(self.participants, agreement.shape, seed)
+        near = graph.of(self.node_id)
+        publics = {node: agreement.adverts[node].public_key for node in near}
+        secrets = {node: self.key.shared_secret(publics[node]) for node in near}
+        self.drawn = _Drawn(
+            graph=graph,
             neighbours=near,
-            threshold=threshold,
             box_keys={
                 node: ka.share_box_key(secret, release_id=self.release_id)
                 for node, secret in secrets.items()
             },
             pair_secrets=secrets,
         )
-        self.participants = tuple(sorted(members))
 
     def seal_shares(self) -> list[AddressedBox]:
         """Fresh self-mask seeds, one per sum, shared with the neighbours (stage 3)."""
-        agreement = self._agreement()
+        agreement = self._drawn()
         if self.seeds:
             raise StageOrderError("the self-mask seeds must be shared once a release.")
         holders = sorted((*agreement.neighbours, self.node_id))
@@ -203,7 +299,7 @@ class SiteSumSession:
             ConfigError: A coordinate lies beyond ±c (refused, never clipped).
             PolicyError: The grid could wrap for this sum's participants.
         """
-        agreement = self._agreement()
+        agreement = self._drawn()
         if self.step != "open" or self.current < 0 or not self.seeds:
             raise StageOrderError("a secure sum's input must be masked once, after sharing.")
         try:
@@ -226,11 +322,11 @@ class SiteSumSession:
 
         Raises:
             PolicyError: U is not a subset of the sum's participants holding this site, is
-                smaller than the site's minimum, leaves fewer than t - 1 neighbours, or a
-                box does not open (forged, replayed, from a non-neighbour); another U was
-                signed for this sum already.
+                no majority of them, is smaller than the site's minimum, leaves fewer than r
+                surviving neighbours, or a box does not open (forged, replayed, from a
+                non-neighbour); another U was signed for this sum already.
         """
-        agreement = self._agreement()
+        agreement = self._drawn()
         if request.sum_index != self.current or self.step not in ("masked", "signed"):
             raise StageOrderError(f"survivors must follow this site's input to sum {self.current}.")
         survivors = tuple(sorted(set(request.survivors)))
@@ -242,16 +338,10 @@ class SiteSumSession:
         elif request.boxes:
             raise PolicyError("share boxes travel with the first sum only, got more later.")
         self.signed, self.step = survivors, "signed"
-        statement = survivors_signed_bytes(
-            release_id=self.release_id,
-            sum_index=self.current,
-            transcript=agreement.transcript,
-            survivors=survivors,
-        )
         return SurvivorsSigned(
             release_id=self.release_id,
             sum_index=self.current,
-            signature=self.identity.sign(statement),
+            signature=self.identity.sign(self._statement(survivors)),
         )
 
     def reveal(self, request: UnmaskRequest) -> UnmaskReply:
@@ -261,7 +351,7 @@ class SiteSumSession:
             PolicyError: U differs from the one this site signed, or a member of U has no
                 valid roster signature over it.
         """
-        agreement = self._agreement()
+        agreement = self._drawn()
         survivors = tuple(sorted(set(request.survivors)))
         if request.sum_index != self.current or self.step != "signed" or self.signed is None:
             raise StageOrderError(f"unmask must follow the survivors of sum {self.current}.")
@@ -286,40 +376,33 @@ class SiteSumSession:
 
     # ------------------------------------------------------------------ checks
 
-    def _verified_members(self, adverts: list[KeyAdvert]) -> dict[int, str]:
-        members: dict[int, str] = {}
-        for advert in adverts:
-            if advert.release_id != self.release_id:
-                raise PolicyError("an advertisement must be for this release, got another.")
-            if advert.roster_sha256 != self.roster.fingerprint:
-                raise PolicyError(
-                    f"every participant must hold this site's roster {self.roster.fingerprint}, "
-                    f"got {advert.roster_sha256} from {advert.member!r}: install one roster."
-                )
-            self.roster.verify(advert.member, advert.signed_bytes(), advert.signature)
-            if advert.node_id in members or advert.member in members.values():
-                raise PolicyError(
-                    f"participants must be distinct roster members on distinct nodes, got "
-                    f"{advert.member!r} (node {advert.node_id}) twice."
-                )
-            members[advert.node_id] = advert.member
-        return members
-
-    def _check_survivors(self, survivors: tuple[int, ...], agreement: _Agreement) -> None:
+    def _check_survivors(self, survivors: tuple[int, ...], agreement: _Drawn) -> None:
         if self.node_id not in survivors or not set(survivors) <= set(self.participants):
             raise PolicyError(
                 "survivors must be participants of this sum, this site among them, got others."
             )
         self._require_enough(len(survivors), f"secure sum {self.current}'s survivors")
-        alive = [node for node in agreement.neighbours if node in survivors]
-        if len(alive) + 1 < agreement.threshold:
+        # Two fully signed survivor sets of one sum would tell sites different dropouts;
+        # each honest site signs one U, so only one majority of the participants can be.
+        if 2 * len(survivors) <= len(self.participants):
             raise PolicyError(
-                f"a site needs t - 1 = {agreement.threshold - 1} surviving neighbours to take "
-                f"part in an unmask, got {len(alive)}."
+                f"survivors must be a majority of the sum's {len(self.participants)} "
+                f"participants (one survivor set a sum), got {len(survivors)}."
+            )
+        # The input can only be unmasked together with every surviving neighbour whose pair
+        # mask stays hidden: r of them leave the site's minimum of honest ones even if the
+        # graph's bound of colluders sits among them (protocol.sum_graph).
+        alive = [node for node in agreement.neighbours if node in survivors]
+        need = agreement.graph.shape.required_neighbours(self.required_sites)
+        if len(alive) < need:
+            raise PolicyError(
+                f"a site needs r = {need} surviving neighbours to take part in an unmask "
+                f"(its minimum of {self.required_sites} honest sites with up to "
+                f"{agreement.graph.shape.colluding_neighbours} colluding), got {len(alive)}."
             )
 
     def _open_boxes(
-        self, boxes: list[AddressedBox], survivors: tuple[int, ...], agreement: _Agreement
+        self, boxes: list[AddressedBox], survivors: tuple[int, ...], agreement: _Drawn
     ) -> None:
         expected = {node for node in agreement.neighbours if node in survivors}
         senders = [box.node_id for box in boxes]
@@ -343,7 +426,7 @@ class SiteSumSession:
             self.held[box.node_id] = shares
 
     def _check_signatures(
-        self, signatures: list[NodeBytes], survivors: tuple[int, ...], agreement: _Agreement
+        self, signatures: list[NodeBytes], survivors: tuple[int, ...], agreement: _Drawn
     ) -> None:
         by_node = {entry.node_id: entry.value for entry in signatures}
         if len(by_node) != len(signatures) or set(by_node) != set(survivors):
@@ -351,14 +434,10 @@ class SiteSumSession:
                 f"unmask needs one signature from every survivor ({len(survivors)}), got "
                 f"{len(signatures)} from {len(by_node)} nodes."
             )
-        statement = survivors_signed_bytes(
-            release_id=self.release_id,
-            sum_index=self.current,
-            transcript=agreement.transcript,
-            survivors=survivors,
-        )
+        statement = self._statement(survivors)
+        members = self._agreement().members
         for node, signature in by_node.items():
-            self.roster.verify(agreement.members[node], statement, signature)
+            self.roster.verify(members[node], statement, signature)
 
     def _require_enough(self, count: int, what: str) -> None:
         if count < self.required_sites:
@@ -374,6 +453,24 @@ class SiteSumSession:
             raise StageOrderError("the key advertisements must arrive before any sum.")
         return self.agreement
 
+    def _drawn(self) -> _Drawn:
+        if self.drawn is None:
+            raise StageOrderError("the graph must be drawn before any sum.")
+        return self.drawn
+
+    def _commitment(self) -> bytes:
+        return nonce_commitment(
+            release_id=self.release_id, member=self.member, node_id=self.node_id, nonce=self.nonce
+        )
+
+    def _statement(self, survivors: tuple[int, ...]) -> bytes:
+        return survivors_signed_bytes(
+            release_id=self.release_id,
+            sum_index=self.current,
+            transcript=self._agreement().transcript,
+            survivors=survivors,
+        )
+
     def _share_of(self, owner: int) -> bytes:
         shares = self.own_shares if owner == self.node_id else self.held.get(owner)
         if shares is None:
@@ -382,7 +479,7 @@ class SiteSumSession:
 
     def _pair_seed(self, node: int) -> bytes:
         return ka.pair_mask_seed(
-            self._agreement().pair_secrets[node],
+            self._drawn().pair_secrets[node],
             release_id=self.release_id,
             sum_index=self.current,
             nodes=(self.node_id, node),

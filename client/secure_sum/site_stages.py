@@ -25,8 +25,10 @@ from dpmtv_common.roster import Roster
 from protocol import NoiseMode, PlanAccept, PlanMismatchError, ReleasePlan, StageOrderError
 from protocol.secure_sum import (
     MaskedInput,
+    NonceReveal,
     SumCollectRequest,
     SumInstructions,
+    SumKeysRequest,
     SumSharesRequest,
     SurvivorsRequest,
     SurvivorsSigned,
@@ -96,14 +98,27 @@ class SiteSums:
             num_sums=planned_sum_count(plan),
             required_sites=self._required_sites(plan),
             min_threshold_fraction=self.site.settings.secagg_min_threshold_fraction,
+            graph_minimum=plan.min_sites,
         )
         self.sessions[plan.release_id] = session
         return accept.model_copy(update={"keys": session.advertise()})
 
-    def shares(self, request: SumSharesRequest, *, run_id: int) -> tuple[MaskedInput, Int64Array]:
-        """Check the advertisements, share the seeds, and mask the first sum's input."""
+    def keys(self, request: SumKeysRequest, *, run_id: int) -> NonceReveal:
+        """Check every advertisement, count the graph draw, reveal this site's nonce.
+
+        The draw is recorded durably (and refused past the site's policy) before the nonce
+        leaves: a coordinator that aborts to re-draw the graph spends the site's draws.
+        """
         session = self._session(request.release_id)
         session.join(list(request.adverts))
+        session.require_revealable()  # a complete graph or a second reveal: refused uncounted
+        self.site.note_graph_draw(request.release_id, run_id=run_id)
+        return session.reveal_nonce()
+
+    def shares(self, request: SumSharesRequest, *, run_id: int) -> tuple[MaskedInput, Int64Array]:
+        """Draw the graph, share the seeds, and mask the first sum's input."""
+        session = self._session(request.release_id)
+        session.draw_graph(list(request.adverts), list(request.nonces))
         session.begin_sum(request.instructions.sum_index)
         boxes = session.seal_shares()
         masked = self._masked_input(session, request.instructions, None, run_id)

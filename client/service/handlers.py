@@ -5,9 +5,11 @@ Message types (the coordinator's ``server.app`` sends them in this order):
 * ``query.plan`` — a ``PlanRequest`` (a centred plan's public centre rides beside it);
   replies ``PlanAccept`` with the site's signed key for the release's secure sums, or
   ``ErrorReply``.
-* ``query.sum_shares`` — every participant's key; the site checks them against its roster,
-  shares its self-mask seeds and replies ``MaskedInput`` (sealed shares, and its masked
-  input to the first sum in an array beside it).
+* ``query.sum_keys`` — every participant's key (sparse graphs only); the site checks them
+  against its roster, counts the graph draw against its policy and replies ``NonceReveal``.
+* ``query.sum_shares`` — every participant's key and nonce; the site draws the graph (and
+  checks the keys, for a complete graph), shares its self-mask seeds and replies
+  ``MaskedInput`` (sealed shares, and its masked input to the first sum beside it).
 * ``query.sum_collect`` — a later sum's instructions (in release-first order with private
   selection, the noisy all-head vector rides beside them); replies ``MaskedInput``.
 * ``query.sum_survivors`` / ``query.sum_unmask`` — the survivor set to sign, then every
@@ -51,6 +53,7 @@ from protocol.secure_sum import (
     REFERENCE_ARRAY_KEY,
     MaskedInput,
     SumCollectRequest,
+    SumKeysRequest,
     SumSharesRequest,
     SurvivorsRequest,
     UnmaskRequest,
@@ -70,7 +73,8 @@ def build_site_app(site: Site, sums: SiteSums | None = None) -> ClientApp:
     sums = sums if sums is not None else SiteSums(site)
     app = ClientApp()
     _add_release_handlers(app, site, sums)
-    _add_sum_handlers(app, sums)
+    _add_input_handlers(app, sums)
+    _add_unmask_handlers(app, sums)
     return app
 
 
@@ -108,8 +112,17 @@ def _add_release_handlers(app: ClientApp, site: Site, sums: SiteSums) -> None:
         return _reply(msg, handle)
 
 
-def _add_sum_handlers(app: ClientApp, sums: SiteSums) -> None:
-    """The secure sums' four messages (the protocol: :mod:`client.secure_sum`)."""
+def _add_input_handlers(app: ClientApp, sums: SiteSums) -> None:
+    """The graph nonce and the masked inputs (the protocol: :mod:`client.secure_sum`)."""
+
+    @app.query("sum_keys")
+    def sum_keys(msg: Message, context: Context) -> Message:
+        def handle() -> WireMessage:
+            request = expect(msg.content, SumKeysRequest)
+            _no_reference(msg)
+            return sums.keys(request, run_id=msg.metadata.run_id)
+
+        return _reply(msg, handle)
 
     @app.query("sum_shares")
     def sum_shares(msg: Message, context: Context) -> Message:
@@ -127,6 +140,10 @@ def _add_sum_handlers(app: ClientApp, sums: SiteSums) -> None:
             return sums.collect(request, _reference(msg), run_id=msg.metadata.run_id)
 
         return _masked_reply(msg, handle)
+
+
+def _add_unmask_handlers(app: ClientApp, sums: SiteSums) -> None:
+    """The survivor signatures and the unmask (the protocol: :mod:`client.secure_sum`)."""
 
     @app.query("sum_survivors")
     def sum_survivors(msg: Message, context: Context) -> Message:

@@ -7,8 +7,11 @@ mode, unless ``--http-allow-remote``: then put TLS in front, the token travels i
 reads the admin's token, and runs uvicorn (h11) on the routes of
 :mod:`client.service.http_api` in a thread with its own event loop, beside the batcher's
 worker thread. uvicorn answers requests beyond ``max_connections`` open connections with
-503; :class:`_GuardedH11` closes connections beyond twice that at once, and any whose
-request head does not arrive whole within 10 s.
+503; :class:`_GuardedH11` keeps open connections below that limit (a newcomer closes the
+oldest connection without a request under way; it is refused only when every other one has
+a request under way), bounds idle ones per client address (:class:`IdleConnections`), and
+closes any whose request head does not arrive whole within 10 s: connections held open
+without a request never keep a real request out.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import socket
 import stat
 import threading
 import time
+from collections import Counter, OrderedDict
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,10 +35,11 @@ from client.service.http_api import ChatApi, build_app
 from client.site import Site
 from dpmtv_common.errors import ConfigError, ServiceError
 
-__all__ = ["HttpEndpoint", "HttpSettings", "parse_address", "read_token"]
+__all__ = ["HttpEndpoint", "HttpSettings", "IdleConnections", "parse_address", "read_token"]
 
 _MIN_TOKEN_CHARS = 24
 _HEAD_TIMEOUT_S = 10.0  # a request's head must arrive whole within this
+_IDLE_GRACE_S = 1.0  # a fresh connection's head usually arrives within milliseconds
 
 
 @dataclass(frozen=True)
@@ -49,6 +55,10 @@ class HttpSettings:
         socket_mode: Permission bits of a Unix socket.
         batch_invariant: Answer each request alone, bit-identical to plain ``generate()``
             whatever the load, at the price of batching (``client.service.batching``).
+        max_idle_per_client: Connections without a request under way one client address
+            keeps open (a Unix socket's peers are one client); past it, its oldest idle one
+            is closed once idle for a second. None: a quarter of ``max_connections``. In
+            total, a newcomer at ``max_connections`` open closes the oldest idle one.
     """
 
     address: str
@@ -58,6 +68,12 @@ class HttpSettings:
     max_connections: int = 256
     socket_mode: int = 0o660
     batch_invariant: bool = False
+    max_idle_per_client: int | None = None
+
+    def idle_per_client(self) -> int:
+        """Idle connections a client address keeps, the default filled in."""
+        given = self.max_idle_per_client
+        return given if given is not None else max(1, self.max_connections // 4)
 
 
 def parse_address(address: str, *, allow_remote: bool) -> tuple[str, int] | Path:
@@ -136,6 +152,12 @@ class HttpEndpoint:
                 "max_queue and max_connections must be >= 1, got "
                 f"{settings.max_queue} and {settings.max_connections}."
             )
+        per_client = settings.idle_per_client()
+        if not 1 <= per_client <= settings.max_connections:
+            raise ConfigError(
+                f"max_idle_per_client must be in [1, max_connections="
+                f"{settings.max_connections}], got {per_client}."
+            )
         self.settings = settings
         token = read_token(settings.token_file)
         self._target = parse_address(settings.address, allow_remote=settings.allow_remote)
@@ -150,7 +172,7 @@ class HttpEndpoint:
             log_config=None,
             access_log=False,
             server_header=False,
-            http=_GuardedH11,
+            http=type("_EndpointH11", (_GuardedH11,), {"idle": IdleConnections(per_client)}),
             ws="none",  # no websockets served (nor their library imported)
             loop="asyncio",
             limit_concurrency=settings.max_connections,
@@ -202,39 +224,114 @@ class HttpEndpoint:
             self._target.unlink(missing_ok=True)
 
 
+class IdleConnections:
+    """The endpoint's connections without a request under way, oldest first, by client.
+
+    A connection is idle from its start until its request head arrives, and again after each
+    answer (keep-alive). Two rules make room for newcomers, so connections held open without
+    a request never keep a real request out:
+
+    * **per client**: past ``per_client`` idle connections of one client address, its oldest
+      one idle for at least ``grace_s`` is closed (a client's burst of fresh connections,
+      each about to send its request, is left alone);
+    * **in total**: when the open connections reach the endpoint's limit, the oldest idle
+      connection of anyone is closed for the newcomer, whatever its age
+      (:meth:`oldest`); only when none is idle is the newcomer itself refused.
+
+    One event loop uses it, so it needs no lock.
+    """
+
+    def __init__(self, per_client: int, grace_s: float = _IDLE_GRACE_S) -> None:
+        self.per_client = per_client
+        self.grace_s = grace_s
+        self._order: OrderedDict[asyncio.BaseProtocol, tuple[str, float]] = OrderedDict()
+        self._clients: Counter[str] = Counter()
+
+    def __len__(self) -> int:
+        return len(self._order)
+
+    def idle(
+        self, connection: asyncio.BaseProtocol, client: str, now: float
+    ) -> list[asyncio.BaseProtocol]:
+        """Mark ``connection`` idle (the newest); return its client's connections to close."""
+        self.busy(connection)
+        self._order[connection] = (client, now)
+        self._clients[client] += 1
+        evicted = []
+        while self._clients[client] > self.per_client:
+            stale = next(
+                (c for c, (k, since) in self._order.items() if k == client),
+                None,
+            )
+            if stale is None or now - self._order[stale][1] < self.grace_s or stale is connection:
+                break
+            self.busy(stale)
+            evicted.append(stale)
+        return evicted
+
+    def oldest(self, besides: asyncio.BaseProtocol) -> asyncio.BaseProtocol | None:
+        """The oldest idle connection other than ``besides`` (now no longer idle), or None."""
+        found = next((c for c in self._order if c is not besides), None)
+        if found is not None:
+            self.busy(found)
+        return found
+
+    def busy(self, connection: asyncio.BaseProtocol) -> None:
+        """``connection`` has a request under way, or is gone: no longer idle."""
+        entry = self._order.pop(connection, None)
+        if entry is not None:
+            self._clients[entry[0]] -= 1
+
+
 class _GuardedH11(H11Protocol):
     """uvicorn's h11 protocol, with the service's file descriptors bounded.
 
     uvicorn answers requests beyond ``limit_concurrency`` with 503 but keeps every connection
     it accepts, and a connection may stay silent, or trickle a request's head, forever: a flood
     of such connections would exhaust the process's descriptors (and with them the ledger's and
-    the relay's). So a connection beyond twice the limit is closed at once, and each request's
-    head must arrive whole within :data:`_HEAD_TIMEOUT_S` of the connection or of the previous
-    answer, or the connection is closed (as the relay's socket does with a trickled frame).
+    the relay's), and enough silent ones would keep every real request out. So open
+    connections stay below the limit, the oldest idle one closed for each newcomer, and idle
+    ones are bounded per client (:class:`IdleConnections`); a newcomer is refused only when
+    every other connection has a request under way; and each request's head must arrive
+    whole within :data:`_HEAD_TIMEOUT_S` of the connection or of the previous answer, or the
+    connection is closed (as the relay's socket does with a trickled frame).
     """
 
+    idle: IdleConnections  # set per endpoint (HttpEndpoint)
     _head_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._now_idle()
         limit = self.limit_concurrency
-        if limit is not None and len(self.connections) > 2 * limit:
-            transport.close()
-            return
-        self._arm_head_deadline()
+        while limit is not None and _open_count(self.connections) > limit - 1:
+            oldest = self.idle.oldest(besides=self)
+            if oldest is None:  # every other connection has a request under way
+                self.idle.busy(self)
+                transport.close()
+                return
+            _close(oldest)
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         if self.cycle is not None and not self.cycle.response_complete:  # a head arrived
             self._disarm_head_deadline()
+            self.idle.busy(self)
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
-        self._arm_head_deadline()
+        if not self.transport.is_closing():
+            self._now_idle()
 
     def connection_lost(self, exc: Exception | None) -> None:
         self._disarm_head_deadline()
+        self.idle.busy(self)
         super().connection_lost(exc)
+
+    def _now_idle(self) -> None:
+        self._arm_head_deadline()
+        for connection in self.idle.idle(self, _client_of(self.transport), self.loop.time()):
+            _close(connection)
 
     def _arm_head_deadline(self) -> None:
         self._disarm_head_deadline()
@@ -248,6 +345,26 @@ class _GuardedH11(H11Protocol):
     def _head_timed_out(self) -> None:
         if self.cycle is None or self.cycle.response_complete:
             self.transport.close()
+
+
+def _close(connection: asyncio.BaseProtocol) -> None:
+    transport = getattr(connection, "transport", None)
+    if transport is not None:
+        transport.close()
+
+
+def _open_count(connections: Iterable[asyncio.Protocol]) -> int:
+    """Connections not already closing (a closed one leaves the set a loop turn later)."""
+    transports = [getattr(connection, "transport", None) for connection in connections]
+    return len([t for t in transports if t is None or not t.is_closing()])
+
+
+def _client_of(transport: asyncio.BaseTransport) -> str:
+    """The client's address (its host, not its port); a Unix socket's peers are one client."""
+    peer = transport.get_extra_info("peername")
+    if isinstance(peer, tuple) and peer:
+        return str(peer[0])
+    return "local"
 
 
 def _listen(target: tuple[str, int] | Path, mode: int) -> socket.socket:

@@ -2,11 +2,17 @@
 
 :class:`SecureSumSession` starts from the key advertisements that came back with the sites'
 plan acceptances and runs each sum in three round trips (the first sum's carries the share
-boxes as well)::
+boxes as well), after one more before the first sum when the graph is sparse::
 
+    graph       SumKeysRequest                               -> NonceReveal (sparse only)
     collect     SumSharesRequest (sum 0) / SumCollectRequest -> MaskedInput
     survivors   SurvivorsRequest                             -> SurvivorsSigned
     unmask      UnmaskRequest                                -> UnmaskReply
+
+The graph round costs one message a site (about 4 s deployed, docs/design.md decision 17):
+the nonces must be revealed after every advertisement is fixed, so that no one chooses the
+graph (``protocol.sum_graph``). A site lost in it aborts the sum: drawing without its nonce
+would let colluders choose between graphs by withholding theirs.
 
 It learns the total over the survivors and who they are, never a site's input; it checks
 nothing a site does not check again (sites trust no coordinator), but it stops early when a
@@ -24,7 +30,7 @@ from flwr.app import RecordDict
 
 from dpmtv_common.aliases import Float64Array, Int64Array
 from dpmtv_common.errors import InsufficientSharesError
-from protocol import message_to_record
+from protocol import WireMessage, message_to_record
 from protocol.codec import array_from_record, with_array
 from protocol.secure_sum import (
     MASKED_ARRAY_KEY,
@@ -32,8 +38,10 @@ from protocol.secure_sum import (
     AddressedBox,
     MaskedInput,
     NodeBytes,
+    NonceReveal,
     SumCollectRequest,
     SumInstructions,
+    SumKeysRequest,
     SumSharesRequest,
     SurvivorsRequest,
     SurvivorsSigned,
@@ -42,8 +50,8 @@ from protocol.secure_sum import (
     dequantise,
     key_transcript,
 )
-from protocol.sum_graph import neighbourhood, neighbours, ring_order
-from protocol.sum_keys import KeyAdvert
+from protocol.sum_graph import GraphShape, SumGraph, build_graph, graph_seed, graph_shape
+from protocol.sum_keys import KeyAdvert, nonce_commitment
 from server.messaging import Exchange, Replies
 from server.secure_sum.unmask import unmask_total
 
@@ -69,7 +77,8 @@ class SecureSumSession:
         exchange: Sends messages to the sites and decodes their replies.
         release_id: The release.
         adverts: Node id -> the signed key advertisement it sent with its acceptance.
-        min_sites: Fewest survivors a sum may have; below it nothing is unmasked.
+        min_sites: Fewest survivors a sum may have, and the plan's minimum of honest sites
+            the graph is sized for; below it nothing is unmasked.
     """
 
     exchange: Exchange
@@ -77,8 +86,9 @@ class SecureSumSession:
     adverts: dict[int, KeyAdvert]
     min_sites: int
     participants: tuple[int, ...] = ()
-    graph: dict[int, tuple[int, ...]] = field(default_factory=dict)
-    threshold: int = 0
+    shape: GraphShape | None = None
+    graph: SumGraph | None = None
+    nonces: dict[int, bytes] = field(default_factory=dict)
     boxes: dict[int, list[AddressedBox]] = field(default_factory=dict)
     next_sum: int = 0
 
@@ -89,10 +99,20 @@ class SecureSumSession:
                 f"sites with keys must number at least min-sites={self.min_sites}, "
                 f"got {len(nodes)}."
             )
-        size, self.threshold = neighbourhood(len(nodes))
-        ring = ring_order(nodes, key_transcript(list(self.adverts.values())))
-        self.graph = {node: neighbours(ring, node, size) for node in nodes}
+        self.shape = graph_shape(len(nodes), minimum=self.min_sites)
+        if self.shape.required_neighbours() > self.shape.degree:  # every site would refuse
+            raise InsufficientSharesError(
+                f"a secure sum of {len(nodes)} sites cannot hold min-sites={self.min_sites} "
+                f"honest sites with {self.shape.colluding_neighbours} of them assumed colluding "
+                f"(a tenth of the sites): it needs min-sites + {self.shape.colluding_neighbours}"
+                " sites, or a lower min-sites."
+            )
         self.participants = tuple(nodes)
+
+    @property
+    def threshold(self) -> int:
+        """t: shares that rebuild a self-mask seed."""
+        return self._shape().threshold
 
     def run_sum(
         self,
@@ -112,6 +132,8 @@ class SecureSumSession:
         """
         if instructions.sum_index != self.next_sum:
             raise ValueError(f"sum {self.next_sum} comes next, got {instructions.sum_index}.")
+        if self.graph is None:
+            self._draw_graph()
         masked, failures = self._collect(instructions, reference)
         masked = _of_one_length(masked, failures, length)
         survivors = tuple(sorted(masked))
@@ -122,7 +144,7 @@ class SecureSumSession:
             masked=masked,
             replies=replies,
             participants=self.participants,
-            neighbours=self.graph,
+            neighbours=self._graph().neighbours,
             threshold=self.threshold,
             modulus=instructions.ranges.modulus_range,
         )
@@ -131,6 +153,42 @@ class SecureSumSession:
         return SumResult(real, survivors, failures)
 
     # ------------------------------------------------------------------ stages
+
+    def _draw_graph(self) -> None:
+        """Fix the graph: at once if complete, else from every site's revealed nonce.
+
+        Raises:
+            InsufficientSharesError: A site did not reveal the nonce it committed to.
+        """
+        shape = self._shape()
+        nodes = list(self.participants)
+        if shape.complete:
+            self.graph = build_graph(nodes, shape, None)
+            return
+        request = SumKeysRequest(
+            release_id=self.release_id, adverts=[self.adverts[node] for node in nodes]
+        )
+        record = message_to_record(request)
+        replies = self._send("sum_keys", {node: record for node in nodes}, NonceReveal)
+        for node in nodes:
+            answer = replies.answers.get(node)
+            if isinstance(answer, NonceReveal) and self._opens(node, answer.nonce):
+                self.nonces[node] = answer.nonce
+        missing = sorted(set(nodes) - set(self.nonces))
+        if missing:  # drawing without them would let a colluder choose by withholding
+            raise InsufficientSharesError(
+                f"every participant must reveal its graph nonce, got none or a wrong one from "
+                f"{len(missing)} of {len(nodes)}: {_reasons(replies, missing)}"
+            )
+        transcript = key_transcript(list(self.adverts.values()))
+        self.graph = build_graph(nodes, shape, graph_seed(transcript, self.nonces))
+
+    def _opens(self, node: int, nonce: bytes) -> bool:
+        advert = self.adverts[node]
+        found = nonce_commitment(
+            release_id=self.release_id, member=advert.member, node_id=node, nonce=nonce
+        )
+        return found == advert.nonce_commitment
 
     def _collect(
         self, instructions: SumInstructions, reference: Float64Array | None
@@ -141,6 +199,9 @@ class SecureSumSession:
             request = SumSharesRequest(
                 release_id=self.release_id,
                 adverts=[self.adverts[node] for node in self.participants],
+                nonces=[
+                    NodeBytes(node_id=node, value=v) for node, v in sorted(self.nonces.items())
+                ],
                 instructions=instructions,
             )
         else:
@@ -217,10 +278,20 @@ class SecureSumSession:
         self,
         action: str,
         contents: Mapping[int, RecordDict],
-        expected: type[MaskedInput] | type[SurvivorsSigned] | type[UnmaskReply],
+        expected: type[WireMessage],
     ) -> Replies:
         group = f"{self.release_id}-sum{self.next_sum}-{action}"
         return self.exchange.send(action, contents, expected, group)
+
+    def _shape(self) -> GraphShape:
+        if self.shape is None:  # set in __post_init__
+            raise InsufficientSharesError("the secure sum has no graph shape.")
+        return self.shape
+
+    def _graph(self) -> SumGraph:
+        if self.graph is None:
+            raise InsufficientSharesError("the secure sum's graph must be drawn before a sum.")
+        return self.graph
 
     def _require(self, count: int, what: str, failures: Mapping[int, str]) -> None:
         if count < self.min_sites:

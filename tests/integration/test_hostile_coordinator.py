@@ -978,6 +978,7 @@ def made_up_advert(
         "release_id": release_id,
         "roster_sha256": roster_sha256,
         "public_key": AgreementKey.generate().public_bytes,
+        "nonce_commitment": bytes(32),
     }
     return KeyAdvert(**fields, signature=identity.sign(advert_signed_bytes(**fields)))
 
@@ -1024,6 +1025,7 @@ def test_a_plan_refused_reserves_nothing_and_keeps_the_site_out_of_the_sum(
     request = SumSharesRequest(
         release_id="r1",
         adverts=[made_up_advert(f"site-{i}", consortium.node(i)) for i in range(SITES)],
+        nonces=[],
         instructions=SumInstructions(
             sum_index=0, request=extract_request(), ranges=ranges_for(64.0, SITES)
         ),

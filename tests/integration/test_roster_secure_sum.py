@@ -187,6 +187,7 @@ def shares_request(
     return SumSharesRequest(
         release_id="r1",
         adverts=adverts,
+        nonces=[],  # three sites: a complete graph, nothing to draw
         instructions=SumInstructions(
             sum_index=0, request=request or extract_request(), ranges=ranges
         ),

@@ -365,3 +365,28 @@ def test_a_masked_input_of_another_length_drops_its_site(tmp_path: Path) -> None
     # Assert
     assert set(result.failures) == {node(1)}
     assert_exact(result, EXTRACT, fed.ranges, [0, 2, 3])
+
+
+def test_a_site_that_withholds_its_graph_nonce_stops_the_release_before_any_input(
+    tmp_path: Path,
+) -> None:
+    # Arrange: twelve sites (a sparse graph); one never answers the nonce round. Drawing
+    # without its nonce would let a colluder choose between graphs by withholding its own.
+    fed = federation(tmp_path, 12, drops={node(5): {"query.sum_keys"}})
+    # Act
+    with pytest.raises(InsufficientSharesError, match="must reveal its graph nonce"):
+        fed.run(0, EXTRACT)
+    # Assert: no site was asked for its input; each counted the one draw it took part in.
+    assert fed.replies("query.sum_shares") == []
+    assert [site.graph_draws for site in fed.sites if site.index != 5] == [[RELEASE]] * 11
+
+
+def test_up_to_ten_sites_there_is_no_nonce_round(tmp_path: Path) -> None:
+    # Arrange: a complete graph needs no randomness.
+    fed = federation(tmp_path, 10)
+    # Act
+    result = fed.run(0, EXTRACT)
+    # Assert
+    assert fed.replies("query.sum_keys") == []
+    assert_exact(result, EXTRACT, fed.ranges, range(10))
+    assert all(site.graph_draws == [] for site in fed.sites)

@@ -28,8 +28,9 @@ from protocol import (
     SurvivorsRequest,
     UnmaskRequest,
     advert_signed_bytes,
+    graph_shape,
     key_transcript,
-    neighbourhood,
+    nonce_commitment,
     quantise,
     survivors_signed_bytes,
 )
@@ -56,9 +57,19 @@ class Consortium:
         return [session.advertise() for session in self.sessions]
 
     def join_all(self, adverts: list[KeyAdvert] | None = None) -> None:
+        """Check the adverts, reveal every nonce (a sparse graph) and draw the graph."""
         adverts = adverts if adverts is not None else self.adverts
         for session in self.sessions:
             session.join(adverts)
+        agreement = self.sessions[0].agreement
+        assert agreement is not None
+        nonces = [] if agreement.shape.complete else self.nonces()
+        for session in self.sessions:
+            session.draw_graph(adverts, nonces)
+
+    def nonces(self) -> list[NodeBytes]:
+        """Every joined session's revealed nonce."""
+        return [NodeBytes(node_id=s.node_id, value=s.reveal_nonce().nonce) for s in self.sessions]
 
     def share_all(self) -> dict[int, list[AddressedBox]]:
         """Seal every site's shares; the boxes each receiver gets, named by their sender."""
@@ -120,6 +131,12 @@ class Consortium:
         )
 
 
+def drawn(session: SiteSumSession) -> Any:
+    """The session's drawn graph and keys (the graph must have been drawn)."""
+    assert session.drawn is not None
+    return session.drawn
+
+
 def site_input(node: int) -> np.ndarray:
     return np.random.default_rng(node).uniform(-1.0, 1.0, size=SIZE)
 
@@ -158,7 +175,8 @@ def consortium(count: int, **options: Any) -> Consortium:
 
 
 def signed_advert(key: SigningKey, **fields: Any) -> KeyAdvert:
-    """An advertisement with chosen fields, signed by ``key``."""
+    """An advertisement with chosen fields, signed by ``key`` (a fixed commitment if none)."""
+    fields.setdefault("nonce_commitment", bytes(32))
     signature = key.sign(advert_signed_bytes(**fields))
     return KeyAdvert(**fields, signature=signature)
 
@@ -214,16 +232,20 @@ def test_every_site_derives_the_same_symmetric_graph_from_the_adverts(count: int
     group.join_all(adverts)
 
     # Assert
-    size, threshold = neighbourhood(count)
+    shape = graph_shape(count, minimum=2)
     graph = {}
     for session in group.sessions:
-        agreement = session.agreement
-        assert agreement is not None
-        assert agreement.transcript == key_transcript(adverts)
-        assert agreement.threshold == threshold
-        assert len(agreement.neighbours) == size - 1
-        graph[session.node_id] = agreement.neighbours
+        assert session.agreement is not None
+        assert session.drawn is not None
+        assert session.agreement.transcript == key_transcript(adverts)
+        assert session.drawn.threshold == shape.threshold
+        assert len(drawn(session).neighbours) == shape.degree
+        graph[session.node_id] = drawn(session).neighbours
     assert all(node in graph[other] for node, near in graph.items() for other in near)
+    assert {
+        drawn(s).graph.neighbours == drawn(group.sessions[0]).graph.neighbours
+        for s in group.sessions
+    } == {True}
 
 
 def test_an_advert_for_another_release_is_refused() -> None:
@@ -352,6 +374,129 @@ def test_the_adverts_arrive_once() -> None:
         group.sessions[0].join(adverts)
 
 
+# ----------------------------------------------------------------- nonce and graph
+
+
+def test_the_advert_commits_to_a_fresh_nonce_bound_to_this_release_member_and_node() -> None:
+    # Arrange
+    group = consortium(12)
+    session = group.sessions[3]
+
+    # Act
+    advert = session.advertise()
+
+    # Assert
+    expected = nonce_commitment(
+        release_id=RELEASE, member="site-3", node_id=1003, nonce=session.nonce
+    )
+    assert advert.nonce_commitment == expected
+    assert make_session(group.roster, group.keys, 3).nonce != session.nonce
+
+
+def test_a_complete_graph_reveals_no_nonce_and_draws_without_one() -> None:
+    # Arrange: up to ten sites everyone is everyone's neighbour: nothing to draw.
+    group = consortium(5)
+    adverts = group.adverts
+    session = group.sessions[0]
+    session.join(adverts)
+
+    # Act / Assert
+    with pytest.raises(StageOrderError, match="complete graph of 5 needs no nonce"):
+        session.reveal_nonce()
+    with pytest.raises(PolicyError, match="a complete graph takes no nonces"):
+        session.draw_graph(adverts, [NodeBytes(node_id=1000, value=session.nonce)])
+    session.draw_graph(adverts, [])
+    assert session.drawn is not None
+    assert len(drawn(session).neighbours) == 4
+
+
+def test_a_site_reveals_its_nonce_once_and_only_after_the_adverts() -> None:
+    # Arrange
+    group = consortium(12)
+    session = group.sessions[0]
+
+    # Act / Assert
+    with pytest.raises(StageOrderError, match="advertisements must arrive before"):
+        session.reveal_nonce()
+    session.join(group.adverts)
+    assert session.reveal_nonce().nonce == session.nonce
+    with pytest.raises(StageOrderError, match="reveals its graph nonce once a release"):
+        session.reveal_nonce()
+
+
+def test_a_sparse_graph_is_not_drawn_before_this_site_revealed() -> None:
+    # Arrange: the coordinator skips the nonce round for this site (it holds the others').
+    group = consortium(12)
+    adverts = group.adverts
+    for other in group.sessions[1:]:
+        other.join(adverts)
+    nonces = [
+        NodeBytes(node_id=s.node_id, value=s.reveal_nonce().nonce) for s in group.sessions[1:]
+    ]
+
+    # Act / Assert
+    with pytest.raises(StageOrderError, match="nonce revealed first"):
+        group.sessions[0].draw_graph(adverts, nonces)
+
+
+def test_the_graph_is_drawn_only_for_the_adverts_this_site_revealed_for() -> None:
+    # Arrange: after site 0 revealed, the coordinator swaps in a re-keyed site 5 (a colluder
+    # grinding keys after seeing the nonces).
+    group = consortium(12)
+    adverts = group.adverts
+    group.sessions[0].join(adverts)
+    group.sessions[0].reveal_nonce()
+    regrind = make_session(group.roster, group.keys, 5)
+    other = [regrind.advertise() if a.node_id == 1005 else a for a in adverts]
+
+    # Act / Assert
+    with pytest.raises(PolicyError, match="advertisements must be those this site checked"):
+        group.sessions[0].draw_graph(other, [])
+
+
+@pytest.mark.parametrize("change", ["missing", "extra", "twice", "wrong", "own replaced"])
+def test_nonces_must_be_one_per_participant_each_matching_its_commitment(change: str) -> None:
+    # Arrange
+    group = consortium(12)
+    adverts = group.adverts
+    for session in group.sessions:
+        session.join(adverts)
+    nonces = group.nonces()
+    if change == "missing":
+        nonces = nonces[1:]
+    elif change == "extra":
+        nonces.append(NodeBytes(node_id=1099, value=bytes(32)))
+    elif change == "twice":
+        nonces.append(nonces[1])
+    elif change == "wrong":
+        nonces[4] = NodeBytes(node_id=1004, value=bytes(32))
+    else:
+        nonces[0] = NodeBytes(node_id=1000, value=bytes(32))
+    session = group.sessions[0] if change != "own replaced" else group.sessions[1]
+
+    # Act / Assert
+    with pytest.raises(PolicyError, match=r"one nonce from every participant|must match its"):
+        session.draw_graph(adverts, nonces)
+
+
+def test_the_graph_follows_every_nonce_so_no_member_chooses_it() -> None:
+    # Arrange: a graph of 30; then the same sites again, site 0 alone with a fresh nonce.
+    group = consortium(30)
+    group.join_all()
+    first = drawn(group.sessions[1]).graph.neighbours
+    group.sessions[0] = make_session(group.roster, group.keys, 0)
+    for session in group.sessions[1:]:
+        session.agreement, session.drawn, session.revealed = None, None, False
+
+    # Act
+    group.join_all()
+
+    # Assert: every site drew the same graph, and one other nonce gave another graph.
+    second = drawn(group.sessions[1]).graph.neighbours
+    assert all(drawn(session).graph.neighbours == second for session in group.sessions)
+    assert second != first
+
+
 # ----------------------------------------------------------------- seal and mask
 
 
@@ -365,8 +510,8 @@ def test_each_neighbour_gets_one_box_and_the_site_keeps_its_own_share() -> None:
     boxes = session.seal_shares()
 
     # Assert
-    assert session.agreement is not None
-    assert sorted(box.node_id for box in boxes) == list(session.agreement.neighbours)
+    assert session.drawn is not None
+    assert sorted(box.node_id for box in boxes) == list(drawn(session).neighbours)
     assert len(session.own_shares) == 2  # one share per planned sum
     assert len(session.seeds) == 2
     assert session.seeds[0] != session.seeds[1]
@@ -378,7 +523,7 @@ def test_shares_are_sealed_once_and_only_after_the_adverts() -> None:
     session = group.sessions[0]
 
     # Act / Assert
-    with pytest.raises(StageOrderError, match="before any sum"):
+    with pytest.raises(StageOrderError, match="drawn before any sum"):
         session.seal_shares()
     group.join_all()
     session.seal_shares()
@@ -528,13 +673,39 @@ def test_survivors_below_the_site_s_minimum_are_refused() -> None:
         group.sessions[0].sign_survivors(request)
 
 
-def test_survivors_leaving_fewer_than_t_minus_one_neighbours_are_refused() -> None:
-    # Arrange: 5 sites, t = 3: with one neighbour left, the seed could not be rebuilt.
-    group, inbound = after_first_sum(5)
-    request = group.survivors_request(1000, [1000, 1001], inbound)
+@pytest.mark.parametrize(("count", "required"), [(12, 2), (30, 12)])
+def test_survivors_leaving_fewer_than_r_neighbours_are_refused_even_as_a_majority(
+    count: int, required: int
+) -> None:
+    # Arrange: a sparse graph; U holds a majority of the sites and one neighbour fewer than r
+    # of site 0's (at 30 sites with a minimum of 12: r = 14 > t - 1 = 9, so even a set that
+    # rebuilds every seed is refused: with its 3 possibly colluding neighbours, fewer than
+    # 11 honest sites would be tied to its input).
+    group, inbound = after_first_sum(count, required_sites=required)
+    session = group.sessions[0]
+    shape = drawn(session).graph.shape
+    need = shape.required_neighbours(required)
+    near = drawn(session).neighbours
+    others = [node for node in range(1001, 1000 + count) if node not in near]
+    survivors = sorted([1000, *near[: need - 1], *others])
+    request = group.survivors_request(1000, survivors, inbound)
 
     # Act / Assert
-    with pytest.raises(PolicyError, match=r"t - 1 = 2 surviving neighbours .* got 1"):
+    assert 2 * len(survivors) > count
+    assert len(survivors) >= required
+    with pytest.raises(PolicyError, match=rf"r = {need} surviving neighbours .* got {need - 1}"):
+        session.sign_survivors(request)
+
+
+@pytest.mark.parametrize("count", [4, 12])
+def test_a_survivor_set_of_half_the_participants_or_fewer_is_refused(count: int) -> None:
+    # Arrange: two disjoint halves could each be fully signed by their own members.
+    group, inbound = after_first_sum(count)
+    half = [FIRST_NODE + i for i in range(count // 2)]
+    request = group.survivors_request(1000, half, inbound)
+
+    # Act / Assert
+    with pytest.raises(PolicyError, match="must be a majority of the sum's"):
         group.sessions[0].sign_survivors(request)
 
 

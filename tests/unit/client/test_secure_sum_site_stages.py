@@ -30,6 +30,7 @@ from protocol import (
     StageOrderError,
     SumCollectRequest,
     SumInstructions,
+    SumKeysRequest,
     SumRanges,
     SumSharesRequest,
     SurvivorsRequest,
@@ -66,6 +67,7 @@ def shares_request(everyone: list[SiteSums], ranges: SumRanges = RANGES) -> SumS
     return SumSharesRequest(
         release_id="r1",
         adverts=adverts,
+        nonces=[],  # a complete graph: nothing to draw
         instructions=SumInstructions(sum_index=0, request=EXTRACT, ranges=ranges),
     )
 
@@ -186,6 +188,62 @@ def test_the_session_requires_the_larger_minimum_and_runs_the_plan_s_sums(
     session = sums.sessions[plan.release_id]
     assert session.required_sites == required
     assert session.num_sums == num_sums
+
+
+# ----------------------------------------------------------------- the graph draw
+
+
+def keys_request(everyone: list[SiteSums]) -> SumKeysRequest:
+    adverts = [sums.sessions["r1"].advertise() for sums in everyone]
+    return SumKeysRequest(release_id="r1", adverts=adverts)
+
+
+def test_a_sparse_graph_s_nonce_is_revealed_once_the_draw_is_counted(tmp_path: Path) -> None:
+    # Arrange: twelve sites: a sparse graph, drawn from every site's nonce.
+    everyone = accepted(tmp_path, count=12)
+    request = keys_request(everyone)
+
+    # Act
+    reveal = everyone[0].keys(request, run_id=7)
+
+    # Assert
+    assert reveal.nonce == everyone[0].sessions["r1"].nonce
+    assert stand_in(everyone[0]).graph_draws == ["r1"]
+
+
+def test_a_second_reveal_is_refused_and_not_counted_again(tmp_path: Path) -> None:
+    # Arrange
+    everyone = accepted(tmp_path, count=12)
+    request = keys_request(everyone)
+    everyone[0].keys(request, run_id=7)
+
+    # Act / Assert
+    with pytest.raises(StageOrderError, match="once a release"):
+        everyone[0].keys(request, run_id=7)
+    assert stand_in(everyone[0]).graph_draws == ["r1"]
+
+
+def test_a_complete_graph_reveals_no_nonce_and_counts_no_draw(tmp_path: Path) -> None:
+    # Arrange: three sites: every site is every site's neighbour, nothing to draw.
+    everyone = accepted(tmp_path)
+
+    # Act / Assert
+    with pytest.raises(StageOrderError, match="complete graph of 3 needs no nonce"):
+        everyone[0].keys(keys_request(everyone), run_id=7)
+    assert stand_in(everyone[0]).graph_draws == []
+
+
+def test_forged_adverts_are_refused_before_the_draw_is_counted(tmp_path: Path) -> None:
+    # Arrange
+    everyone = accepted(tmp_path, count=12)
+    request = keys_request(everyone)
+    adverts = list(request.adverts)
+    adverts[3] = adverts[3].model_copy(update={"public_key": bytes(32)})
+
+    # Act / Assert
+    with pytest.raises(PolicyError, match="must sign with its roster identity key"):
+        everyone[0].keys(request.model_copy(update={"adverts": adverts}), run_id=7)
+    assert stand_in(everyone[0]).graph_draws == []
 
 
 # ----------------------------------------------------------------- public checks first

@@ -16,6 +16,7 @@ from protocol import (
     MaskedInput,
     MessageDecodeError,
     NodeBytes,
+    NonceReveal,
     PlanAccept,
     PlanRequest,
     ReleaseAck,
@@ -27,6 +28,7 @@ from protocol import (
     SelectionMode,
     SumCollectRequest,
     SumInstructions,
+    SumKeysRequest,
     SumRanges,
     SumSharesRequest,
     SurvivorsRequest,
@@ -170,7 +172,7 @@ def test_body_kind_must_match_envelope_kind() -> None:
         message_from_record(_tampered(ABORT, kind="error"))
 
 
-@pytest.mark.parametrize("version", ["4.0", "6.0", "0.9", "one", ""])
+@pytest.mark.parametrize("version", ["5.0", "7.0", "0.9", "one", ""])
 def test_other_major_version_is_refused_before_the_body_is_read(version: str) -> None:
     record = _tampered(ABORT, protocol_version=version, body="{not json")
 
@@ -179,12 +181,12 @@ def test_other_major_version_is_refused_before_the_body_is_read(version: str) ->
 
 
 def test_same_major_other_minor_is_accepted() -> None:
-    assert message_from_record(_tampered(ABORT, protocol_version="5.7")) == ABORT
+    assert message_from_record(_tampered(ABORT, protocol_version="6.7")) == ABORT
 
 
 def test_check_compatible_message_shows_both_versions() -> None:
-    with pytest.raises(VersionMismatchError, match=r"got '6\.1' \(local version '5\.0'\)"):
-        check_compatible("6.1")
+    with pytest.raises(VersionMismatchError, match=r"got '7\.1' \(local version '6\.0'\)"):
+        check_compatible("7.1")
 
 
 def test_record_without_envelope_is_a_decode_error() -> None:
@@ -238,6 +240,7 @@ ADVERTS = [
         release_id="r1",
         roster_sha256="ab" * 32,
         public_key=bytes([node]) * 32,
+        nonce_commitment=bytes([node + 8]) * 32,
         signature=bytes([node]) * 64,
     )
     for node in (1, 2)
@@ -246,6 +249,7 @@ SUM_EXAMPLES: list[WireMessage] = [
     SumSharesRequest(
         release_id="r1",
         adverts=ADVERTS,
+        nonces=[],
         instructions=SumInstructions(sum_index=0, request=EXTRACT_REQUEST, ranges=RANGES),
     ),
     SumCollectRequest(
@@ -267,7 +271,32 @@ SUM_EXAMPLES: list[WireMessage] = [
         seed_shares=[NodeBytes(node_id=1, value=b"share")],
         pair_seeds=[NodeBytes(node_id=3, value=bytes(32))],
     ),
+    SumKeysRequest(release_id="r1", adverts=ADVERTS),
+    NonceReveal(release_id="r1", nonce=bytes(range(32))),
+    SumSharesRequest(
+        release_id="r1",
+        adverts=ADVERTS,
+        nonces=[NodeBytes(node_id=1, value=bytes(32)), NodeBytes(node_id=2, value=b"n" * 32)],
+        instructions=SumInstructions(sum_index=0, request=EXTRACT_REQUEST, ranges=RANGES),
+    ),
 ]
+
+
+@pytest.mark.parametrize("size", [31, 33])
+def test_a_nonce_or_commitment_of_another_length_is_refused(size: int) -> None:
+    # Arrange: both are exactly 32 bytes (a SHA-256 digest; the nonce is as long).
+    reveal = json.loads(NonceReveal(release_id="r1", nonce=bytes(32)).model_dump_json())
+    advert = json.loads(ADVERTS[0].model_dump_json())
+
+    # Act / Assert
+    with pytest.raises(ValueError, match=f"must be 32 bytes, got {size}"):
+        NonceReveal.model_validate_json(
+            json.dumps({**reveal, "nonce": base64.b64encode(bytes(size)).decode()})
+        )
+    with pytest.raises(ValueError, match=f"must be 32 bytes, got {size}"):
+        KeyAdvert.model_validate_json(
+            json.dumps({**advert, "nonce_commitment": base64.b64encode(bytes(size)).decode()})
+        )
 
 
 @pytest.mark.parametrize("msg", SUM_EXAMPLES, ids=lambda m: type(m).__name__)
@@ -323,7 +352,7 @@ def test_a_sum_message_body_of_another_kind_is_refused() -> None:
 
 def test_a_sum_message_from_another_major_version_is_refused() -> None:
     # Arrange
-    record = _tampered(SUM_EXAMPLES[0], protocol_version="6.1", body="{not json")
+    record = _tampered(SUM_EXAMPLES[0], protocol_version="7.1", body="{not json")
 
     # Act / Assert
     with pytest.raises(VersionMismatchError):

@@ -1,28 +1,42 @@
-"""Secure-sum neighbourhoods meet the privacy and correctness bounds; the ring is unchosen."""
+"""The secure sum's graph: its numbers meet the stated bound, and its draw is unbiased.
+
+The bound is recomputed here independently (floating-point hypergeometric tails, not the
+module's integer arithmetic) and the drawn graphs are checked for what the bound assumes:
+d-regular, symmetric, each site's neighbourhood a uniformly random d-subset (statistical,
+false-failure rate stated), and an expander that a few removed sites do not cut.
+"""
 
 from __future__ import annotations
 
 import hashlib
 import math
+import random
+from collections import Counter
 
 import pytest
 
 from dpmtv_common.errors import ConfigError
 from protocol.sum_graph import (
+    COMPLETE_UP_TO,
     CORRECTNESS_FAILURE,
-    DEFAULT_CORRUPT_FRACTION,
-    DEFAULT_DROPOUT_FRACTION,
     PRIVACY_FAILURE,
-    neighbourhood,
-    neighbours,
-    ring_order,
+    GraphShape,
+    build_graph,
+    graph_seed,
+    graph_shape,
 )
+from protocol.sum_keys import nonce_commitment
 
-SIZES = [11, 12, 30, 100, 300, 1000, 3000]
-TRANSCRIPT = hashlib.sha256(b"key transcript").digest()
+SIZES = [11, 12, 30, 100, 300, 1000]
+MINIMA = [2, 3, 4, 12]
+
+
+def seed_of(label: object) -> bytes:
+    return hashlib.sha256(repr(label).encode()).digest()
 
 
 def hypergeometric_tail(population: int, marked: int, draws: int, at_least: int) -> float:
+    """P[X >= at_least] for X ~ Hypergeometric(population, marked, draws)."""
     hits = sum(
         math.comb(marked, count) * math.comb(population - marked, draws - count)
         for count in range(max(at_least, 0), min(marked, draws) + 1)
@@ -30,75 +44,94 @@ def hypergeometric_tail(population: int, marked: int, draws: int, at_least: int)
     return hits / math.comb(population, draws)
 
 
-def failures(sites: int, size: int, threshold: int) -> tuple[float, float]:
-    corrupt = math.ceil(DEFAULT_CORRUPT_FRACTION * sites)
-    dropped = math.ceil(DEFAULT_DROPOUT_FRACTION * sites)
-    others = sites - 1
-    leak = sites * hypergeometric_tail(others, corrupt, size - 1, threshold)
-    stuck = sites * (1 - hypergeometric_tail(others, others - dropped, size - 1, threshold - 1))
-    return leak, stuck
+def failures(sites: int, minimum: int, degree: int) -> tuple[float, float, GraphShape]:
+    """(privacy, correctness) failure of a degree, with the ĉ, t and r it implies."""
+    colluders, dropped, others = sites // 10, math.ceil(sites / 10), sites - 1
+    bound = next(
+        c
+        for c in range(colluders + 1)
+        if sites * hypergeometric_tail(others, colluders, degree, c + 1) <= PRIVACY_FAILURE
+    )
+    threshold = max(bound + 1, (degree + 1) // 2 + 1)
+    shape = GraphShape(sites, minimum, degree, threshold, bound)
+    need = shape.required_neighbours()
+    leak = sites * hypergeometric_tail(others, colluders, degree, bound + 1)
+    stuck = sites * (1 - hypergeometric_tail(others, others - dropped, degree, need))
+    return leak, (stuck if need <= degree else 1.0), shape
 
 
-def meets_bounds(sites: int, size: int, threshold: int) -> bool:
-    leak, stuck = failures(sites, size, threshold)
-    return leak <= PRIVACY_FAILURE and stuck <= CORRECTNESS_FAILURE
+# ----------------------------------------------------------------- the shape
 
 
-# ----------------------------------------------------------------- neighbourhood
-
-
-@pytest.mark.parametrize(
-    ("sites", "threshold"), [(2, 2), (3, 2), (4, 3), (5, 3), (6, 4), (9, 5), (10, 6)]
-)
+@pytest.mark.parametrize("sites", range(2, COMPLETE_UP_TO + 1))
+@pytest.mark.parametrize("minimum", [2, 3])
 def test_up_to_ten_sites_the_graph_is_complete_with_a_majority_threshold(
-    sites: int, threshold: int
+    sites: int, minimum: int
 ) -> None:
     # Act
-    size, got = neighbourhood(sites)
+    shape = graph_shape(sites, minimum=minimum)
 
-    # Assert
-    assert (size, got) == (sites, threshold)
-    assert got == max(2, sites // 2 + 1)
-
-
-@pytest.mark.parametrize("sites", SIZES)
-def test_a_sparse_neighbourhood_is_odd_with_a_majority_threshold(sites: int) -> None:
-    # Act
-    size, threshold = neighbourhood(sites)
-
-    # Assert
-    assert isinstance(size, int)
-    assert isinstance(threshold, int)
-    assert size % 2 == 1
-    assert 3 <= size < sites
-    assert size / 2 < threshold <= size
+    # Assert: every colluder (one at ten sites) is a neighbour: ĉ is exact.
+    assert shape.complete
+    assert (shape.degree, shape.threshold) == (sites - 1, max(2, sites // 2 + 1))
+    assert shape.colluding_neighbours == sites // 10
+    assert shape.required_neighbours() == max(shape.threshold - 1, minimum - 1 + sites // 10)
 
 
 @pytest.mark.parametrize("sites", SIZES)
-def test_the_neighbourhood_meets_both_bounds_and_no_smaller_one_does(sites: int) -> None:
+@pytest.mark.parametrize("minimum", MINIMA)
+def test_a_sparse_shape_meets_both_bounds_and_no_smaller_degree_does(
+    sites: int, minimum: int
+) -> None:
     # Act
-    size, threshold = neighbourhood(sites)
-    smaller = size - 2
+    shape = graph_shape(sites, minimum=minimum)
 
     # Assert
-    assert meets_bounds(sites, size, threshold)
-    assert smaller < 3 or not any(
-        meets_bounds(sites, smaller, t) for t in range(smaller // 2 + 1, smaller + 1)
-    )
+    if shape.complete:  # only where no sparse degree qualifies
+        assert all(
+            failures(sites, minimum, d)[1] > CORRECTNESS_FAILURE
+            for d in range(2, sites - 1)
+            if sites * d % 2 == 0
+        )
+        return
+    leak, stuck, expected = failures(sites, minimum, shape.degree)
+    assert shape == expected
+    assert leak <= PRIVACY_FAILURE
+    assert stuck <= CORRECTNESS_FAILURE
+    assert (sites * shape.degree) % 2 == 0
+    assert shape.threshold > (shape.degree + 1) / 2
+    assert shape.threshold > shape.colluding_neighbours
+    smaller = [d for d in range(2, shape.degree) if sites * d % 2 == 0]
+    assert all(failures(sites, minimum, d)[1] > CORRECTNESS_FAILURE for d in smaller)
 
 
-def test_the_neighbourhood_grows_like_log_n() -> None:
+@pytest.mark.parametrize("sites", SIZES)
+def test_a_site_needs_its_minimum_of_honest_neighbours_beyond_the_colluders(sites: int) -> None:
+    # Arrange
+    shape = graph_shape(sites, minimum=3)
+
     # Act
-    sizes = {sites: neighbourhood(sites)[0] for sites in (100, 1000, 10_000)}
+    need = shape.required_neighbours()
+    own = shape.required_neighbours(5)
 
-    # Assert: a tenfold consortium adds a bounded number of neighbours, not ten times as many
-    assert sizes[100] < sizes[1000] < sizes[10_000] <= 3 * sizes[100]
+    # Assert: even with ĉ of them colluding, m - 1 honest survivors are tied to the site.
+    assert need - shape.colluding_neighbours >= 3 - 1
+    assert own - shape.colluding_neighbours >= 5 - 1
+    assert need >= shape.threshold - 1
 
 
-def test_more_collusion_needs_larger_neighbourhoods() -> None:
+def test_the_degree_grows_slowly_with_the_consortium() -> None:
     # Act
-    cautious = neighbourhood(1000, corrupt_fraction=0.2)[0]
-    default = neighbourhood(1000)[0]
+    degrees = {sites: graph_shape(sites, minimum=3).degree for sites in (100, 1000, 10_000)}
+
+    # Assert: a hundredfold consortium needs a few times the neighbours, not a hundred.
+    assert degrees[100] < degrees[1000] < degrees[10_000] <= 4 * degrees[100]
+
+
+def test_more_collusion_needs_more_neighbours() -> None:
+    # Act
+    cautious = graph_shape(1000, minimum=3, corrupt_fraction=0.2).degree
+    default = graph_shape(1000, minimum=3).degree
 
     # Assert
     assert cautious > default
@@ -108,9 +141,9 @@ def test_more_collusion_needs_larger_neighbourhoods() -> None:
     ("sites", "options", "match"),
     [
         (1, {}, "sites must be an int >= 2 .* got 1"),
-        (0, {}, "sites must be an int >= 2 .* got 0"),
         (True, {}, "sites must be an int >= 2 .* got True"),
         (3.0, {}, "sites must be an int >= 2 .* got 3.0"),
+        (5, {"minimum": 0}, "minimum must be an int >= 1 .* got 0"),
         (100, {"corrupt_fraction": 0.5}, r"corrupt_fraction must be in \[0, 0.5\), got 0.5"),
         (100, {"dropout_fraction": -0.1}, r"dropout_fraction must be in \[0, 0.5\), got -0.1"),
     ],
@@ -118,101 +151,159 @@ def test_more_collusion_needs_larger_neighbourhoods() -> None:
 def test_bad_arguments_are_refused(sites: object, options: dict[str, float], match: str) -> None:
     # Act / Assert
     with pytest.raises(ConfigError, match=match):
-        neighbourhood(sites, **options)  # type: ignore[arg-type]
+        graph_shape(sites, **{"minimum": 3, **options})  # type: ignore[arg-type]
 
 
-# ----------------------------------------------------------------- ring order
+# ----------------------------------------------------------------- the draw
 
 
-def test_the_ring_is_a_permutation_of_the_nodes_fixed_by_the_transcript() -> None:
+@pytest.mark.parametrize("sites", [11, 12, 30, 100])
+def test_a_drawn_graph_is_simple_symmetric_and_regular(sites: int) -> None:
     # Arrange
-    nodes = list(range(1000, 1020))
+    shape = graph_shape(sites, minimum=3)
+    nodes = [7 * i + 3 for i in range(sites)]
 
     # Act
-    ring = ring_order(nodes, TRANSCRIPT)
+    graph = build_graph(nodes, shape, seed_of(sites))
 
     # Assert
-    assert sorted(ring) == nodes
-    assert ring_order(list(reversed(nodes)), TRANSCRIPT) == ring  # input order is irrelevant
-    assert ring != tuple(nodes)
-
-
-def test_another_transcript_gives_another_ring() -> None:
-    # Arrange: one fresh key more or less changes the transcript.
-    nodes = list(range(1000, 1020))
-    other = hashlib.sha256(b"another key transcript").digest()
-
-    # Act
-    first, second = ring_order(nodes, TRANSCRIPT), ring_order(nodes, other)
-
-    # Assert: two of 20! orders coincide with probability 1 / 20!
-    assert first != second
-    assert sorted(first) == sorted(second)
-
-
-def test_the_ring_is_the_nodes_sorted_by_a_hash_of_transcript_and_node() -> None:
-    # Arrange
-    nodes = [3, 1, 2**63, 7]
-
-    # Act
-    ring = ring_order(nodes, TRANSCRIPT)
-
-    # Assert
-    def position(node: int) -> bytes:
-        return hashlib.sha256(TRANSCRIPT + node.to_bytes(8, "big")).digest()
-
-    assert ring == tuple(sorted(nodes, key=position))
-
-
-# ----------------------------------------------------------------- neighbours
-
-
-@pytest.mark.parametrize(("count", "size"), [(5, 5), (11, 5), (12, 5), (30, 11), (31, 3)])
-def test_neighbours_are_a_symmetric_relation_of_size_k_minus_one(count: int, size: int) -> None:
-    # Arrange
-    ring = ring_order(list(range(100, 100 + count)), TRANSCRIPT)
-
-    # Act
-    graph = {node: neighbours(ring, node, size) for node in ring}
-
-    # Assert
-    for node, near in graph.items():
-        assert len(near) == size - 1
+    assert graph.nodes == tuple(nodes)
+    for node, near in graph.neighbours.items():
+        assert len(near) == shape.degree
         assert node not in near
-        assert list(near) == sorted(near)
-        assert all(node in graph[other] for other in near)
+        assert list(near) == sorted(set(near))
+        assert all(node in graph.of(other) for other in near)
 
 
-def test_sparse_neighbours_are_the_nearest_on_the_ring() -> None:
+def test_the_draw_is_fixed_by_the_seed_and_any_other_seed_gives_another() -> None:
     # Arrange
-    ring = tuple(range(10))
+    shape = graph_shape(30, minimum=3)
+    nodes = list(range(1000, 1030))
 
     # Act
-    near = neighbours(ring, 0, 5)
+    first = build_graph(nodes, shape, seed_of("a"))
+    again = build_graph(list(reversed(nodes)), shape, seed_of("a"))
+    other = build_graph(nodes, shape, seed_of("b"))
 
-    # Assert: two on each side, wrapping around
-    assert near == (1, 2, 8, 9)
+    # Assert
+    assert again.neighbours == first.neighbours
+    assert other.neighbours != first.neighbours
 
 
-def test_the_complete_graph_holds_every_other_node() -> None:
+def test_each_neighbourhood_is_a_uniform_subset_pairs_and_joint_memberships_alike() -> None:
+    # Arrange: 2,000 draws of a 4-regular graph on 12 sites. The bound needs each site's
+    # neighbourhood to be a uniform 4-subset of the other 11: a pair is joined with p = 4/11
+    # (count Binomial(2000, p), sd 21.5) and sites 1 and 2 are both near site 0 with
+    # q = 4 * 3 / (11 * 10) (sd 13.9). A 6.5-sd band fails one count with probability 8e-11;
+    # all 67 counts (union bound) fail together with probability below 1e-8.
+    shape = graph_shape(12, minimum=2)
+    draws, joined, both = 2000, Counter[tuple[int, int]](), 0
+    nodes = list(range(12))
+
+    # Act
+    for index in range(draws):
+        graph = build_graph(nodes, shape, seed_of(("uniform", index)))
+        joined.update((a, b) for a in nodes for b in graph.of(a) if a < b)
+        both += 1 in graph.of(0) and 2 in graph.of(0)
+
+    # Assert
+    assert shape.degree == 4
+    p, q = 4 / 11, 12 / 110
+    for a in nodes:
+        for b in nodes[a + 1 :]:
+            assert abs(joined[a, b] - draws * p) <= 6.5 * math.sqrt(draws * p * (1 - p))
+    assert abs(both - draws * q) <= 6.5 * math.sqrt(draws * q * (1 - q))
+
+
+@pytest.mark.parametrize("sites", [30, 100])
+def test_few_removed_sites_do_not_cut_the_graph_and_small_sets_have_large_boundaries(
+    sites: int,
+) -> None:
+    # Arrange: a ring of nearest neighbours is cut by removing d sites around any arc, and
+    # an arc longer than d has a boundary of d; an expander's balls have boundaries at least
+    # as large as themselves, and a random tenth of the sites removed leaves it connected.
+    shape = graph_shape(sites, minimum=3)
+    chooser = random.Random(sites)  # test-only draws of which sites to remove
+    nodes = list(range(sites))
+
+    for index in range(20):
+        graph = build_graph(nodes, shape, seed_of(("expansion", sites, index)))
+
+        # Act
+        kept = set(nodes) - set(chooser.sample(nodes, sites // 10))
+        start = min(kept)
+        reached = graph.component(start, kept)
+        ball = [start]
+        for node in ball:  # breadth-first, up to a quarter of the sites
+            ball += [o for o in graph.of(node) if o not in ball][: sites // 4 - len(ball)]
+        boundary = {o for node in ball for o in graph.of(node)} - set(ball)
+
+        # Assert
+        assert reached == kept
+        assert len(boundary) >= len(ball)
+
+
+def test_a_sparse_graph_needs_a_seed_and_the_right_nodes() -> None:
     # Arrange
-    ring = ring_order([5, 6, 7, 8], TRANSCRIPT)
+    shape = graph_shape(30, minimum=3)
 
     # Act / Assert
-    assert neighbours(ring, 7, 4) == (5, 6, 8)
+    with pytest.raises(ConfigError, match="needs a 32-byte seed"):
+        build_graph(list(range(30)), shape, None)
+    with pytest.raises(ConfigError, match="nodes must be 30 distinct ids, got 29"):
+        build_graph(list(range(29)), shape, seed_of(1))
+    with pytest.raises(ConfigError, match="nodes must be 30 distinct ids"):
+        build_graph([0, *range(29)], shape, seed_of(1))
 
 
-@pytest.mark.parametrize("size", [2, 4, 10, 1, 13, 0])
-def test_an_even_or_out_of_range_sparse_size_is_refused(size: int) -> None:
-    # Arrange: an even k would make the relation asymmetric.
-    ring = tuple(range(12))
+def test_a_complete_graph_needs_no_seed() -> None:
+    # Act
+    graph = build_graph([3, 1, 2], graph_shape(3, minimum=3), None)
+
+    # Assert
+    assert dict(graph.neighbours) == {1: (2, 3), 2: (1, 3), 3: (1, 2)}
+
+
+def test_a_component_is_what_a_site_reaches_inside_a_set() -> None:
+    # Arrange
+    graph = build_graph([1, 2, 3, 4], graph_shape(4, minimum=2), None)
 
     # Act / Assert
-    with pytest.raises(ConfigError, match="a neighbourhood must be odd in"):
-        neighbours(ring, 0, size)
+    assert graph.component(1, [1, 3]) == {1, 3}
+    assert graph.component(1, [2, 3]) == frozenset()
+    with pytest.raises(ConfigError, match="node must be one of the 4 participants, got 9"):
+        graph.of(9)
 
 
-def test_a_node_off_the_ring_is_refused() -> None:
-    # Act / Assert
-    with pytest.raises(ConfigError, match="node must be on the ring of 3 participants, got 9"):
-        neighbours((1, 2, 3), 9, 3)
+# ----------------------------------------------------------------- seed and commitment
+
+
+def test_the_seed_covers_the_transcript_and_every_nonce_in_node_order() -> None:
+    # Arrange
+    nonces = {5: b"a" * 32, 1: b"b" * 32}
+
+    # Act
+    seed = graph_seed(b"transcript", nonces)
+
+    # Assert
+    assert graph_seed(b"transcript", dict(reversed(nonces.items()))) == seed
+    assert graph_seed(b"transcript!", nonces) != seed
+    assert graph_seed(b"transcript", {**nonces, 5: b"c" * 32}) != seed
+    assert graph_seed(b"transcript", {1: b"b" * 32}) != seed
+
+
+def test_a_commitment_binds_the_nonce_to_its_release_member_and_node() -> None:
+    # Arrange
+    fields = {"release_id": "r1", "member": "a", "node_id": 1, "nonce": b"n" * 32}
+
+    # Act
+    base = nonce_commitment(**fields)  # type: ignore[arg-type]
+
+    # Assert
+    for name, other in (
+        ("release_id", "r2"),
+        ("member", "b"),
+        ("node_id", 2),
+        ("nonce", b"m" * 32),
+    ):
+        assert nonce_commitment(**{**fields, name: other}) != base  # type: ignore[arg-type]

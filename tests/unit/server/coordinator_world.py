@@ -42,6 +42,7 @@ def unsigned_keys(node: int, release_id: str) -> KeyAdvert:
         release_id=release_id,
         roster_sha256="0" * 64,
         public_key=bytes(32),
+        nonce_commitment=bytes(32),
         signature=bytes(64),
     )
 

@@ -99,3 +99,18 @@ def test_too_few_sites_with_keys_abort_the_plan_stage(monkeypatch: pytest.Monkey
     with pytest.raises(InsufficientSharesError, match="min-sites=2, got 1") as info:
         plan_stage(monkeypatch, answers)
     assert "without this release's secure-sum key for its node" in str(info.value)
+
+
+@pytest.mark.parametrize(("sites", "min_sites"), [(10, 10), (12, 12), (20, 19)])
+def test_a_sum_that_cannot_hold_the_minimum_with_the_assumed_colluders_stops_before_a_message(
+    sites: int, min_sites: int
+) -> None:
+    # Arrange: a tenth of the sites (one or two) assumed colluding: min-sites honest ones
+    # cannot all be tied to every site, so every site would refuse the graph.
+    from server.secure_sum import SecureSumSession
+
+    adverts = {node: keys(node) for node in range(1, sites + 1)}
+
+    # Act / Assert
+    with pytest.raises(InsufficientSharesError, match="assumed colluding"):
+        SecureSumSession(None, "r1", adverts, min_sites)  # type: ignore[arg-type]

@@ -9,6 +9,7 @@ the rule both sides must follow.
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -17,7 +18,7 @@ import pytest
 
 from dpmtv_common.crypto import mask_prg, shamir
 from dpmtv_common.errors import InsufficientSharesError, IntegrityError
-from protocol import NodeBytes, UnmaskReply, neighbourhood, neighbours
+from protocol import NodeBytes, UnmaskReply, build_graph, graph_shape
 from server.secure_sum.unmask import unmask_total
 
 MODULUS = 2**40
@@ -79,10 +80,11 @@ def expand(seed: bytes) -> np.ndarray:
 
 
 def build_sum(nodes: Sequence[int], *, seed: int = 0) -> Sum:
-    """Every site's masked input under the protocol's rule, on the ring ``nodes`` as given."""
+    """Every site's masked input under the protocol's rule, on the graph of ``nodes``."""
     rng = np.random.default_rng(seed)
-    size, threshold = neighbourhood(len(nodes))
-    graph = {node: neighbours(tuple(nodes), node, size) for node in nodes}
+    shape = graph_shape(len(nodes), minimum=2)
+    drawn = build_graph(nodes, shape, hashlib.sha256(bytes([seed])).digest())
+    graph, threshold = dict(drawn.neighbours), shape.threshold
     seeds = {node: rng.bytes(32) for node in nodes}
     pair_seeds = {frozenset((u, v)): rng.bytes(32) for u in nodes for v in graph[u] if u < v}
     inputs = {node: rng.integers(0, 2**20, size=SIZE) for node in nodes}
@@ -100,8 +102,8 @@ def build_sum(nodes: Sequence[int], *, seed: int = 0) -> Sum:
     return Sum(inputs, masked, graph, threshold, seeds, shares, pair_seeds)
 
 
-COMPLETE = list(range(1, 6))  # 5 sites: k = 5, t = 3
-SPARSE = list(range(100, 112))  # 12 sites: k = 5, t = 3, two neighbours a side
+COMPLETE = list(range(1, 6))  # 5 sites: every other site a neighbour, t = 3
+SPARSE = list(range(100, 112))  # 12 sites: 4 neighbours each, t = 3
 
 
 @pytest.mark.parametrize("nodes", [COMPLETE, SPARSE])
@@ -135,7 +137,8 @@ def test_sites_that_sent_nothing_are_cancelled_by_their_neighbours_pair_seeds(
 def test_a_survivor_lost_at_unmask_is_rebuilt_from_t_shares() -> None:
     # Arrange: site 104's input arrived; its four neighbours hold shares, t = 3 answer.
     built = build_sum(SPARSE)
-    answering = [node for node in SPARSE if node not in (104, 105)]
+    lost = (104, built.graph[104][0])
+    answering = [node for node in SPARSE if node not in lost]
     replies = {node: built.reply(node, SPARSE) for node in answering}
 
     # Act
