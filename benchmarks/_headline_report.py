@@ -83,7 +83,10 @@ def render(results: dict[str, Any], models: dict[str, tuple]) -> str:
         "task's answers), by leave-one-public-task-out under each size's planned noise. "
         "**Ratio** = (DP-MTV - zero-shot) / (MTV with its own selection - zero-shot); n/a "
         f"where MTV gains less than {MIN_REFERENCE_GAIN} over zero-shot. The 10-site central "
-        "row is also the single-holder release of the same chunks.",
+        "row is also the single-holder release of the same chunks. Rows marked (sweep) "
+        "release the chosen heads and centre at other multiples of the public C' scale: a "
+        "diagnostic of what the public C' choice costs, whose best row is read off test "
+        "answers, which no product path sees.",
         "",
     ]
     for task in results["tasks"]:

@@ -1,4 +1,9 @@
-"""The three-model headline section of docs/benchmarks.md, from benchmarks/headline.py's JSON."""
+"""The headline section of docs/benchmarks.md, from benchmarks/headline.py's JSON.
+
+Each model's page (``headline-MODEL.md``) has every row; this section puts the models side
+by side: what a consortium member has without a private release, MTV's own selection (the
+oracle), and the release the public choices make at each consortium size.
+"""
 
 from __future__ import annotations
 
@@ -6,28 +11,27 @@ import json
 from pathlib import Path
 from typing import Any
 
+from _headline_report import MIN_REFERENCE_GAIN, best_baseline, ratio
+
 MODELS = ("small", "deep", "pretrained")
-# Below this gain of MTV's own selection over zero-shot a ratio divides by test noise (40-200
-# queries): shown as n/a and left out of the plot.
-MIN_REFERENCE_GAIN = 0.2
-TASK_COLOURS = {"colour": "C0", "shape": "C1", "count": "C2", "position": "C3", "count-word": "C4"}
-
-
-def has_reference(task: dict) -> bool:
-    """Whether MTV's own selection gains enough over zero-shot to divide by."""
-    return bool(task["own_selection"] - task["zero_shot"] >= MIN_REFERENCE_GAIN)
-
-
-MODES = (("central", "central"), ("distributed t=2", "t2"), ("distributed t=n/2", "half"))
+TASK_COLOURS = {"colour": "C0", "shape": "C1", "count": "C2", "position": "C3"}
+BASELINE_NAMES = {
+    "public_only_task_agnostic": "public only",
+    "public_only_tiny": "public same-task mean",
+    "public_icl_tiny": "public same-task ICL",
+    "site_alone_icl": "a site's own ICL",
+}
 
 
 def load_headlines(folder: Path) -> dict[str, dict[str, Any]]:
-    """``headline-MODEL.json`` of every model that has one."""
+    """``headline-MODEL.json`` of every model whose run has the baselines (the current format)."""
     out = {}
     for model in MODELS:
         path = folder / f"headline-{model}.json"
         if path.is_file():
-            out[model] = json.loads(path.read_text())
+            results = json.loads(path.read_text())
+            if all("baselines" in task for task in results["tasks"]):
+                out[model] = results
     return out
 
 
@@ -35,70 +39,91 @@ def _pct(value: float) -> str:
     return "n/a" if value != value else f"{100 * value:.0f} %"
 
 
-def _mode_key(row: dict) -> str | None:
-    """Which of the MODES a row of the chosen setting is (None: a side-by-side row)."""
-    if row["variant"] != "chosen":
-        return None
-    if row["mode"] == "central":
-        return "central"
-    return "t2" if row["t"] == 2 else "half"
+def _variant(row: dict) -> str:
+    """``chosen`` for the release the public choices make, else what the side row changes."""
+    label = row["label"]
+    if "(sweep)" in label:
+        return "sweep"
+    if "no centre" in label:
+        return "no centre"
+    if "other mode" in label:
+        return "other heads mode"
+    return "chosen"
 
 
-def _cell(rows: list[dict], sites: int, key: str, reference: bool = True) -> str:
-    for row in rows:
-        if row["sites"] == sites and _mode_key(row) == key:
-            ratio = _pct(row["ratio"]) if reference else "n/a"
-            return f"**{ratio}** ({row['accuracy']:.2f})"
-    # t = n/2 is t = 2 at 3 sites: the row is the t = 2 one
-    return "= t=2" if key == "half" else ""
+def _chosen(task: dict, sites: int, mode: str) -> dict | None:
+    for row in task["rows"]:
+        if row["sites"] == sites and row["mode"] == mode and _variant(row) == "chosen":
+            return row
+    return None
 
 
-def _sites(results: dict) -> list[int]:
-    return sorted({r["sites"] for task in results["tasks"] for r in task["rows"]})
+def _sites(headlines: dict[str, dict[str, Any]]) -> list[int]:
+    return sorted(
+        {r["sites"] for res in headlines.values() for t in res["tasks"] for r in t["rows"]}
+    )
+
+
+def _cell(task: dict, row: dict | None) -> str:
+    if row is None:
+        return ""
+    best = best_baseline(task["baselines"])[1]
+    mark = "" if row["accuracy"] > best else " ≤ best"
+    return (
+        f"**{_pct(ratio(row['accuracy'], task['baselines']))}** "
+        f"({row['accuracy']:.2f} ± {row['sd']:.2f}{mark})"
+    )
 
 
 def headline_table(headlines: dict[str, dict[str, Any]]) -> list[str]:
-    """One row per model, task and noise mode: ratio (accuracy) at each consortium size."""
-    sizes = sorted({s for results in headlines.values() for s in _sites(results)})
+    """One line a model, task and noise mode: ratio (accuracy ± sd) at each size."""
+    sizes = _sites(headlines)
     lines = [
-        "| model | task | zero-shot | MTV own selection | noise | "
-        + " | ".join(f"{s} sites (m = {s} x chunks)" for s in sizes)
+        "| model | task | zero-shot | public only | a site's own 4-shot ICL | best without a "
+        "private release | MTV own selection | noise | "
+        + " | ".join(f"{s} sites" for s in sizes)
         + " |",
-        "|---|---|---:|---:|---|" + "---:|" * len(sizes),
+        "|---|---|---:|---:|---:|---|---:|---|" + "---:|" * len(sizes),
     ]
     for model, results in headlines.items():
         for task in results["tasks"]:
-            for label, key in MODES:
-                cells = [_cell(task["rows"], s, key, has_reference(task)) for s in sizes]
+            base = task["baselines"]
+            key, best = best_baseline(base)
+            for mode in ("central", "distributed"):
+                rows = [_chosen(task, s, mode) for s in sizes]
+                if not any(rows):
+                    continue
+                label = mode if mode == "central" else "distributed t = n/2"
                 lines.append(
-                    f"| {model} | {task['task']} | {task['zero_shot']:.2f} | "
-                    f"{task['own_selection']:.2f} | {label} | " + " | ".join(cells) + " |"
+                    f"| {model} | {task['task']} | {base['zero_shot']:.2f} | "
+                    f"{base['public_only_task_agnostic']:.2f} | {base['site_alone_icl']:.2f} | "
+                    f"{best:.2f} ({BASELINE_NAMES[key]}) | {base['mtv_own_selection']:.2f} | "
+                    f"{label} | " + " | ".join(_cell(task, r) for r in rows) + " |"
                 )
     return lines
 
 
-def choices_table(headlines: dict[str, dict[str, Any]]) -> list[str]:
-    """At 10 sites, central: what each public choice adds, side by side in one run."""
-    variants = ("median C, all heads", "all heads", "noise-free C rule", "chosen")
+def side_table(headlines: dict[str, dict[str, Any]]) -> list[str]:
+    """At the side-by-side size, central: the chosen release beside what each choice changes."""
     lines = [
-        "| model | task | C = median of every head, every head a candidate | planned-noise C, "
-        "every head a candidate | noise-free-rule C, public candidates | planned-noise C, "
-        "public candidates (the headline) |",
+        "| model | task | sites | chosen (centred) | same choices without the centre | the other "
+        "heads mode |",
         "|---|---|---:|---:|---:|---:|",
     ]
     for model, results in headlines.items():
         for task in results["tasks"]:
-            cells = []
-            for variant in variants:
-                match = [
-                    r
-                    for r in task["rows"]
-                    if r["sites"] == 10 and r["mode"] == "central" and r["variant"] == variant
-                ]
-                cells.append(
-                    f"{_pct(match[0]['ratio'])} ({match[0]['accuracy']:.2f})" if match else ""
-                )
-            lines.append(f"| {model} | {task['task']} | " + " | ".join(cells) + " |")
+            side = [r for r in task["rows"] if _variant(r) not in ("chosen", "sweep")]
+            if not side:
+                continue
+            sites = side[0]["sites"]
+            cells = [_chosen(task, sites, "central")]
+            for variant in ("no centre", "other heads mode"):
+                cells.append(next((r for r in side if _variant(r) == variant), None))
+            lines.append(
+                f"| {model} | {task['task']} | {sites} | "
+                + " | ".join(_cell(task, r) for r in cells)
+                + " |"
+            )
     return lines
 
 
@@ -111,19 +136,12 @@ def commands(headlines: dict[str, dict[str, Any]]) -> list[str]:
     ]
 
 
-def _is_curve_row(row: dict, *, half: bool) -> bool:
-    """A chosen-setting row of the central curve, or of distributed with t = max(2, n/2)."""
-    if row["variant"] != "chosen":
-        return False
-    if not half:
-        return bool(row["mode"] == "central")
-    return row["mode"] == "distributed" and row["t"] == max(2, -(-row["sites"] // 2))
-
-
 def plot_headline(headlines: dict[str, dict[str, Any]], path: Path) -> None:
-    """Ratio against consortium size, one panel a model, one line a task (central solid)."""
+    """Accuracy against consortium size, one panel a model (central, solid).
+
+    Each task's dashed line is the best figure a member has without a private release.
+    """
     import matplotlib
-    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -131,37 +149,38 @@ def plot_headline(headlines: dict[str, dict[str, Any]], path: Path) -> None:
     figure, axes = plt.subplots(1, len(headlines), figsize=(4 * len(headlines), 3.4), sharey=True)
     axes = [axes] if len(headlines) == 1 else list(axes)
     for axis, (model, results) in zip(axes, headlines.items(), strict=True):
+        sizes = sorted({r["sites"] for t in results["tasks"] for r in t["rows"]})
         for task in results["tasks"]:
-            if not has_reference(task):
-                continue
             colour = TASK_COLOURS.get(task["task"], "k")
-            for half, style in ((False, "-"), (True, ":")):
-                rows = sorted(
-                    (r for r in task["rows"] if _is_curve_row(r, half=half)),
-                    key=lambda r: r["sites"],
-                )
-                axis.plot(
-                    [r["sites"] for r in rows],
-                    [100 * r["ratio"] for r in rows],
-                    style,
-                    marker="o",
-                    color=colour,
-                    label=None if half else task["task"],
-                )
-        axis.axhline(90, color="grey", linewidth=0.6, linestyle="--")
+            rows = [_chosen(task, s, "central") for s in sizes]
+            points = [(r["sites"], r["accuracy"], r["sd"]) for r in rows if r is not None]
+            axis.errorbar(
+                [p[0] for p in points], [p[1] for p in points], yerr=[p[2] for p in points],
+                marker="o", color=colour, label=task["task"], capsize=2,
+            )  # fmt: skip
+            axis.axhline(best_baseline(task["baselines"])[1], color=colour, linestyle="--")
         axis.set_xscale("log")
-        sizes = _sites(results)
         axis.set_xticks(sizes, [str(s) for s in sizes])
-        axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
+        axis.set_ylim(-0.05, 1.05)
         axis.legend(fontsize=7)
         axis.set_title(f"{model} model", fontsize=9)
-        axis.set_xlabel("sites")
-    axes[0].set_ylabel("DP-MTV gain / MTV own-selection gain (%)")
+        axis.set_xlabel("sites (100 examples each)")
+    axes[0].set_ylabel("test accuracy")
     figure.suptitle(
-        "eps = 1, delta = 1e-5, private selection; solid: central, dotted: distributed t = n/2 "
-        f"(tasks where MTV gains < {MIN_REFERENCE_GAIN} over zero-shot left out)",
+        "eps = 1, delta = 1e-5, task-agnostic public choices, central; dashed: the best "
+        "figure without a private release",
         fontsize=9,
     )
     figure.tight_layout()
     figure.savefig(path, dpi=120)
     plt.close(figure)
+
+
+__all__ = [
+    "MIN_REFERENCE_GAIN",
+    "commands",
+    "headline_table",
+    "load_headlines",
+    "plot_headline",
+    "side_table",
+]

@@ -24,7 +24,9 @@ training showed):
   validation queries of the private task) — the ratio's denominator.
 
 Side by side at 10 sites, central: the same release without the centre (raw activations, C
-chosen the same way), and private selection (Gumbel top-k among the 2k public heads, centred).
+chosen the same way), and private selection (Gumbel top-k among the 2k public heads, centred);
+with ``--clip-sweep``, the chosen release at other multiples of the public C' scale (labelled a
+diagnostic: which is best is read off test answers).
 
 Writes ``docs/benchmarks/headline-MODEL.md`` and ``.json``::
 
@@ -35,6 +37,7 @@ Writes ``docs/benchmarks/headline-MODEL.md`` and ``.json``::
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import multiprocessing
@@ -294,6 +297,22 @@ def side_rows(args, loaded, data: TaskData, choice: ScopeChoice, sites: int) -> 
     return rows
 
 
+def sweep_rows(args, loaded, data: TaskData, choice: ScopeChoice, sites: int) -> list[dict]:
+    """At one size, central, the chosen heads and centre: C' at each ``--clip-sweep`` factor.
+
+    A diagnostic of what the public C' choice costs: its best row is chosen with the private
+    task's test answers, which no product path sees.
+    """
+    chunks = len(data.sites[0].activations)
+    rows = []
+    for factor in args.clip_sweep:
+        swept = dataclasses.replace(choice, clip_norm=factor * choice.scale, factor=factor)
+        plan = choice_plan(loaded, swept, sites=sites, chunks=chunks)
+        label = f"{sites} sites, C' = {factor:g} x scale (sweep)"
+        rows.append(dp_row(args, loaded, data, label, plan, swept.centre, sites, choice=swept))
+    return rows
+
+
 def run_task(args, loaded: LoadedModel, root: Path, task: str) -> dict:
     started = time.monotonic()
     chunks = args.per_site // (args.shots + 1)
@@ -312,6 +331,7 @@ def run_task(args, loaded: LoadedModel, root: Path, task: str) -> dict:
         rows += size
     side = args.side_sites if args.side_sites in choices else max(choices)
     rows += side_rows(args, loaded, data, choices[side], side)
+    rows += sweep_rows(args, loaded, data, choices[side], side)
     reference = choices[side]
     base = baselines(args, loaded, data, reference.heads, reference.centre)
     log(f"{task}: " + ", ".join(f"{k} {v:.2f}" for k, v in base.items() if k != "own_heads"))
@@ -346,6 +366,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--validation", type=int, default=32)
     parser.add_argument("--test", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--clip-sweep", type=float, nargs="*", default=[],
+        help="also release at the side-by-side size with C' = each factor x the public scale "
+        "(a diagnostic: the best is picked with test answers)",
+    )  # fmt: skip
     parser.add_argument("--jobs", type=int, default=1, help="tasks run in parallel processes")
     parser.add_argument(
         "--cache-dir", type=Path, help="keep the sites' activations here between runs"

@@ -10,7 +10,9 @@ best on the held-out tasks are suggested for the real, private task.
    that the others' heads keep, averaged over held-out tasks, is the *transfer*. At or above
    ``min_transfer`` (0.8) the public heads are suggested (no budget on selection); below it,
    private selection among the 2k heads all public tasks rank first (``candidate_heads``),
-   where the private data picks the task's own heads.
+   where the private data picks the task's own heads. The transfer is a weak predictor of
+   which mode releases more: in the headline benchmarks it points to the better mode in about
+   half the model-task pairs, each way (docs/benchmarks.md); ``mode`` overrides it.
 2. **k and C'.** For each k and factor f, the held-out task's chunks are centred on the other
    tasks' centre, clipped per layer at C' = f x s (s: the others' median centred layer norm),
    averaged, given the planned release's Gaussian (std 2·z·C'·√L / m, z of the planned

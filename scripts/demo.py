@@ -100,8 +100,9 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--data",
         type=Path,
-        help="your own data: a folder with site-0 ... site-{N-1}, public and test datasets "
-        "(docs/data.md); default: synthetic shapes",
+        help="your own data: a folder with site-0 ... site-{N-1} and test datasets, and public "
+        "sets of two or more OTHER tasks as public-<task> folders (or one public set of the "
+        "task as public); docs/data.md; default: synthetic shapes",
     )
     parser.add_argument(
         "--noise-mode",

@@ -227,6 +227,15 @@ def _print_clip_choice(choice: ClipChoice) -> None:
             f"z = {choice.planned.noise_multiplier:.3g}, {choice.planned.draws} draws)"
         )
     print(f"suggested clip norm C = {choice.clip_norm:.4g}")
+    from client.cli.select_agnostic import MIN_MODEL_GAIN
+
+    if choice.unclipped - choice.zero_shot < MIN_MODEL_GAIN:
+        print(
+            f"warning: the unclipped public mean gains {choice.unclipped - choice.zero_shot:.2f} "
+            f"over zero-shot (under {MIN_MODEL_GAIN}) even without noise: this model does not "
+            "do this task from a task vector, and no release can fix that. Bring a model that "
+            "does (docs/gpu.md lists the supported checkpoints)."
+        )
     if not choice.kept_gain:
         print(
             "warning: no C tried keeps the asked share of the unclipped gain; the largest is "

@@ -180,6 +180,9 @@ def test_site_commands_select_release_infer_evaluate_and_show_the_ledger(workspa
         f"3 heads over {HeadSet.of(map(tuple, selected['heads'])).num_layers_in_scope}" in printed
     )
     assert number_after("suggested clip norm C =", printed) == pytest.approx(clip, rel=1e-3)
+    # the model's own public gain is reported, and called too small exactly when it is
+    gain = number_after("unclipped mean", printed) - number_after("zero-shot", printed)
+    assert ("this model does not do this task" in printed) == (gain < 0.2), printed
 
     # Act: a private, select-first release with the suggested clip norm
     common = ["--data", str(ws.private), "--shots", "2", "--epsilon", "0.5", "--quiet"]
