@@ -142,6 +142,7 @@ def plot_headline(headlines: dict[str, dict[str, Any]], path: Path) -> None:
     Each task's dashed line is the best figure a member has without a private release.
     """
     import matplotlib
+    import matplotlib.ticker
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -161,6 +162,7 @@ def plot_headline(headlines: dict[str, dict[str, Any]], path: Path) -> None:
             axis.axhline(best_baseline(task["baselines"])[1], color=colour, linestyle="--")
         axis.set_xscale("log")
         axis.set_xticks(sizes, [str(s) for s in sizes])
+        axis.xaxis.set_minor_formatter(matplotlib.ticker.NullFormatter())
         axis.set_ylim(-0.05, 1.05)
         axis.legend(fontsize=7)
         axis.set_title(f"{model} model", fontsize=9)

@@ -1,21 +1,19 @@
-"""Expand a secure-aggregation seed into uniform integer masks with ChaCha20.
+"""Expand a secure-sum seed into uniform integer masks with ChaCha20.
 
-SecAgg+ hides each site's quantised vector under a private mask and pairwise masks, each
-expanded from a secret seed (a 32-byte private-mask seed, or a 32-byte ECDH+HKDF shared key).
-Flower 1.42 expands them with ``pseudo_rand_gen``, which XOR-folds the seed into a 32-bit
-integer and seeds numpy's MT19937 (flwr issue #7522): 2^32 possible masks, and MT19937 is
-predictable from its output, so the mask is far weaker than the 128+ bits of the key.
+The secure sum (SecAgg+ after Bell et al.: ``client.secure_sum`` at each site,
+``server.secure_sum`` at the coordinator) hides each site's quantised vector under a
+self-mask and pairwise masks, each expanded from a secret seed (a 32-byte self-mask seed, or
+a 32-byte ECDH+HKDF shared key). Flower 1.42's own SecAgg+ expands them with
+``pseudo_rand_gen``, which XOR-folds the seed into a 32-bit integer and seeds numpy's MT19937:
+2^32 possible masks, and MT19937 is predictable from its output, so its mask is far weaker
+than the 128+ bits of the key. This module is why the product runs its own secure sum.
 
 :func:`expand_mask` keeps the whole seed: the ChaCha20 key is SHA-256 of a domain label and
 the full seed, and the keystream is read as little-endian 64-bit words whose low bits become
 the mask. ``num_range`` must be a power of two, so taking low bits is exactly uniform (no
-modulo bias; Flower's ``randint(0, num_range - 1)`` also never draws ``num_range - 1``).
-
-Both ends of SecAgg+ must expand masks with the same function, or the masks do not cancel
-and the "sum" is uniform noise. Sites and coordinator therefore announce :data:`MASK_PRG_NAME`
-under :data:`MASK_PRG_CONFIG_KEY` and a site refuses a mismatch (see ``client.secagg``).
-This module is pure (``cryptography`` + numpy); the Flower patch lives in ``client.secagg``
-and ``server.secagg``.
+modulo bias). Both ends expand masks with this one function (the sites' sessions, the
+coordinator's unmasking, and the neighbour graph's seeded draw in ``protocol.sum_graph``), so
+the masks cancel. Pure (``cryptography`` + numpy).
 """
 
 from __future__ import annotations
@@ -30,25 +28,13 @@ from cryptography.hazmat.primitives.ciphers import Cipher, algorithms
 from dpmtv_common.aliases import Int64Array
 from dpmtv_common.errors import ConfigError
 
-__all__ = [
-    "FLOWER_PRG_NAME",
-    "MASK_PRG_CONFIG_KEY",
-    "MASK_PRG_NAME",
-    "derive_mask_key",
-    "expand_mask",
-]
-
-MASK_PRG_NAME = "chacha20-sha256-v1"
-"""Name of :func:`expand_mask`'s construction, announced so both SecAgg+ ends can agree."""
-FLOWER_PRG_NAME = "flwr-mt19937-seed32"
-"""Name announced while Flower's own (32-bit seeded MT19937) expansion is in use."""
-MASK_PRG_CONFIG_KEY = "secagg-mask-prg"
-"""FitIns config key under which the coordinator announces the mask PRG it runs."""
+__all__ = ["derive_mask_key", "expand_mask"]
 
 _DOMAIN = b"dpmtv/secagg+/mask-prg/chacha20/v1\x00"
 # cryptography's ChaCha20 takes a 16-byte nonce: 4-byte little-endian block counter, then a
-# 12-byte nonce. Each seed is used for one mask only, since SecAgg+ draws fresh keys and seeds
-# at every setup stage, so a fixed all-zero nonce under a seed-derived key is safe.
+# 12-byte nonce. Each seed is used for one mask only (pair seeds are derived per release, sum
+# and pair, self-mask seeds drawn fresh for each sum), so a fixed all-zero nonce under a
+# seed-derived key is safe.
 _NONCE = bytes(16)
 _MIN_SEED_BYTES = 16
 _MAX_NUM_RANGE = 2**63  # masks are returned as int64, whose non-negative range ends here
