@@ -372,7 +372,9 @@ def main() -> int:
         "DP-MTV keeps the task); what helps private selection "
         "on many heads in [selection.md](benchmarks/selection.md); noise modes in "
         "[distributed.md](benchmarks/distributed.md); consortium size in "
-        "[scale.md](benchmarks/scale.md); local serving in [serving.md](benchmarks/serving.md).",
+        "[scale.md](benchmarks/scale.md); local serving in [serving.md](benchmarks/serving.md); "
+        "tasks where a site alone is weak in "
+        "[weak-site-candidates.md](benchmarks/weak-site-candidates.md).",
         "",
         "## Models",
         "",

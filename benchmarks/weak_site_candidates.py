@@ -69,7 +69,7 @@ def measure(args, loaded: LoadedModel, root: Path, task: str) -> dict:
     queries = QuerySet.build(loaded, [zero_shot_prompt(r) for r in test], [r.answer for r in test])
     sites = [pooled[i * SITE : (i + 1) * SITE] for i in range(3)]
     row = {"task": task, "zero_shot": queries.accuracy(loaded)}
-    for shots in (4, 16):
+    for shots in args.shots:
         row[f"site_icl_{shots}"] = statistics.mean(
             icl_accuracy(loaded, test, site, shots=shots, seeds=1) for site in sites
         )
@@ -88,6 +88,7 @@ def measure(args, loaded: LoadedModel, root: Path, task: str) -> dict:
 
 
 def render(results: dict) -> str:
+    shots = [int(k) for k in results["shots"]]
     lines = [
         "# Where is a site alone weak? Candidate tasks on the pretrained decoder",
         "",
@@ -95,14 +96,16 @@ def render(results: dict) -> str:
         f"First-token accuracy on {results['args']['test']} test scenes. A site holds {SITE} "
         "examples; MTV is non-private (the best a release could give).",
         "",
-        "| task | zero-shot | a site alone, 4-shot ICL | a site alone, 16-shot ICL | "
-        "MTV, one site's 20 chunks | MTV, m = 200 pooled chunks |",
-        "|---|---:|---:|---:|---:|---:|",
+        "| task | zero-shot | "
+        + " | ".join(f"a site alone, {k}-shot ICL" for k in shots)
+        + " | MTV, one site's 20 chunks | MTV, m = 200 pooled chunks |",
+        "|---|---:|" + "---:|" * len(shots) + "---:|---:|",
     ]
     for r in results["tasks"]:
+        icl = " | ".join(f"{r[f'site_icl_{k}']:.2f}" for k in shots)
         lines.append(
-            f"| {r['task']} | {r['zero_shot']:.2f} | {r['site_icl_4']:.2f} | "
-            f"{r['site_icl_16']:.2f} | {r['mtv_one_site']:.2f} | {r['mtv_pooled']:.2f} |"
+            f"| {r['task']} | {r['zero_shot']:.2f} | {icl} | {r['mtv_one_site']:.2f} | "
+            f"{r['mtv_pooled']:.2f} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -113,6 +116,9 @@ def main() -> int:
     parser.add_argument("--pooled", type=int, default=1000, help="pooled examples (m = n / 5)")
     parser.add_argument("--test", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--shots", type=int, nargs="+", default=[4, 16], help="a site's ICL shots measured"
+    )
     parser.add_argument("--out", type=Path, default=REPO / "docs/benchmarks/weak-site-candidates")
     args = parser.parse_args()
     started = time.monotonic()
@@ -120,6 +126,7 @@ def main() -> int:
     results: dict = {
         "command": " ".join([".venv/bin/python", "benchmarks/weak_site_candidates.py", *sys.argv[1:]]),  # noqa: E501
         "args": {k: str(v) for k, v in vars(args).items()},
+        "shots": args.shots,
         "tasks": [],
     }  # fmt: skip
     for task in args.tasks:
