@@ -2,8 +2,9 @@
 
 On the tiny random model (seconds a phase here; minutes on the pretrained decoder), with a
 heartbeat of half a second: each phase prints its header, heartbeat lines name its steps
-(the sites' own log lines among them), and no two lines are further apart than a few
-heartbeats, whatever a phase is doing.
+and no two lines are further apart than a few heartbeats, whatever a phase is doing. Which
+step a beat names (the sites' own log lines among them) is checked in
+tests/unit/test_demo_progress.py: a fast machine may finish the release within one beat.
 """
 
 from __future__ import annotations
@@ -47,7 +48,6 @@ def test_the_demo_runs_every_phase_and_reports_progress_throughout(tmp_path: Pat
     for header in ("[1/3] preparing", "[2/3] federated release over", "[3/3] local inference"):
         assert any(line.startswith(header) for line in lines), text
     assert any(line.startswith("      ... [1/3]: ") for line in lines), text
-    assert any(line.startswith("      ... [2/3]: release ") for line in lines), text  # a site's
     gaps = [later - earlier for (earlier, _), (later, _) in itertools.pairwise(stamped)]
     assert max(gaps) < MAX_SILENCE_S, text
     assert lines[-1].startswith("done in"), text
