@@ -20,16 +20,16 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from client.chunking import make_chunks
-from client.data import Record, SiteDataset, load_dataset
+from client.activations.chunking import make_chunks
+from client.activations.extraction import zero_shot_prompt
+from client.data.records import Record, SiteDataset, load_dataset
+from client.data.synthetic import TRAINED_TASKS, write_task_datasets
 from client.evaluation.first_token import QuerySet
 from client.evaluation.run import icl_prompts
-from client.extraction import zero_shot_prompt
 from client.models import LoadedModel
-from client.public_selection import public_activations
-from client.public_tasks import PublicTask, public_task
-from client.release import LocalSums
-from client.synthetic import TRAINED_TASKS, write_task_datasets
+from client.public.selection import public_activations
+from client.public.tasks import PublicTask, public_task
+from client.release.single_holder import LocalSums
 from dpmtv_common.centre import ActivationCentre
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.mechanisms import clip_per_layer

@@ -10,15 +10,15 @@ from pathlib import Path
 import numpy as np
 from _utility_lib import CachedSums, make_plan, release, score
 
-from client.chunking import make_chunks
-from client.data import Record, SiteDataset, load_dataset
+from client.activations.chunking import make_chunks
+from client.activations.extraction import extract_clipped_sum, zero_shot_prompt
+from client.data.records import Record, SiteDataset, load_dataset
+from client.data.synthetic import write_task_datasets
 from client.evaluation.first_token import QuerySet
-from client.extraction import extract_clipped_sum, zero_shot_prompt
-from client.inference import rescale_heads
+from client.inference.answers import rescale_heads
 from client.models import LoadedModel, load_model
-from client.public_selection import public_activations, select_heads_attribution
-from client.release import LocalSums
-from client.synthetic import write_task_datasets
+from client.public.selection import public_activations, select_heads_attribution
+from client.release.single_holder import LocalSums
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.noise import secure_noise
 from protocol import ReleaseOrder, SelectionMode

@@ -5,10 +5,10 @@ from __future__ import annotations
 import statistics
 import time
 
+from client.activations.extraction import zero_shot_prompt
+from client.activations.hooks import PatchPolicy
 from client.evaluation.run import icl_prompts
-from client.extraction import zero_shot_prompt
-from client.hooks import PatchPolicy
-from client.inference import TaskVectorPatch, generate_answers
+from client.inference.answers import TaskVectorPatch, generate_answers
 
 REPEATS = 20
 

@@ -9,7 +9,7 @@ import numpy as np
 
 from client.evaluation.first_token import QuerySet
 from client.models import LoadedModel
-from client.release import LocalSums
+from client.release.single_holder import LocalSums
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.mechanisms import clip_per_layer
 from dpmtv_common.privacy.noise import NoiseSource
@@ -138,7 +138,7 @@ class PerChunkSums:
     """Release sums from per-chunk activations taken once (any head scope, any clip norm).
 
     Each chunk's last-token activations ``(m, L, H, D)`` come from the production hooks
-    (``client.public_selection.public_activations``, the extraction path); a scope's sum
+    (``client.public.selection.public_activations``, the extraction path); a scope's sum
     clips every chunk's in-scope heads per layer with the production ``clip_per_layer``.
     Votes are the production vote sum (``LocalSums.vote_sum``), computed once. One forward
     pass a chunk serves every draw and head set: what makes a 270-head model affordable.

@@ -26,8 +26,8 @@ from dpmtv_common.thread_policy import apply_thread_policy
 
 apply_thread_policy()  # before torch loads: its thread pool must not spin on shared cores
 
+from client.data.synthetic import write_task_datasets
 from client.models.embedded import embedded_model_path
-from client.synthetic import write_task_datasets
 
 
 def _site(*arguments: str) -> list[str]:

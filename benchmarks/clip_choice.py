@@ -1,6 +1,6 @@
 """Which clip norm C `dpmtv-site select-heads` suggests, per model and task, and why.
 
-Runs the real command on a synthetic PUBLIC set of each task (client.synthetic; 200 records,
+Runs the real command on a synthetic PUBLIC set of each task (client.data.synthetic; 200 records,
 40 public chunks of K = 4, 40 zero-shot queries) and reads the evidence it records in the
 heads file: public first-token accuracy with no patch, with the unclipped public mean, and
 with the public mean clipped per layer at 1, 2, 4, 8 and 16 times the public median layer norm
@@ -27,9 +27,9 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
+from client.data.synthetic import write_task_datasets
 from client.models.embedded import EMBEDDED_MODEL_DIR
 from client.models.pretrained import pretrained_model_path
-from client.synthetic import write_task_datasets
 
 BIN = Path(sys.executable).parent
 MODELS = {

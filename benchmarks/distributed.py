@@ -12,9 +12,9 @@ page):
         --out docs/benchmarks/federation-curve-colour.md
 
 Each of up to 30 sites holds 100 examples of the embedded model's task (content-disjoint test
-scenes, client.synthetic); every site's clipped sums and votes come from the production
+scenes, client.data.synthetic); every site's clipped sums and votes come from the production
 last-token hooks (per-chunk activations, clipped per layer to C for each head scope) and the
-production vote scoring (client.release.LocalSums), once. For each release the sites'
+production vote scoring (client.release.single_holder.LocalSums), once. For each release the sites'
 contributions are combined the way the federation does: `central` sums them and runs the
 production release flow (protocol.run_release: Gumbel picks, one Gaussian draw from the
 CSPRNG); `distributed` encodes every site's sum with its own discrete-Gaussian share on the
@@ -45,15 +45,15 @@ apply_thread_policy()  # before torch loads: its thread pool must not spin on sh
 
 import numpy as np
 
-from client.chunking import make_chunks
-from client.data import load_dataset
+from client.activations.chunking import make_chunks
+from client.activations.extraction import zero_shot_prompt
+from client.data.records import load_dataset
+from client.data.synthetic import write_task_datasets
 from client.evaluation.first_token import QuerySet
-from client.extraction import zero_shot_prompt
 from client.models import LoadedModel, load_model
 from client.models.embedded import EMBEDDED_MODEL_DIR
-from client.public_selection import public_activations
-from client.release import LocalSums
-from client.synthetic import write_task_datasets
+from client.public.selection import public_activations
+from client.release.single_holder import LocalSums
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.distributed import decode_noisy_sum, encode_site_share
 from dpmtv_common.privacy.mechanisms import clip_per_layer

@@ -26,14 +26,14 @@ apply_thread_policy()  # before torch loads: its thread pool must not spin on sh
 
 import torch
 
-from client.chunking import make_chunks
-from client.data import load_dataset
-from client.extraction import extract_clipped_sum, zero_shot_prompt
-from client.hooks import PatchPolicy
-from client.inference import TaskVectorPatch, generate_answers
+from client.activations.chunking import make_chunks
+from client.activations.extraction import extract_clipped_sum, zero_shot_prompt
+from client.activations.hooks import PatchPolicy
+from client.data.records import load_dataset
+from client.data.synthetic import write_task_datasets
+from client.inference.answers import TaskVectorPatch, generate_answers
 from client.models import load_model, save_tiny_model
 from client.models.embedded import EMBEDDED_MODEL_DIR
-from client.synthetic import write_task_datasets
 from dpmtv_common.heads import HeadSet
 
 CHUNKS, SHOTS, REPEATS = 40, 4, 5

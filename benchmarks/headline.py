@@ -2,7 +2,7 @@
 
 Per model and private task, everything a consortium chooses is chosen on PUBLIC data that
 holds **no example labelled with the private task's answers** (task-agnostic: labelled public
-sets of the family's other tasks, ``client.public_tasks``): the centre r, the k heads and the
+sets of the family's other tasks, ``client.public.tasks``): the centre r, the k heads and the
 clip norm C' of a centred release, by leave-one-public-task-out under the noise each
 consortium size's release will add. Sites hold ``--per-site`` examples (K = 4: 20 chunks at
 100); for 3, 10 and 30 sites the release is central (one Gaussian draw on the secure sum) or
@@ -62,12 +62,12 @@ import numpy as np
 from _headline_data import SiteActs, TaskData, icl_accuracy, prepare_task
 from _headline_report import render
 
-from client.chunking import make_chunks
+from client.activations.chunking import make_chunks
 from client.models import LoadedModel, load_model
 from client.models.embedded import embedded_model_path
 from client.models.pretrained import pretrained_model_path
-from client.public_selection import public_activations, select_heads_attribution
-from client.scope_choice import HeadsMode, PlannedRelease, ScopeChoice, choose_scope
+from client.public.scope import HeadsMode, PlannedRelease, ScopeChoice, choose_scope
+from client.public.selection import public_activations, select_heads_attribution
 from dpmtv_common.centre import ActivationCentre
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.distributed import decode_noisy_sum, encode_site_share

@@ -48,13 +48,13 @@ import torch
 from _utility_bench import Bench, dp_row, mtv_row, private_plan, setup
 from _utility_lib import PerChunkSums, headline_ratios, score
 
-from client.chunking import make_chunks
+from client.activations.chunking import make_chunks
+from client.data.synthetic import TASKS, TRAINED_TASKS
 from client.evaluation.first_token import QuerySet
 from client.evaluation.run import icl_prompts
 from client.models.pretrained import pretrained_model_path
-from client.public_selection import select_heads_attribution
-from client.release import LocalSums
-from client.synthetic import TASKS, TRAINED_TASKS
+from client.public.selection import select_heads_attribution
+from client.release.single_holder import LocalSums
 from protocol import ReleaseOrder, SelectionMode
 
 KS = (4, 8, 16, 32)

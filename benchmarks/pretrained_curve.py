@@ -33,11 +33,11 @@ apply_thread_policy()  # before torch loads: its thread pool must not spin on sh
 from _utility_bench import dp_row, mtv_row, private_plan, setup
 from _utility_lib import PerChunkSums, score
 
-from client.chunking import make_chunks
-from client.data import load_dataset
+from client.activations.chunking import make_chunks
+from client.data.records import load_dataset
 from client.models.pretrained import pretrained_model_path
-from client.public_selection import public_activations, suggested_clip_norm
-from client.release import LocalSums
+from client.public.selection import public_activations, suggested_clip_norm
+from client.release.single_holder import LocalSums
 from protocol import ReleaseOrder, SelectionMode, predict_signal_to_noise
 
 

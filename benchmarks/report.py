@@ -325,17 +325,18 @@ def main() -> int:
         f"Machine: 2 CPU cores shared with other jobs, Python {platform.python_version()}, "
         "one torch thread; run times are wall-clock on that shared machine.",
         "",
-        "**Content-disjoint split** (`client.synthetic`, public rule): a scene is one of "
+        "**Content-disjoint split** (`client.data.synthetic`, public rule): a scene is one of "
         "4^4 = 256 attribute combinations; (colour + shape + count-1 + position) mod 4 = 0 is "
         "test, 1 validation, 2-3 train. Models are trained on train scenes only; sites and "
         "public data show train scenes; choices (order, rescaling, C) are made on validation "
         "queries; every reported figure is on test queries, whose scenes nothing else showed.",
         "",
-        "**Two task families** (`client.synthetic.task_family`). *Trained*: colour, shape, count, "
-        "position, the four tasks the models were trained on (on other scenes). *Untrained*: "
-        "`<attribute>-merged`, never shown in training: the attribute's four values merged "
-        "pairwise into two of its own words (colour red/yellow -> red, green/blue -> blue; shape "
-        "circle/square -> circle, triangle/cross -> triangle; count 1/2 -> 1, 3/4 -> 3; position "
+        "**Two task families** (`client.data.synthetic.task_family`). *Trained*: colour, shape, "
+        "count, position, the four tasks the models were trained on (on other scenes). "
+        "*Untrained*: `<attribute>-merged`, never shown in training: the attribute's four "
+        "values merged pairwise into two of its own words (colour red/yellow -> red, "
+        "green/blue -> blue; shape circle/square -> circle, triangle/cross -> triangle; count "
+        "1/2 -> 1, 3/4 -> 3; position "
         "left/right -> left, top/bottom -> top). Its answers are balanced (majority class "
         "0.5), and so is the *shortcut*: a model that recognises the attribute from the "
         "demonstrations and answers it as trained is right on exactly half the queries; only "
@@ -354,8 +355,9 @@ def main() -> int:
         "The three-model headline combines the sites' production sums as the federation does "
         "(central: plain sum, one Gaussian draw; distributed: every site's discrete-Gaussian "
         "share on the SecAgg+ grid). Every DP row of the single-holder tables after it runs "
-        "the single-holder path (`client.release.LocalSums` and `protocol.run_release`, the "
-        "code a federated release also runs after its secure sum) on 1000 pooled examples, "
+        "the single-holder path (`client.release.single_holder.LocalSums` and "
+        "`protocol.run_release`, the code a federated release also runs after its secure sum) "
+        "on 1000 pooled examples, "
         "m = 200 chunks of K = 4 + 1. The secure sum itself (masks, timings) is measured by "
         "`benchmarks/secure_sum.py` ([secure_sum.md](benchmarks/secure_sum.md)), not here.",
         "",

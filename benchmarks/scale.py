@@ -7,7 +7,7 @@ or each site's own share in distributed mode, signed broadcast, ledgers) on a ti
 LLaVA, each site holding ``--per-site`` synthetic records (4 chunks at K = 4). Reported: the
 release's wall time and its split by stage, the process CPU time over the release, the peak
 resident set of the whole process, and how many models the process loaded (sites share one,
-``client.shared_model``).
+``client.models.shared``).
 
 Usage (from the repository root)::
 
@@ -68,9 +68,9 @@ class Row:
 
 def run_one(sites: int, mode: str, work: Path, per_site: int) -> Row:
     """Prepare and run one release in this process; measure it."""
+    from client.data.synthetic import write_task_datasets
     from client.models import save_tiny_model
-    from client.shared_model import check_shared_contents, shared_model_count
-    from client.synthetic import write_task_datasets
+    from client.models.shared import check_shared_contents, shared_model_count
     from dpmtv_common.crypto import SigningKey
 
     work.mkdir(parents=True, exist_ok=True)
@@ -214,7 +214,7 @@ def report(rows: list[Row | tuple[int, str, str]], args: argparse.Namespace) -> 
             "opening the site services (the one model load included) and the release (plan to "
             "broadcast), not writing the data and the model; the stages split the release. "
             "Peak RSS is the whole process's. Every site shares one read-only model "
-            "(`client.shared_model`); its weights are checked byte for byte after the release.",
+            "(`client.models.shared`); its weights are checked byte for byte after the release.",
             "",
             *table(rows),
             "",

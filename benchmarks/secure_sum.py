@@ -55,10 +55,10 @@ from pathlib import Path
 import numpy as np
 
 from benchmarks.secure_sum_grid import time_flower_sum, time_our_sum_on_grid
+from client.data.synthetic import write_task_datasets
 from client.models import save_tiny_model
 from client.secure_sum import SiteSumSession
 from client.service.inprocess import in_process_sites, site_settings_for_partition
-from client.synthetic import write_task_datasets
 from dpmtv_common.crypto import SigningKey
 from dpmtv_common.fingerprint import fingerprint_model_dir
 from dpmtv_common.privacy.noise import require_cryptographic, secure_noise

@@ -132,9 +132,9 @@ def _plan(release_id: str) -> ReleasePlan:
 
 def time_our_sum_on_grid(sites: int, dimension: int, seed: int) -> tuple[float, float, float]:
     """(seconds, CPU seconds, max |error|) of one of our secure sums, plan acceptance excluded."""
-    from client.secure_sum.site_stages import SiteSums
+    from client.release.site import Site
     from client.service.handlers import build_site_app
-    from client.site import Site
+    from client.service.sum_stages import SiteSums
     from protocol import PlanRequest
 
     rng = np.random.default_rng([seed, sites, dimension])

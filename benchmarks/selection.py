@@ -44,13 +44,13 @@ apply_thread_policy()  # before torch loads: its thread pool must not spin on sh
 from _utility_bench import Bench, private_plan, setup
 from _utility_lib import CachedSums, score
 
-from client.chunking import make_chunks
-from client.data import load_dataset
-from client.inference import rescale_heads
+from client.activations.chunking import make_chunks
+from client.activations.scoring import ScoreMethod
+from client.data.records import load_dataset
+from client.inference.answers import rescale_heads
 from client.models.embedded import embedded_model_path
-from client.public_selection import public_activations, select_heads_attribution
-from client.release import LocalSums
-from client.scoring import ScoreMethod
+from client.public.selection import public_activations, select_heads_attribution
+from client.release.single_holder import LocalSums
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.noise import secure_noise
 from protocol import plan_calibration

@@ -64,15 +64,15 @@ from PIL import Image
 from torch import nn
 from transformers import DynamicCache
 
-from client.hooks import PatchPolicy
+from client.activations.hooks import PatchPolicy
 from client.models import Example, LoadedModel, Prompt, save_tiny_model
 from client.models.pretrained import default_pretrained_model_dir
+from client.release.site import Site
 from client.service.batching import Batcher
 from client.service.http_server import HttpEndpoint, HttpSettings
 from client.service.releases import ReleaseCatalogue
 from client.service.rows import RowPatch, prepare_row
 from client.settings import SiteSettings
-from client.site import Site
 from dpmtv_common.artifact import ReleaseDescription, write_artifact
 from dpmtv_common.crypto import SigningKey
 from dpmtv_common.heads import HeadSet

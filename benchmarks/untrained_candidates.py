@@ -1,6 +1,6 @@
 """Which untrained task family to benchmark: candidates measured on validation scenes.
 
-The embedded models were trained on four tasks (``client.synthetic.TRAINED_TASKS``). A second
+The embedded models were trained on four tasks (``client.data.synthetic.TRAINED_TASKS``). A second
 family must be one they never saw, where the demonstrations carry what zero-shot cannot (so
 the MTV ratio has a denominator), and harder than the trained tasks. This measures, for each
 candidate rule on ``validation`` scenes (public data on ``train`` scenes; no test query is
@@ -10,7 +10,7 @@ the rule and answers the trained task whose words the rule answers with (what in
 recognition of a known task alone reaches). Only accuracy above the shortcut shows the new rule
 learned in context.
 
-The adopted family (``-merged``) lives in ``client.synthetic``; the other candidates are
+The adopted family (``-merged``) lives in ``client.data.synthetic``; the other candidates are
 defined here only. Writes ``docs/benchmarks/untrained-candidates.json`` for
 ``benchmarks/report.py``:
 
@@ -34,15 +34,10 @@ from dpmtv_common.thread_policy import apply_thread_policy
 
 apply_thread_policy()  # before torch loads: its thread pool must not spin on shared cores
 
-from client.chunking import make_chunks
-from client.data import Record, load_dataset, write_jsonl_dataset
-from client.evaluation.first_token import QuerySet
-from client.evaluation.run import icl_prompts
-from client.extraction import zero_shot_prompt
-from client.models import LoadedModel, load_model
-from client.models.embedded import embedded_model_path
-from client.public_selection import public_activations, select_heads_attribution
-from client.synthetic import (
+from client.activations.chunking import make_chunks
+from client.activations.extraction import zero_shot_prompt
+from client.data.records import Record, load_dataset, write_jsonl_dataset
+from client.data.synthetic import (
     COLOURS,
     POSITIONS,
     QUESTION,
@@ -52,6 +47,11 @@ from client.synthetic import (
     draw_scene,
     random_scene,
 )
+from client.evaluation.first_token import QuerySet
+from client.evaluation.run import icl_prompts
+from client.models import LoadedModel, load_model
+from client.models.embedded import embedded_model_path
+from client.public.selection import public_activations, select_heads_attribution
 from dpmtv_common.rng import make_rng
 
 _WORDS = {

@@ -1,6 +1,6 @@
 """Utility of DP-MTV on an embedded model: content-disjoint test, same-head baselines.
 
-Data (``client.synthetic``'s public scene split): sites and public data show ``train`` scenes,
+Data (``client.data.synthetic``'s public scene split): sites and public data show ``train`` scenes,
 choices are made on ``validation`` queries, and the reported figures are on ``test`` queries,
 whose scenes no site, no public set and no model training ever showed.
 
@@ -15,7 +15,7 @@ whose scenes no site, no public set and no model training ever showed.
    SNR, and for private selection the recall of the oracle heads.
 3. **Headline per task** of the main task's family: (DP-MTV - zero-shot) / (MTV with its own
    head selection, the oracle row - zero-shot) at eps = 1; MTV on the same heads DP picked is a
-   diagnostic column. Two families (``client.synthetic.task_family``): the four tasks the
+   diagnostic column. Two families (``client.data.synthetic.task_family``): the four tasks the
    embedded models were trained on, and the ``-merged`` tasks they never saw.
 4. **Latency** per query.
 
@@ -51,10 +51,10 @@ apply_thread_policy()  # before torch loads: its thread pool must not spin on sh
 
 from _utility_bench import Bench, dp_row, local_sums, mtv_row, setup
 
+from client.data.synthetic import TASKS, task_family
 from client.evaluation.first_token import QuerySet
 from client.evaluation.run import icl_prompts
 from client.models.embedded import embedded_model_path
-from client.synthetic import TASKS, task_family
 from protocol import ReleaseOrder, SelectionMode
 
 

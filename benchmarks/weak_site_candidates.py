@@ -39,14 +39,14 @@ apply_thread_policy()  # before torch loads
 import torch
 from _headline_data import icl_accuracy
 
-from client.chunking import make_chunks
-from client.data import load_dataset
+from client.activations.chunking import make_chunks
+from client.activations.extraction import zero_shot_prompt
+from client.data.records import load_dataset
+from client.data.synthetic import write_task_datasets
 from client.evaluation.first_token import QuerySet
-from client.extraction import zero_shot_prompt
 from client.models import LoadedModel, load_model
 from client.models.pretrained import pretrained_model_path
-from client.public_selection import public_activations, select_heads_attribution
-from client.synthetic import write_task_datasets
+from client.public.selection import public_activations, select_heads_attribution
 
 TASKS = (
     "colour", "position", "colour-shape-code", "colour-fruit", "colour-french",

@@ -218,7 +218,7 @@ class SiteSettings(BaseSettings):
 
     @property
     def graph_draws_file(self) -> Path:
-        """The log of secure-sum graph draws (``client.graph_draws``), by the ledger."""
+        """The log of secure-sum graph draws (``client.release.graph_draws``), by the ledger."""
         ledger = self.ledger_file
         return ledger.with_name(ledger.name + _GRAPH_DRAWS_SUFFIX)
 

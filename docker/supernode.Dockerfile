@@ -1,7 +1,7 @@
 # syntax=docker/dockerfile:1
 # A site's SuperNode: Flower's Ubuntu-based SuperNode image, nothing of the site's. Its
 # SuperExec starts one `flwr-clientapp` per message, which runs the relay that the coordinator's
-# FAB carries (client/app.py, client/relay.py: Flower plus a Unix socket, no torch). The relay
+# FAB carries (client/app.py, client/service/relay.py: Flower and a Unix socket, no torch). The relay
 # forwards each message to the site service over the socket volume; this container mounts no
 # model, data, ledger or key other than its own SuperNode key.
 #
@@ -15,8 +15,9 @@ FROM flwr/supernode:${FLWR_VERSION}-${FLWR_IMAGE_SUFFIX}
 # safetensors); checked below against the very files the FAB ships, then thrown away.
 RUN python -m pip install --no-cache-dir "safetensors>=0.4"
 COPY --chown=app:app dpmtv_common /tmp/relay-check/dpmtv_common
-COPY --chown=app:app client/__init__.py client/app.py client/relay.py /tmp/relay-check/client/
-COPY --chown=app:app client/service/__init__.py client/service/wire.py /tmp/relay-check/client/service/
+COPY --chown=app:app client/__init__.py client/app.py /tmp/relay-check/client/
+COPY --chown=app:app client/service/__init__.py client/service/relay.py client/service/wire.py \
+     /tmp/relay-check/client/service/
 RUN cd /tmp/relay-check \
     && python -c "import client.app, sys; assert 'torch' not in sys.modules" \
     && rm -rf /tmp/relay-check

@@ -29,10 +29,10 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from pathlib import Path
 
 from dpmtv_common.errors import ConfigError
+from dpmtv_common.files import write_atomic
 
 __all__ = ["FINGERPRINT_NAMES", "FINGERPRINT_SUFFIXES", "fingerprint_model_dir"]
 
@@ -106,10 +106,7 @@ def _read_cache(cache_dir: Path) -> dict[str, str]:
 def _write_cache(cache_dir: Path, cache: dict[str, str]) -> None:
     try:
         cache_dir.mkdir(parents=True, exist_ok=True)
-        handle, temporary = tempfile.mkstemp(dir=cache_dir, prefix=".digests-")
-        with os.fdopen(handle, "w") as out:
-            json.dump(cache, out)
-        os.replace(temporary, cache_dir / _CACHE_FILE)
+        write_atomic(cache_dir / _CACHE_FILE, json.dumps(cache), durable=False)
     except OSError:
         pass  # a read-only cache only costs time, never correctness
 

@@ -5,8 +5,8 @@ DP noise never comes from here: it comes from :mod:`dpmtv_common.privacy.noise`.
 * :func:`make_rng` — a seeded PCG64 for data generation, benchmarks and tests: nothing whose
   secrecy or uniformity a privacy argument rests on.
 * :class:`KeyStream` — ChaCha20 keyed by a 256-bit :func:`secret_seed`, for a site's chunk
-  shuffle. The chunking argument (``client.chunking``) needs a *uniform* permutation that only
-  the site can reproduce: a 128-bit PCG64 seed cannot reach every order once n! > 2**128
+  shuffle. The chunking argument (``client.activations.chunking``) needs a *uniform* permutation
+  that only the site can reproduce: a 128-bit PCG64 seed cannot reach every order once n! > 2**128
   (n >= 35), and its output is predictable from a few draws. ChaCha20 from a 256-bit key is a
   cryptographic PRG, and :meth:`KeyStream.below` rejects instead of reducing modulo, so every
   integer, and with Fisher-Yates every permutation, is exactly equally likely given ideal bits.

@@ -234,7 +234,7 @@ class ErrorReply(WireMessage):
 
 
 class SecureSumRequest(WireMessage):
-    """Coordinator to site: the content of one SecAgg+ round (travels in the FitIns config).
+    """Coordinator to site: what one secure sum asks for (inside ``SumInstructions``).
 
     Attributes:
         stage: ``select`` sums per-chunk head votes; ``extract`` sums clipped activations.
@@ -242,9 +242,10 @@ class SecureSumRequest(WireMessage):
         clip_norm: L2 bound C per layer and chunk; sets the Gaussian sensitivity.
         score_top_r: Heads each chunk votes for; set iff ``stage`` is ``select``.
         reference_heads: Release-first order with private selection: the heads of the noisy
-            vector the votes are scored against, whose rows travel in the same message (the
-            FitIns parameters), so the site keeps the exact vector it was sent before it
-            votes. None when no vector is sent; only a ``select`` request may carry one.
+            vector the votes are scored against, whose rows travel in the same message
+            (beside it, under ``REFERENCE_ARRAY_KEY``), so the site keeps the exact vector
+            it was sent before it votes. None when no vector is sent; only a ``select``
+            request may carry one.
     """
 
     kind: Literal["secure-sum-request"] = "secure-sum-request"

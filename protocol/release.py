@@ -1,8 +1,8 @@
 """The stage sequence of one release, shared by the single-holder command and the coordinator.
 
 How this connects: whoever runs a release supplies a :class:`ReleaseSums` — local extraction
-for a single data holder (``client.release``), SecAgg+ secure sums over the sites for the
-federated coordinator (``server``). :func:`run_release` then does everything that touches
+for a single data holder (``client.release.single_holder``), SecAgg+ secure sums over the sites for
+the federated coordinator (``server``). :func:`run_release` then does everything that touches
 privacy in exactly one place: it runs selection and the release in the plan's order, calls
 ``on_first_noise`` right before the first noisy output exists (ledgers mark the release
 exposed there), and returns the released heads and mean activations. What the outcome states

@@ -12,7 +12,8 @@ from collections.abc import Iterable
 
 from dpmtv_common.artifact import ReleaseDescription
 from dpmtv_common.errors import CalibrationError
-from dpmtv_common.privacy.accounting import EpsilonBound, epsilon_bound
+from dpmtv_common.privacy.accounting import EpsilonBound
+from dpmtv_common.privacy.composition import epsilon_bound
 from dpmtv_common.privacy.events import ReleaseEvent
 from dpmtv_common.privacy.ledger import PrivacyLedger
 from protocol.calibration import plan_calibration

@@ -1,7 +1,7 @@
 """The README's main job: a simulated consortium makes one DP release, a site then uses it.
 
 1. Writes three sites' private data of one task, a test set, and public labelled sets of the
-   domain's OTHER tasks only (client.synthetic): no public example carries the private task's
+   domain's OTHER tasks only (client.data.synthetic): no public example carries the private task's
    answers.
 2. Prepares the model every site runs, the coordinator's signing key and each site's settings,
    and makes every public choice on the public sets alone (scripts/demo_choices.py, as
@@ -42,18 +42,18 @@ apply_thread_policy()  # before torch loads: its thread pool must not spin on sh
 
 import torch
 
-from client.chunking import planned_num_chunks
+from client.activations.chunking import planned_num_chunks
+from client.activations.hooks import PatchPolicy
 from client.cli._artifact import artifact_patch
-from client.clip_choice import PlannedNoise
-from client.data import load_dataset
+from client.data.records import load_dataset
+from client.data.synthetic import TASKS, TRAINED_TASKS, write_task_datasets
 from client.evaluation import EvaluationMode, evaluate
-from client.hooks import PatchPolicy
-from client.inference import TaskVectorPatch
+from client.inference.answers import TaskVectorPatch
 from client.models import load_model, save_tiny_model
 from client.models.embedded import EMBEDDED_MODEL_DIR
-from client.scope_choice import HeadsMode, PlannedRelease
+from client.public.clip import PlannedNoise
+from client.public.scope import HeadsMode, PlannedRelease
 from client.service.inprocess import in_process_sites, site_settings_for_partition
-from client.synthetic import TASKS, TRAINED_TASKS, write_task_datasets
 from dpmtv_common.crypto import SigningKey, TrustedKeys
 from dpmtv_common.fingerprint import fingerprint_model_dir
 from dpmtv_common.heads import HeadSet
@@ -311,7 +311,7 @@ def _log_steps(beat: Heartbeat) -> None:
     for handler in logging.getLogger().handlers:
         handler.setLevel(logging.WARNING)
     logging.getLogger("flwr").setLevel(logging.WARNING)  # SecAgg+ logs every stage at DEBUG
-    for name in ("client.site", "server.coordinator"):
+    for name in ("client.release.site", "server.coordinator"):
         logger = logging.getLogger(name)
         logger.setLevel(logging.INFO)
         logger.addHandler(StepHandler(beat))

@@ -2,11 +2,11 @@
 
 Task-agnostic (the default): the public sets are labelled examples of the domain's *other*
 tasks, none of the private task (``public-<task>`` folders). From them alone
-(``client.public_tasks``, ``client.scope_choice``): the centre, public heads or private
+(``client.public.tasks``, ``client.public.scope``): the centre, public heads or private
 selection among public candidates, k and C', by holding each public task out under the noise
 this very release will add. With a single ``public`` folder (your own data without public sets
 of other tasks): the heads attribution ranks first on it and C scored with the planned noise
-(``client.clip_choice``), uncentred.
+(``client.public.clip``), uncentred.
 """
 
 from __future__ import annotations
@@ -16,13 +16,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from client.chunking import make_chunks
-from client.clip_choice import PlannedNoise, choose_clip_norm
-from client.data import load_dataset
+from client.activations.chunking import make_chunks
+from client.data.records import load_dataset
 from client.models import LoadedModel
-from client.public_selection import public_activations, select_heads_attribution
-from client.public_tasks import public_task
-from client.scope_choice import HeadsMode, PlannedRelease, ScopeChoice, choose_scope
+from client.public.clip import PlannedNoise, choose_clip_norm
+from client.public.scope import HeadsMode, PlannedRelease, ScopeChoice, choose_scope
+from client.public.selection import public_activations, select_heads_attribution
+from client.public.tasks import public_task
 from dpmtv_common.heads import HeadSet
 
 __all__ = ["PublicChoice", "public_task_folders", "task_agnostic_choice", "single_set_choice"]

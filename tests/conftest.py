@@ -34,7 +34,7 @@ def _own_site_state(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
 def _forget_shared_models() -> Iterator[None]:
     """A process holds its shared models for life; a test module's go with the module."""
     yield
-    shared = sys.modules.get("client.shared_model")
+    shared = sys.modules.get("client.models.shared")
     if shared is not None:
         shared.clear_shared_models()
 

@@ -4,7 +4,7 @@
 :func:`flower_process_state` restores what tests change process-wide.
 
 Secure sums without a model: :class:`StandInSite` answers what
-``client.secure_sum.SiteSums`` asks of a ``client.site.Site`` (settings, the plan, the
+``client.secure_sum.SiteSums`` asks of a ``client.release.site.Site`` (settings, the plan, the
 record, the contribution) with a vector the test chooses, so the site's real handlers
 (``client.service.handlers.build_site_app``), its real ``SiteSums`` and ``SiteSumSession``,
 and the coordinator's real ``server.secure_sum.SecureSumSession`` run over the grid on
@@ -42,7 +42,7 @@ from server.simulation import (
 )
 
 if TYPE_CHECKING:
-    from client.site import Site
+    from client.release.site import Site
 
 LoopbackGrid = InProcessGrid
 
@@ -93,7 +93,7 @@ class StandInSettings:
 
 @dataclass(frozen=True)
 class StandInRecord:
-    """The release record fields ``SiteSums`` reads (``client.release_record``)."""
+    """The release record fields ``SiteSums`` reads (``client.release.record``)."""
 
     plan: ReleasePlan
     num_chunks: int
@@ -109,7 +109,7 @@ class StandInRecord:
 
 @dataclass
 class StandInRecords:
-    """A site's records by release (``client.release_record.ReleaseRecordStore``)."""
+    """A site's records by release (``client.release.record.ReleaseRecordStore``)."""
 
     by_release: dict[str, StandInRecord] = field(default_factory=dict)
 
@@ -124,7 +124,7 @@ class StandInRecords:
 
 @dataclass
 class StandInSite:
-    """A ``client.site.Site`` for secure sums only: it accepts any plan and sends a set vector.
+    """A site for secure sums only: it accepts any plan and sends a set vector.
 
     Attributes:
         index: The site's place in the grid (node ``FIRST_NODE_ID + index``).
@@ -179,7 +179,7 @@ class StandInSite:
         """Nothing to note: a stand-in has no idle releases."""
 
     def note_graph_draw(self, release_id: str, *, run_id: int) -> None:
-        """Count the draw (a stand-in has no draw limit; ``client.site.Site`` has one)."""
+        """Count the draw (a stand-in has no draw limit; ``client.release.site.Site`` has one)."""
         self.graph_draws.append(release_id)
 
 
@@ -216,8 +216,8 @@ def stand_in_sites(
 def stand_in_apps(sites: Sequence[StandInSite]) -> list[ClientApp]:
     """The site service's real ClientApp for each stand-in (give them to the grid in order)."""
     # Imported here: the site service loads torch, which tests of the grid alone do not need.
-    from client.secure_sum.site_stages import SiteSums
     from client.service.handlers import build_site_app
+    from client.service.sum_stages import SiteSums
 
     return [build_site_app(cast("Site", site), SiteSums(cast("Site", site))) for site in sites]
 

@@ -16,7 +16,7 @@ at that moment). :meth:`HostileWorld.check` asserts the invariants after any ste
 * no group of fewer honest sites than one of its members' minimum can be unmasked;
 * every honest site that revealed for a sum revealed for one and the same survivor set;
 * no refund after exposure: a site whose masked input left counts the release, and every
-  record stands beside its ledger entry as ``client.release_states`` says.
+  record stands beside its ledger entry as ``client.release.states`` says.
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ from typing import Any, Literal
 import numpy as np
 from flwr.app import RecordDict
 
-from client.release_states import in_step
+from client.release.states import in_step
 from client.secure_sum import SiteSumSession
 from client.service.inprocess import open_in_process_sites
 from client.service.server import SiteService

@@ -6,7 +6,7 @@ from pathlib import Path
 
 from PIL import Image, ImageDraw
 
-from client.data import SiteDataset, load_dataset, write_jsonl_dataset
+from client.data.records import SiteDataset, load_dataset, write_jsonl_dataset
 
 COLOURS = ("red", "blue", "green", "yellow")
 QUESTION = "What colour is the shape?"

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import numpy as np
 import torch
 
-from client.hooks import PatchPolicy
-from client.inference import TaskVectorPatch, check_instruction, rescale_heads
-from client.models import LoadedModel, prompt_template_digest
+from client.activations.hooks import PatchPolicy
+from client.inference.answers import TaskVectorPatch, check_instruction, rescale_heads
+from client.inference.artifact_use import Remedies, usable_artifact
+from client.models import LoadedModel
 from dpmtv_common.artifact import load_artifact
 from dpmtv_common.crypto import TrustedKeys
 from dpmtv_common.errors import ConfigError
@@ -43,6 +43,13 @@ def artifact_model(
     return loaded.with_image_crops(made_with)
 
 
+# What a command's user changes when the artifact does not fit the model it loaded.
+_COMMAND_REMEDIES = Remedies(
+    dtype="pass --dtype {dtype}",
+    template="use the model directory and dpmtv version (or adapter plugin) the release used",
+)
+
+
 def artifact_patch(
     path: Path,
     *,
@@ -52,35 +59,22 @@ def artifact_patch(
     instruction: str | None,
     rescale_norm: float | None = None,
 ) -> TaskVectorPatch:
-    """Verify the artifact (signature, integrity, model, dtype, chat template, instruction).
+    """Verify the artifact for this model (:func:`usable_artifact`) and the queries' instruction.
 
     ``instruction`` is the one the queries will be prompted with (the evaluated dataset's,
     or ``--instruction``); it must be the release's. ``rescale_norm`` sets every head's
     vector to that L2 norm (a typical norm measured on public data; post-processing, no
     privacy cost).
     """
-    artifact = load_artifact(path, trusted_keys=keys, expected_model_fingerprint=loaded.fingerprint)
-    made_in = artifact.manifest.model_dtype
-    if made_in is not None and made_in != loaded.dtype_name:
-        raise ConfigError(
-            f"--dtype must match the artifact's extraction dtype {made_in!r} (its heads were "
-            f"read in that precision), got a model loaded in {loaded.dtype_name!r}; pass "
-            f"--dtype {made_in}."
-        )
-    rendered_with = artifact.manifest.prompt_template_sha256
-    if rendered_with is not None and rendered_with != prompt_template_digest(loaded):
-        raise ConfigError(
-            f"the model's chat template must be the one the artifact's prompts were rendered "
-            f"with (sha256 {rendered_with}), got sha256 {prompt_template_digest(loaded)}; use "
-            "the model directory and dpmtv version (or adapter plugin) the release used."
-        )
+    artifact, values = usable_artifact(path, loaded=loaded, keys=keys, remedies=_COMMAND_REMEDIES)
     check_instruction(
         artifact.manifest,
         instruction,
         remedy="prompt the queries with the release's instruction (its dataset.json "
         "'instruction'; --instruction for infer)",
     )
-    values = np.array(artifact.values, dtype=np.float64)
     if rescale_norm is not None:
-        values = rescale_heads(values, target_norm=rescale_norm)
-    return TaskVectorPatch(artifact.heads, torch.tensor(values, dtype=torch.float32), policy)
+        values = torch.tensor(
+            rescale_heads(values.numpy(), target_norm=rescale_norm), dtype=torch.float32
+        )
+    return TaskVectorPatch(artifact.heads, values, policy)

@@ -20,13 +20,13 @@ __all__ = [
 ]
 
 PATCH_POLICIES = ("prompt-last-token", "every-call")
-"""``client.hooks.PatchPolicy``."""
+"""``client.activations.hooks.PatchPolicy``."""
 EVALUATION_MODES = ("zero-shot", "icl", "artifact")
 """``client.evaluation.EvaluationMode``."""
 SELECTION_METHODS = ("attribution", "reinforce")
-"""``client.public_selection.SelectionMethod``."""
+"""``client.public.selection.SelectionMethod``."""
 SCORE_METHODS = ("shift", "attribution")
-"""``client.scoring.ScoreMethod``."""
+"""``client.activations.scoring.ScoreMethod``."""
 DTYPES = ("float32", "bfloat16", "float16")
 """The dtypes ``client.models.resolve_dtype`` accepts."""
 SELECTION_MODES = ("public", "private", "all")

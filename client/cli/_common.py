@@ -181,7 +181,7 @@ def check_site_model(settings: SiteSettings) -> str:
     Commands that read data call this (or :func:`load_site_model`) before the data, so an
     unsupported model is refused in a second, not after a full decode of the dataset.
     """
-    from client.model_preflight import preflight_model
+    from client.models.preflight import preflight_model
 
     return preflight_model(_model_path(settings))
 
@@ -199,8 +199,8 @@ def load_site_model(settings: SiteSettings) -> LoadedModel:
     # Imported here, not at the top: torch and transformers take seconds to import.
     import safetensors
 
-    from client.model_preflight import per_layer_heads_refused
     from client.models import default_fingerprint_cache_dir, load_model
+    from client.models.preflight import per_layer_heads_refused
 
     try:
         with per_layer_heads_refused(model_type):

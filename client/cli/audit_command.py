@@ -26,8 +26,8 @@ from client.cli._types import open_unit_float, positive_float, positive_int
 from dpmtv_common.errors import ConfigError
 
 if TYPE_CHECKING:
-    from client.audit import AuditReport, CanaryPair
-    from client.data import SiteDataset
+    from client.audit.empirical import AuditReport, CanaryPair
+    from client.data.records import SiteDataset
     from client.settings import SiteSettings
     from protocol import ReleasePlan
 
@@ -158,7 +158,7 @@ def _audited_plan(
     """``plan`` in the settings' noise mode: distributed sizes its grid as a federation would."""
     if settings.noise_mode == "central":
         return plan
-    from client.chunking import planned_num_chunks
+    from client.activations.chunking import planned_num_chunks
     from protocol import NoiseMode, ReleasePlan
 
     honest = settings.min_honest
@@ -229,11 +229,11 @@ def run(args: argparse.Namespace) -> int:
     if args.json_out is not None and not args.json_out.parent.is_dir():
         raise ConfigError(f"--json must lie in an existing folder, got {str(args.json_out)!r}.")
     # Imported here: the data and model side need PIL, torch and transformers.
-    from client.audit import ScaledNoise, audit_pair, make_canary_pair
-    from client.audit_power import audit_power
-    from client.canary import canary_candidates, choose_canary, plant_canary
+    from client.audit.canary import canary_candidates, choose_canary, plant_canary
+    from client.audit.empirical import ScaledNoise, audit_pair, make_canary_pair
+    from client.audit.power import audit_power
     from client.cli.release_command import _check_heads, _plan
-    from client.data import load_dataset
+    from client.data.records import load_dataset
     from dpmtv_common.privacy.noise import NoiseSource, secure_noise
     from dpmtv_common.rng import secret_seed
 

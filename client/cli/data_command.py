@@ -60,7 +60,7 @@ def register(sub: Any) -> None:
 def run_check(args: argparse.Namespace) -> int:
     """Print the dataset report; 1 when a release with these settings would fail."""
     # Imported here: the data and model side need PIL, torch and transformers.
-    from client.data_check import check_dataset, check_with_model, report_lines
+    from client.checks.dataset import check_dataset, check_with_model, report_lines
 
     if args.model is not None:  # an unusable model is refused before any data is read
         check_site_model(settings_from(args))
@@ -80,7 +80,7 @@ def run_check(args: argparse.Namespace) -> int:
 
 def _signal_lines(args: argparse.Namespace, num_chunks: int, loaded: Any, unit: str) -> list[str]:
     """The predicted signal/noise of the release these options describe, and its warning."""
-    from client.signal_check import signal_report
+    from client.checks.signal import signal_report
     from protocol import PROTOCOL_VERSION, PrivacyUnit, ReleaseOrder, ReleasePlan, SelectionMode
 
     shape = loaded.adapter.head_shape(loaded.model)

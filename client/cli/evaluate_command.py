@@ -66,9 +66,9 @@ def run(args: argparse.Namespace) -> int:
     if keys is not None:
         check_artifact(args.artifact, keys)
     # Imported here: the data and model side need PIL, torch and transformers.
-    from client.data import load_dataset
+    from client.activations.hooks import PatchPolicy
+    from client.data.records import load_dataset
     from client.evaluation import EvaluationMode, evaluate
-    from client.hooks import PatchPolicy
 
     mode = EvaluationMode(args.mode)
     check_site_model(settings)  # an unusable model is refused before any data is read

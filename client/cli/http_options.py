@@ -16,8 +16,8 @@ from client.cli._types import file_mode, positive_int
 from dpmtv_common.errors import ConfigError
 
 if TYPE_CHECKING:
+    from client.release.site import Site
     from client.service.http_server import HttpEndpoint, HttpSettings
-    from client.site import Site
 
 __all__ = ["add_http_options", "check_http", "start_http"]
 

@@ -87,7 +87,7 @@ def _load_image(path: Path) -> Image.Image:
         # that. Both are refusals here, never a warning that lets a huge decode go on.
         # read_rgb decodes every pixel and converts faithfully (16-bit scaled, palette
         # looked up), the way the site's data is read; a bomb warning is raised, not printed.
-        from client.data import read_rgb
+        from client.data.records import read_rgb
 
         return read_rgb(path)
     except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
@@ -107,9 +107,9 @@ def run(args: argparse.Namespace) -> int:
     check_artifact(args.artifact, keys)
     loaded = load_site_model(settings)
     # Imported here: the model side needs torch and transformers.
+    from client.activations.hooks import PatchPolicy
     from client.cli._artifact import artifact_model, artifact_patch
-    from client.hooks import PatchPolicy
-    from client.inference import generate_answers
+    from client.inference.answers import generate_answers
     from client.models import Example, Prompt
 
     patch = artifact_patch(

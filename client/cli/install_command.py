@@ -56,8 +56,8 @@ def run(args: argparse.Namespace) -> int:
     trusted_keys(settings)  # none: refused before the model loads
     check_site_model(settings)
     # Imported here: the service side loads torch and the model.
-    from client.installed_artifact import install_artifact
-    from client.site import Site
+    from client.release.site import Site
+    from client.service.install import install_artifact
 
     installed = install_artifact(Site(settings), args.artifact)
     release_id = installed.name

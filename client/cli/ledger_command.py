@@ -3,7 +3,7 @@
 With no option it shows the site's default ledger, the one every command and the service
 share (``$XDG_DATA_HOME/dpmtv/site/ledger.sqlite``, or under ``--state-dir``); ``--ledger``
 names another. It also names every other ledger of the site whose counted releases this one
-lacks (:mod:`client.site_ledgers`), and ``--merge FILE`` copies them in so they compose.
+lacks (:mod:`client.release.ledgers`), and ``--merge FILE`` copies them in so they compose.
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ from typing import Any
 
 from client.cli._common import settings_from
 from client.cli._types import open_unit_float, positive_float
+from client.release.ledgers import other_ledgers, remember_ledger, uses_default_ledger
 from client.settings import SiteSettings
-from client.site_ledgers import other_ledgers, remember_ledger, uses_default_ledger
 from dpmtv_common.errors import ConfigError
-from dpmtv_common.privacy.accounting import EpsilonBound, epsilon_bound
+from dpmtv_common.privacy.accounting import EpsilonBound
 from dpmtv_common.privacy.budget import PrivacyBudget
+from dpmtv_common.privacy.composition import epsilon_bound
 from dpmtv_common.privacy.ledger import LedgerEntry, PrivacyLedger, ReleaseState
 from dpmtv_common.privacy.ledger_files import read_ledger_file
 

@@ -32,7 +32,7 @@ from client.cli._common import (
 )
 from client.cli._errors import validation_line
 from client.cli._types import open_unit_float, positive_float, positive_int
-from client.site_ledgers import check_one_ledger
+from client.release.ledgers import check_one_ledger
 from dpmtv_common.centre import ActivationCentre
 from dpmtv_common.errors import ConfigError
 
@@ -300,7 +300,7 @@ def _check_signal(
     plan: ReleasePlan, args: argparse.Namespace, *, num_chunks: int, shape: HeadShape
 ) -> None:
     """Warn (stderr) below SNR 1, refuse below --min-signal-to-noise: before the ledger."""
-    from client.signal_check import signal_report
+    from client.checks.signal import signal_report
 
     report = signal_report(plan, num_chunks=num_chunks, shape=shape)
     predicted = report.estimate.signal_to_noise
@@ -323,10 +323,10 @@ def run(args: argparse.Namespace) -> int:
     for line in check_one_ledger(settings):  # refused, before the model, if it splits the budget
         print(f"warning: {line}", file=sys.stderr)
     # Imported here: the data and model side need PIL, torch and transformers.
-    from client.chunking import make_chunks
-    from client.data import load_dataset
-    from client.release import LocalSums, run_single_holder_release
-    from client.scoring import ScoreMethod
+    from client.activations.chunking import make_chunks
+    from client.activations.scoring import ScoreMethod
+    from client.data.records import load_dataset
+    from client.release.single_holder import LocalSums, run_single_holder_release
     from dpmtv_common.crypto import SigningKey
     from dpmtv_common.privacy.ledger import PrivacyLedger
     from dpmtv_common.privacy.noise import require_cryptographic, secure_noise

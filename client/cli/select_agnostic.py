@@ -2,7 +2,7 @@
 
 Each ``--public-task`` is a labelled PUBLIC dataset of another task of the private task's
 domain (same kind of images and question, other answers). From them alone
-(``client.public_tasks``, ``client.scope_choice``): the centre, the heads mode (public heads,
+(``client.public.tasks``, ``client.public.scope``): the centre, the heads mode (public heads,
 or private selection among public candidates), k and C', by leave-one-public-task-out under
 the planned release's noise; then what that choice gives on held-out public tasks at the
 planned m and at 3 and 10 times as many chunks. Writes the heads file and the centre file,
@@ -28,8 +28,8 @@ from dpmtv_common.errors import ConfigError
 
 if TYPE_CHECKING:
     from client.models import LoadedModel
-    from client.public_tasks import PublicTask
-    from client.scope_choice import HeadsMode, PlannedRelease, ScopeChoice
+    from client.public.scope import HeadsMode, PlannedRelease, ScopeChoice
+    from client.public.tasks import PublicTask
 
 __all__ = ["MIN_MODEL_GAIN", "public_task_folders", "run_task_agnostic"]
 
@@ -57,7 +57,7 @@ def public_task_folders(args: argparse.Namespace) -> list[Path]:
 
 def _planned(args: argparse.Namespace) -> dict[HeadsMode, PlannedRelease]:
     """The planned central release in each heads mode (public heads spend no ε on picks)."""
-    from client.scope_choice import HeadsMode, PlannedRelease
+    from client.public.scope import HeadsMode, PlannedRelease
     from dpmtv_common.privacy import ReleaseCalibration
 
     def z(picks: int) -> float:
@@ -74,7 +74,7 @@ def _planned(args: argparse.Namespace) -> dict[HeadsMode, PlannedRelease]:
 
 def _model_gains(loaded: LoadedModel, tasks: list[PublicTask], k: int) -> dict[str, float]:
     """Each public task's own plain mean in its own top-k heads, gain over zero-shot."""
-    from client.public_tasks import rank_heads
+    from client.public.tasks import rank_heads
 
     gains = {}
     for task in tasks:
@@ -144,9 +144,9 @@ def run_task_agnostic(args: argparse.Namespace) -> int:
         )
     settings = settings_from(args)
     centre_file = args.centre_out or args.out.with_suffix(".centre.safetensors")
-    from client.data import load_dataset
-    from client.public_tasks import public_task
-    from client.scope_choice import choose_scope, held_out_accuracy_by_chunks
+    from client.data.records import load_dataset
+    from client.public.scope import choose_scope, held_out_accuracy_by_chunks
+    from client.public.tasks import public_task
 
     check_site_model(settings)
     loaded = load_site_model(settings).with_image_crops(args.max_image_crops)

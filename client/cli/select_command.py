@@ -20,7 +20,7 @@ from client.cli._types import non_negative_int, open_unit_float, positive_float,
 from dpmtv_common.errors import ConfigError
 
 if TYPE_CHECKING:
-    from client.clip_choice import ClipChoice
+    from client.public.clip import ClipChoice
 
 __all__ = ["register"]
 
@@ -130,17 +130,17 @@ def run(args: argparse.Namespace) -> int:
             f"--for-epsilon {args.for_epsilon} and --for-chunks {args.for_chunks}."
         )
     # Imported here: the data and model side need PIL, torch and transformers.
-    from client.chunking import make_chunks
-    from client.clip_choice import PlannedNoise, choose_clip_norm
-    from client.data import load_dataset
-    from client.public_selection import (
+    from client.activations.chunking import make_chunks
+    from client.activations.scoring import check_answer_vocabulary
+    from client.data.records import load_dataset
+    from client.public.clip import PlannedNoise, choose_clip_norm
+    from client.public.selection import (
         ReinforceSettings,
         SelectionMethod,
         public_activations,
         select_heads_attribution,
         select_heads_reinforce,
     )
-    from client.scoring import check_answer_vocabulary
 
     check_site_model(settings)  # an unusable model is refused before any data is read
     dataset = load_dataset(public)

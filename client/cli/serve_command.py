@@ -22,9 +22,9 @@ from typing import Any
 from client.cli._common import add_model_options, check_site_model, settings_from
 from client.cli._types import file_mode, open_unit_float, positive_float, positive_int
 from client.cli.http_options import add_http_options, check_http, start_http
+from client.release.ledgers import check_one_ledger
 from client.service.wire import FrameKind, read_frame, write_frame
 from client.settings import service_status_file
-from client.site_ledgers import check_one_ledger
 from dpmtv_common.errors import ConfigError, DataError, ServiceError
 
 __all__ = ["register"]
@@ -143,8 +143,8 @@ def run_serve(args: argparse.Namespace) -> int:
     """Start the service and block until SIGTERM/SIGINT."""
     settings = settings_from(args)  # the thread policy (--threads) is set by main()
     http = check_http(args)  # a bad address or token file stops here, before the model
-    from client.secure_sum.site_stages import load_membership  # loads torch: only here
     from client.service.server import SiteService
+    from client.service.sum_stages import load_membership  # loads torch: only here
 
     check_site_model(settings)  # refused in one line, before weights, data or socket
     for line in check_one_ledger(settings):  # one ledger per site: refused if split

@@ -25,9 +25,9 @@ import numpy.typing as npt
 import torch
 from transformers import BatchFeature
 
-from client.hooks import PatchPolicy, patch_heads
+from client.activations.hooks import PatchPolicy, patch_heads
+from client.activations.scoring import answer_token_ids
 from client.models import LoadedModel, Prompt
-from client.scoring import answer_token_ids
 from dpmtv_common.heads import HeadSet
 
 __all__ = ["QuerySet"]

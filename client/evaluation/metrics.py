@@ -5,7 +5,7 @@
   (lower case, punctuation, articles, number words). With a single reference answer it is
   normalised exact match.
 * :func:`exact_match` compares normalised strings (classification labels).
-* Generated text is cut before scoring (``client.inference.first_answer_span``).
+* Generated text is cut before scoring (``client.inference.answers.first_answer_span``).
 """
 
 from __future__ import annotations

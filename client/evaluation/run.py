@@ -6,10 +6,10 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
-from client.data import Record
+from client.activations.extraction import record_example, zero_shot_prompt
+from client.data.records import Record
 from client.evaluation.metrics import vqa_accuracy
-from client.extraction import record_example, zero_shot_prompt
-from client.inference import TaskVectorPatch, generate_answers
+from client.inference.answers import TaskVectorPatch, generate_answers
 from client.models import LoadedModel, Prompt
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.rng import make_rng

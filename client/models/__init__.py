@@ -5,7 +5,7 @@ Import from here, not from the modules: ``from client.models import load_model, 
 
 from __future__ import annotations
 
-from client.models._plugins import ADAPTER_ENTRY_POINT_GROUP, load_adapter_plugins
+from client.models._plugins import ADAPTER_ENTRY_POINT_GROUP
 from client.models.adapters import (
     HeadShape,
     ModelAdapter,
@@ -14,6 +14,7 @@ from client.models.adapters import (
     context_length,
     ensure_pad_token,
     get_adapter,
+    load_adapter_plugins,
     register_adapter,
     supported_model_types,
 )

@@ -7,7 +7,9 @@ its ``pyproject.toml``::
     my_vlm = "my_package.dpmtv_adapter:ADAPTER"
 
 where ``ADAPTER`` is a :class:`client.models.ModelAdapter` (or a function of no arguments that
-returns one). The registry loads the group lazily, the first time a lookup misses, so the CLI
+returns one). The registry (:mod:`client.models.adapters`, which hands its own
+``register_adapter`` and adapter type to :func:`register_plugins`, so this module imports
+nothing of it) loads the group lazily, the first time a lookup misses, so the CLI
 and the Flower site (which both look adapters up through ``get_adapter``) see the plugin
 without any flag. A broken entry point is an :class:`AdapterPluginError` naming the
 distribution, never a bare traceback from inside the plugin.
@@ -15,12 +17,13 @@ distribution, never a bare traceback from inside the plugin.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from importlib import metadata
 from typing import Any
 
 from client.models.errors import AdapterPluginError
 
-__all__ = ["ADAPTER_ENTRY_POINT_GROUP", "AdapterPluginError", "load_adapter_plugins"]
+__all__ = ["ADAPTER_ENTRY_POINT_GROUP", "AdapterPluginError", "register_plugins"]
 
 ADAPTER_ENTRY_POINT_GROUP = "dpmtv.adapters"
 
@@ -32,42 +35,43 @@ def _describe(entry_point: metadata.EntryPoint) -> str:
     return f"entry point {entry_point.name!r} = {entry_point.value!r} of {dist}"
 
 
-def _adapter_of(entry_point: metadata.EntryPoint) -> Any:
-    from client.models.adapters import ModelAdapter  # here: adapters imports this module
-
+def _adapter_of(entry_point: metadata.EntryPoint, adapter_type: type) -> Any:
     try:
         target = entry_point.load()
-        factory = callable(target) and not isinstance(target, ModelAdapter)
+        factory = callable(target) and not isinstance(target, adapter_type)
         adapter = target() if factory else target
     except Exception as exc:  # a plugin may raise anything; name it and stop
         raise AdapterPluginError(
             f"{_describe(entry_point)} must load, got {type(exc).__name__}: {exc}. "
             "Fix or uninstall that package."
         ) from exc
-    if not isinstance(adapter, ModelAdapter):
+    if not isinstance(adapter, adapter_type):
         raise AdapterPluginError(
             f"{_describe(entry_point)} must give a ModelAdapter, got {type(adapter).__name__}."
         )
     return adapter
 
 
-def load_adapter_plugins() -> None:
+def register_plugins(register: Callable[[Any], object], adapter_type: type) -> None:
     """Register every installed ``dpmtv.adapters`` adapter not registered yet.
+
+    Args:
+        register: The registry's own registration function (``register_adapter``).
+        adapter_type: What an entry point must give (``ModelAdapter``).
 
     Raises:
         AdapterPluginError: An entry point cannot be imported, does not give a
             ``ModelAdapter``, or claims a model type that is already registered.
     """
-    from client.models.adapters import register_adapter
     from dpmtv_common.errors import ConfigError
 
     for entry_point in metadata.entry_points(group=ADAPTER_ENTRY_POINT_GROUP):
         key = f"{entry_point.value}:{entry_point.name}"
         if key in _loaded:
             continue
-        adapter = _adapter_of(entry_point)
+        adapter = _adapter_of(entry_point, adapter_type)
         try:
-            register_adapter(adapter)
+            register(adapter)
         except ConfigError as exc:
             raise AdapterPluginError(f"{_describe(entry_point)}: {exc}") from exc
         _loaded.add(key)

@@ -8,6 +8,7 @@ from tokenizers import Tokenizer, decoders, pre_tokenizers, trainers
 from tokenizers.models import BPE
 from transformers import PreTrainedModel, PreTrainedTokenizerFast, ProcessorMixin
 
+from client.models._own_tokenizers import wrap_tokenizer
 from dpmtv_common.errors import ConfigError
 
 TINY_IMAGE_SIZE = 56
@@ -49,14 +50,7 @@ def tokenizer(specials: tuple[str, ...], extra: dict[str, str]) -> PreTrainedTok
         show_progress=False,
     )
     backend.train_from_iterator(CORPUS, trainer)
-    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
-        tokenizer_object=backend,
-        bos_token="<s>",  # noqa: S106 (tokens, not secrets; likewise below)
-        eos_token="</s>",  # noqa: S106
-        pad_token="<pad>",  # noqa: S106
-        unk_token="<unk>",  # noqa: S106
-        extra_special_tokens=extra,
-    )
+    return wrap_tokenizer(backend, extra)
 
 
 def token_id(tokenizer: PreTrainedTokenizerFast, token: str) -> int:

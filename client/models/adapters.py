@@ -24,7 +24,7 @@ from torch import nn
 from transformers import BatchFeature, PreTrainedModel, ProcessorMixin
 
 from client.models import _templates, image_crops
-from client.models._plugins import ADAPTER_ENTRY_POINT_GROUP, load_adapter_plugins
+from client.models._plugins import ADAPTER_ENTRY_POINT_GROUP, register_plugins
 from client.models.errors import PromptTooLongError
 from client.models.prompts import Example, Prompt, prompt_to_messages
 from dpmtv_common.errors import ConfigError, ModelError, UnsupportedArchitectureError
@@ -38,6 +38,7 @@ __all__ = [
     "context_length",
     "ensure_pad_token",
     "get_adapter",
+    "load_adapter_plugins",
     "register_adapter",
     "supported_model_types",
 ]
@@ -351,6 +352,16 @@ def register_adapter(adapter: ModelAdapter) -> ModelAdapter:
     for model_type in adapter.model_types:
         _REGISTRY[model_type] = adapter
     return adapter
+
+
+def load_adapter_plugins() -> None:
+    """Register every installed ``dpmtv.adapters`` plugin adapter not registered yet.
+
+    Raises:
+        AdapterPluginError: An entry point cannot be imported, does not give a
+            ``ModelAdapter``, or claims a model type that is already registered.
+    """
+    register_plugins(register_adapter, ModelAdapter)
 
 
 def supported_model_types() -> tuple[str, ...]:

@@ -3,10 +3,10 @@
 It is a real ``LlavaForConditionalGeneration`` (CLIP-style vision tower, projector, Llama
 decoder) with a word-level tokenizer over the synthetic tasks' vocabulary, so it goes through
 the same adapter, prompt, hook and loading code as any other LLaVA checkpoint. Its weights are
-trained by ``scripts/train_embedded_model.py`` on episodes of the four ``client.synthetic``
+trained by ``scripts/train_embedded_model.py`` on episodes of the four ``client.data.synthetic``
 tasks (colour, shape, count, position) that share one question: the task can only be told
 from the demonstrations' answers, which is what in-context learning and task vectors are for.
-Training sees only the ``train`` scenes of ``client.synthetic``'s content split.
+Training sees only the ``train`` scenes of ``client.data.synthetic``'s content split.
 
 Two sizes ship: ``small`` (3 layers x 4 heads = 12 heads; the fast default) and ``deep``
 (8 layers x 8 heads = 64 heads; the benchmark of selection among many heads).
@@ -22,7 +22,8 @@ from tokenizers import Tokenizer, pre_tokenizers
 from tokenizers.models import WordLevel
 from transformers import PreTrainedTokenizerFast
 
-from client.synthetic import COLOURS, IMAGE_SIZE, POSITIONS, QUESTION, SHAPES
+from client.data.synthetic import COLOURS, IMAGE_SIZE, POSITIONS, QUESTION, SHAPES
+from client.models._own_tokenizers import wrap_tokenizer
 from dpmtv_common.errors import ConfigError
 
 __all__ = [
@@ -74,14 +75,7 @@ def _tokenizer() -> PreTrainedTokenizerFast:
     backend.pre_tokenizer = pre_tokenizers.Sequence(
         [pre_tokenizers.WhitespaceSplit(), pre_tokenizers.Punctuation()]
     )
-    return PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
-        tokenizer_object=backend,
-        bos_token="<s>",  # noqa: S106 (tokens, not secrets; likewise below)
-        eos_token="</s>",  # noqa: S106
-        pad_token="<pad>",  # noqa: S106
-        unk_token="<unk>",  # noqa: S106
-        extra_special_tokens={"image_token": "<image>"},
-    )
+    return wrap_tokenizer(backend, {"image_token": "<image>"})
 
 
 def _image_token_id(tok: PreTrainedTokenizerFast) -> int:

@@ -9,7 +9,7 @@ pip, checks the file's SHA-256, and builds the model folder locally.
 What *is* in the repository is what was trained here (``scripts/train_pretrained_vlm.py``):
 a CLIP-style vision tower (64 x 64 px images, 32 px patches, so 4 image tokens) and LLaVA's
 projector, in ``weights/shapes-smollm2-vision`` (about 1 MB). They were trained, with the decoder
-frozen, to put each ``client.synthetic`` scene's colour, shape, count and position into the
+frozen, to put each ``client.data.synthetic`` scene's colour, shape, count and position into the
 four image tokens as vectors the decoder reads like its own word embeddings. The decoder itself
 is never trained, so whatever it does in context (answering the attribute that the
 demonstrations answer, or mapping it to words the projector never saw) comes from its

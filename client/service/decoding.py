@@ -45,7 +45,7 @@ import torch
 from transformers import DynamicCache, GenerationConfig
 from transformers.cache_utils import DynamicLayer
 
-from client.hooks import prompt_length_guard
+from client.activations.hooks import prompt_length_guard
 from client.models import LoadedModel
 from client.service.rows import (
     Row,

@@ -32,8 +32,8 @@ from flwr.app import Context, Error, Message
 from flwr.clientapp import ClientApp
 from flwr.common.constant import ErrorCode as FlowerErrorCode
 
-from client.secure_sum.site_stages import SiteSums
-from client.site import Site
+from client.release.site import Site
+from client.service.sum_stages import SiteSums
 from dpmtv_common.aliases import Float64Array, Int64Array
 from dpmtv_common.errors import DpmtvError
 from protocol import (

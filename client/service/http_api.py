@@ -45,8 +45,9 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from client.hooks import PatchPolicy
+from client.activations.hooks import PatchPolicy
 from client.models import LoadedModel
+from client.release.site import Site
 from client.service.batching import Batcher, OverloadedError
 from client.service.chat_format import (
     ChatRequest,
@@ -58,7 +59,6 @@ from client.service.chat_format import (
 from client.service.inference import MAX_REQUEST_BYTES
 from client.service.releases import ReleaseCatalogue, UnknownModelError
 from client.service.rows import Row, prepare_row
-from client.site import Site
 from dpmtv_common.errors import ConfigError, DataError
 
 __all__ = ["ChatApi", "build_app"]

@@ -30,9 +30,9 @@ from pathlib import Path
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from client.release.site import Site
 from client.service.batching import Batcher
 from client.service.http_api import ChatApi, build_app
-from client.site import Site
 from dpmtv_common.errors import ConfigError, ServiceError
 
 __all__ = ["HttpEndpoint", "HttpSettings", "IdleConnections", "parse_address", "read_token"]

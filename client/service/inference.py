@@ -16,22 +16,19 @@ the model or the artifact is touched. A small file that would decode to gigabyte
 
 from __future__ import annotations
 
-import io
-import warnings
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
-from PIL import Image
 from pydantic import BaseModel, ConfigDict, Field
 
-from client.data import to_rgb
-from client.hooks import PatchPolicy
-from client.inference import TaskVectorPatch, check_instruction, generate_answers
-from client.models import Example, Prompt, prompt_template_digest
-from client.site import Site
-from dpmtv_common.artifact import load_artifact
+from client.activations.hooks import PatchPolicy
+from client.data.images import rgb_from_bytes, size_from_bytes
+from client.inference.answers import TaskVectorPatch, check_instruction, generate_answers
+from client.inference.artifact_use import Remedies, usable_artifact
+from client.models import Example, Prompt
+from client.release.site import Site
 from dpmtv_common.crypto import TrustedKeys
-from dpmtv_common.errors import ConfigError, DataError
+from dpmtv_common.errors import ConfigError
 from protocol.plan import ReleaseId
 
 if TYPE_CHECKING:
@@ -112,11 +109,7 @@ def check_request(request: InferRequest) -> None:
             f"{len(request.images)}."
         )
     for index, data in enumerate(request.images):
-        width, height = _header_size(data, index)
-        if width * height > MAX_IMAGE_PIXELS:
-            raise DataError(
-                f"image {index} must have at most {MAX_IMAGE_PIXELS} pixels, got {width}x{height}."
-            )
+        size_from_bytes(data, index, max_pixels=MAX_IMAGE_PIXELS)
 
 
 def answer_queries(site: Site, request: InferRequest) -> InferAnswers:
@@ -135,7 +128,7 @@ def answer_queries(site: Site, request: InferRequest) -> InferAnswers:
     # Queries are prompted under the crop cap the artifact's chunks were prompted under.
     loaded = site.model().with_image_crops(max_image_crops)
     prompts = [
-        Prompt.of([], Example(_decode(image, index), question))
+        Prompt.of([], Example(rgb_from_bytes(image, index), question))
         for index, (image, question) in enumerate(
             zip(request.images, request.questions, strict=True)
         )
@@ -167,60 +160,22 @@ def _patch(site: Site, request: InferRequest) -> tuple[TaskVectorPatch, int | No
     return patch, artifact.manifest.max_image_crops
 
 
+# What a site admin changes when a stored artifact does not fit the service's model.
+_SERVICE_REMEDIES = Remedies(
+    dtype="serve with dtype = {dtype!r} in the site's settings",
+    template="serve the model directory and dpmtv version (or adapter plugin) the release used",
+)
+
+
 def verified_artifact(site: Site, folder: Path) -> tuple[TaskVectorArtifact, torch.Tensor]:
-    """The stored artifact in ``folder``, checked for this service's model, and its values.
+    """The stored artifact in ``folder`` and its values, if it may patch this service's model.
 
-    Checks the signature against the site's trusted keys, the model fingerprint, the dtype the
-    vector was made in and the chat template its prompts were rendered with (the socket's
-    ``ask`` and the HTTP endpoint both go through here).
+    Every check of :func:`client.inference.artifact_use.usable_artifact` against the site's
+    trusted keys (the socket's ``ask`` and the HTTP endpoint both go through here).
     """
-    import numpy as np
-    import torch
-
-    loaded = site.model()
-    artifact = load_artifact(
+    return usable_artifact(
         folder,
-        trusted_keys=TrustedKeys.from_files(site.settings.trusted_keys),
-        expected_model_fingerprint=loaded.fingerprint,
+        loaded=site.model(),
+        keys=TrustedKeys.from_files(site.settings.trusted_keys),
+        remedies=_SERVICE_REMEDIES,
     )
-    made_in = artifact.manifest.model_dtype
-    if made_in is not None and made_in != loaded.dtype_name:
-        raise ConfigError(
-            f"the service's model dtype must be the artifact's {made_in!r}, "
-            f"got {loaded.dtype_name!r}."
-        )
-    rendered_with = artifact.manifest.prompt_template_sha256
-    if rendered_with is not None and rendered_with != prompt_template_digest(loaded):
-        raise ConfigError(
-            f"the service's chat template must be the artifact's (sha256 {rendered_with}), "
-            f"got sha256 {prompt_template_digest(loaded)}: its chunks were prompted otherwise."
-        )
-    return artifact, torch.tensor(np.asarray(artifact.values), dtype=torch.float32)
-
-
-def _header_size(data: bytes, index: int) -> tuple[int, int]:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as image:  # lazy: reads the header only
-                width, height = image.size
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise DataError(f"image {index} must have at most {MAX_IMAGE_PIXELS} pixels.") from exc
-    except (OSError, ValueError, SyntaxError) as exc:
-        raise DataError(f"image {index} must be a readable picture: {exc}") from exc
-    return width, height
-
-
-def _decode(data: bytes, index: int) -> Image.Image:
-    try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("error", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data)) as image:
-                image.load()  # every pixel now: a truncated file fails here, not mid-answer
-                return to_rgb(image)
-    except (Image.DecompressionBombError, Image.DecompressionBombWarning) as exc:
-        raise DataError(
-            f"image {index} must have at most {Image.MAX_IMAGE_PIXELS} pixels."
-        ) from exc
-    except (OSError, ValueError, SyntaxError) as exc:
-        raise DataError(f"image {index} must be a readable picture: {exc}") from exc

@@ -17,7 +17,7 @@ from typing import Any
 
 from flwr.app import Context
 
-from client.relay import RelayApp
+from client.service.relay import RelayApp
 from client.service.server import SiteService
 from client.settings import SiteSettings
 from dpmtv_common.crypto import SigningKey

@@ -25,7 +25,7 @@ import torch
 from transformers import LogitsProcessorList, StoppingCriteriaList
 from transformers.generation.streamers import BaseStreamer
 
-from client.hooks import prompt_length_guard
+from client.activations.hooks import prompt_length_guard
 from client.models import LoadedModel
 from client.service.decoding import BatchStats
 from client.service.rows import RowLimit, RowSampler, Ticket, eos_ids, row_patches, stack_rows

@@ -17,15 +17,13 @@ import logging
 import threading
 from pathlib import Path
 
-import torch
 from pydantic import TypeAdapter, ValidationError
 
-from client.hooks import PatchPolicy
-from client.inference import check_instruction
-from client.models import LoadedModel
+from client.activations.hooks import PatchPolicy
+from client.inference.answers import check_instruction
+from client.release.site import Site
 from client.service.inference import verified_artifact
 from client.service.rows import RowPatch
-from client.site import Site
 from dpmtv_common.artifact import ArtifactManifest, TaskVectorArtifact
 from dpmtv_common.errors import ConfigError, DpmtvError
 from protocol.plan import ReleaseId
@@ -136,32 +134,11 @@ def servable_artifact(site: Site, folder: Path) -> TaskVectorArtifact:
     Raises:
         DpmtvError: What refused it (signature, hash, model, dtype, template, heads, values).
     """
-    artifact, values = verified_artifact(site, folder)
-    _check_heads(site.model(), artifact.heads.heads, values)
+    artifact, _ = verified_artifact(site, folder)
     return artifact
 
 
 def _load_patch(site: Site, folder: Path, release_id: str) -> _Served:
     artifact, values = verified_artifact(site, folder)
-    _check_heads(site.model(), artifact.heads.heads, values)
     patch = RowPatch(release_id, artifact.heads, values, PatchPolicy.PROMPT_LAST_TOKEN)
     return patch, artifact.manifest.max_image_crops, artifact.manifest
-
-
-def _check_heads(
-    loaded: LoadedModel, heads: tuple[tuple[int, int], ...], values: torch.Tensor
-) -> None:
-    shape = loaded.adapter.head_shape(loaded.model)
-    for layer, head in heads:
-        if layer not in shape.head_layers or head >= shape.num_heads:
-            raise ConfigError(
-                f"artifact heads must exist in the model's layers {list(shape.head_layers)} x "
-                f"{shape.num_heads} heads, got {(layer, head)!r}."
-            )
-    if tuple(values.shape) != (len(heads), shape.head_dim):
-        raise ConfigError(
-            f"artifact values must have shape {(len(heads), shape.head_dim)}, "
-            f"got {tuple(values.shape)}."
-        )
-    if not bool(torch.isfinite(values).all()):
-        raise ConfigError("artifact values must be finite, got NaN or infinity.")

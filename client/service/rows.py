@@ -16,7 +16,7 @@ plain model), so one batch may mix releases. A forward pre-hook on every patched
 prefill only, at its prompt's last token: the generated tokens then attend to the patched
 position through the KV cache, and each decoding step itself runs unpatched. Under
 ``every-call`` (MTV's code) the row is patched at every step's position as well. This is
-what :func:`client.hooks.patch_heads` does to a whole batch (tested equal).
+what :func:`client.activations.hooks.patch_heads` does to a whole batch (tested equal).
 
 **Sampling is per row.** A row with ``temperature > 0`` draws its tokens from its own
 ``torch.Generator``, seeded by the request (or at random): its draws never depend on its
@@ -34,8 +34,9 @@ import torch
 from torch import nn
 from transformers import LogitsProcessor, StoppingCriteria
 
-from client.hooks import PatchPolicy, registered_pre_hooks
+from client.activations.hooks import PatchPolicy, registered_pre_hooks
 from client.models import LoadedModel, Prompt, check_prompt_length
+from client.models.inputs import left_padded_stack, token_keys
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
 
@@ -159,14 +160,9 @@ def prepare_row(
     )
 
 
-def _token_keys(inputs: _Inputs) -> list[str]:
-    length = inputs["input_ids"].shape[1]
-    return [k for k, v in inputs.items() if v.ndim == 2 and v.shape == (1, length)]
-
-
 def _stack_key(inputs: _Inputs) -> _StackKey:
     """The shapes of the tensors that are not per token, which rows must share to stack."""
-    tokens = set(_token_keys(inputs))
+    tokens = set(token_keys(inputs))
     return tuple(sorted((k, tuple(v.shape)) for k, v in inputs.items() if k not in tokens))
 
 
@@ -176,18 +172,7 @@ def stack_rows(rows: Sequence[Row], pad_id: int) -> _Inputs:
     Rows must share their :attr:`Row.stack_key`. A single row comes back as it was prepared.
     """
     length = max(row.prompt_tokens for row in rows)
-    tokens = set(_token_keys(rows[0].inputs))
-    out: _Inputs = {}
-    for key in rows[0].inputs:
-        values = [row.inputs[key] for row in rows]
-        if key in tokens:  # masked positions get exactly zero attention weight
-            fill = pad_id if key == "input_ids" else 0
-            values = [
-                torch.cat([torch.full((1, length - v.shape[1]), fill, dtype=v.dtype), v], dim=1)
-                for v in values
-            ]
-        out[key] = torch.cat(values, dim=0)
-    return out
+    return left_padded_stack([row.inputs for row in rows], length, pad_id)
 
 
 def eos_ids(loaded: LoadedModel) -> frozenset[int]:

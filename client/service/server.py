@@ -3,12 +3,13 @@
 How this connects (OpenSSH-style privilege separation, docs/design.md "Threat model"): the
 site admin starts ``dpmtv-site serve`` from the package installed at the site, under its own
 user. Flower's SuperNode starts a fresh ``flwr-clientapp`` per message, which runs the relay
-(:mod:`client.relay`, possibly code the coordinator shipped in its FAB): it forwards the
-serialised ``Message`` over this service's Unix socket and returns the reply. The service
-decodes it, runs the real handlers (:mod:`client.service.handlers`, SecAgg+ mod included) on
-a ``Context`` it keeps itself per run — never the relay's state or node config — and answers
-with the reply ``Message``. The relay is never given a path, a key or a plaintext
-contribution: it sees plans, masked integers and artifacts, as the coordinator does.
+(:mod:`client.service.relay`, possibly code the coordinator shipped in its FAB): it forwards
+the serialised ``Message`` over this service's Unix socket and returns the reply. The service
+decodes it, runs the real handlers (:mod:`client.service.handlers`: plan, secure sums,
+artifact) on an empty ``Context`` of its own — never the relay's state or node config; every
+state lives in the site's record and ledger — and answers with the reply ``Message``. The
+relay is never given a path, a key or a plaintext contribution: it sees plans, masked
+integers and artifacts, as the coordinator does.
 
 Lifecycle: one service per ledger (an exclusive lock beside the ledger; a second service is
 refused), one request at a time under a lock, a log line per release state change, a sweep
@@ -40,7 +41,6 @@ import socketserver
 import stat
 import threading
 import time
-from collections import OrderedDict
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import IO, Any
@@ -50,8 +50,8 @@ from flwr.common.serde import message_from_proto, message_to_proto
 from flwr.proto.message_pb2 import Message as ProtoMessage
 from pydantic import ValidationError
 
-from client.release_record import ReleaseRecord
-from client.secure_sum.site_stages import SiteSums
+from client.release.record import ReleaseRecord
+from client.release.site import Site
 from client.service.handlers import build_site_app, error_message
 from client.service.inference import (
     MAX_REQUEST_BYTES,
@@ -59,21 +59,21 @@ from client.service.inference import (
     answer_queries,
     check_request,
 )
+from client.service.sum_stages import SiteSums
 from client.service.wire import FrameKind, read_frame, write_frame
 from client.settings import SiteSettings, service_status_file
-from client.site import Site
 from dpmtv_common.errors import DpmtvError, ServiceError
+from dpmtv_common.files import write_atomic
 from protocol import MESSAGE_RECORD_KEY, ErrorReply, message_from_record
 
 __all__ = ["DEFAULT_MAX_CONNECTIONS", "SMALL_FRAME_BYTES", "SiteService"]
 
 _log = logging.getLogger(__name__)
-_MAX_RUNS = 16  # per-run SecAgg+ state kept; older runs' contexts are dropped
 _READ_TIMEOUT_S = 120.0  # a whole request frame, from the first byte to the last
 _BUSY_REPLY_TIMEOUT_S = 1.0
 
 SMALL_FRAME_BYTES = 1 << 20
-"""Largest ``MESSAGE`` payload while no plan is open: plans, SecAgg+ keys, shares, notices."""
+"""Largest ``MESSAGE`` payload while no plan is open: plans, secure-sum keys, shares, notices."""
 DEFAULT_MAX_CONNECTIONS = 4
 """Connections served at once; one relay runs one message at a time per run."""
 _BYTES_PER_COORDINATE = 16  # float64, twice over: base64 in JSON records, numpy headers
@@ -105,7 +105,6 @@ class SiteService:
         self._message_bound = SMALL_FRAME_BYTES
         self.sums = SiteSums(self.site)
         self._app = build_site_app(self.site, self.sums)
-        self._contexts: OrderedDict[tuple[int, int], Context] = OrderedDict()
         self._lock = threading.Lock()
         self._lock_file: IO[str] | None = None
         self._server: socketserver.UnixStreamServer | None = None
@@ -131,7 +130,7 @@ class SiteService:
         return 0  # PING carries nothing; any other kind is refused after its header
 
     def handle_message(self, message: Message) -> Message:
-        """Run the site's handlers on one message with the service's own context.
+        """Run the site's handlers on one message (its context is empty: see ``_context_for``).
 
         Only an accepted message renews the idle timer of its run's releases: a refused one,
         or junk, leaves a reservation to expire.
@@ -201,18 +200,16 @@ class SiteService:
         if self._status_path is not None:
             _write_private_json(self._status_path, self.admin_status())
 
-    def _context_for(self, message: Message) -> Context:
-        key = (message.metadata.run_id, message.metadata.dst_node_id)
-        context = self._contexts.get(key)
-        if context is None:
-            context = Context(
-                run_id=key[0], node_id=key[1], node_config={}, state=RecordDict(), run_config={}
-            )
-            self._contexts[key] = context
-            while len(self._contexts) > _MAX_RUNS:
-                self._contexts.popitem(last=False)
-        self._contexts.move_to_end(key)
-        return context
+    @staticmethod
+    def _context_for(message: Message) -> Context:
+        """An empty context: the handlers keep every state on the site's own record, none here."""
+        return Context(
+            run_id=message.metadata.run_id,
+            node_id=message.metadata.dst_node_id,
+            node_config={},
+            state=RecordDict(),
+            run_config={},
+        )
 
     # ------------------------------------------------------------------ lifecycle
 
@@ -382,12 +379,7 @@ class _Sweeper(threading.Thread):
 
 def _write_private_json(path: Path, document: dict[str, Any]) -> None:
     """Write ``document`` to ``path`` atomically, readable and writable by this user only."""
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    temporary.unlink(missing_ok=True)
-    descriptor = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-    with os.fdopen(descriptor, "w", encoding="utf-8") as handle:
-        json.dump(document, handle, sort_keys=True)
-    os.replace(temporary, path)
+    write_atomic(path, json.dumps(document, sort_keys=True), durable=False)
 
 
 def _lock_ledger(ledger: Path) -> IO[str]:

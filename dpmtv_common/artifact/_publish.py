@@ -15,19 +15,12 @@ from collections.abc import Mapping
 from pathlib import Path
 
 from dpmtv_common.errors import ConfigError
+from dpmtv_common.files import fsync_folder
 
 __all__ = [
     "check_replaceable",
     "publish_directory",
 ]
-
-
-def _fsync_directory(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _sibling(target: Path, kind: str) -> Path:
@@ -41,7 +34,7 @@ def _write_staging(staging: Path, files: Mapping[str, bytes]) -> None:
             handle.write(data)
             handle.flush()
             os.fsync(handle.fileno())
-    _fsync_directory(staging)
+    fsync_folder(staging)
 
 
 def check_replaceable(
@@ -108,4 +101,4 @@ def publish_directory(target: Path, files: Mapping[str, bytes], *, overwrite: bo
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise
-    _fsync_directory(target.parent)
+    fsync_folder(target.parent)

@@ -81,7 +81,7 @@ STALE_AFTER_S = 600.0
 process: a live write stages for well under a second."""
 
 # Hidden staging folders: ``.NAME.tmp-HEX`` and ``.NAME.old-HEX`` (``_publish``: publishing and
-# replacing) and ``.incoming-XXXX`` (client/site.py receiving a broadcast artifact into
+# replacing) and ``.incoming-XXXX`` (client/release/site.py receiving a broadcast artifact into
 # ``.incoming-XXXX/artifact``).
 _STAGING = re.compile(r"^\..+\.(?:tmp|old)-[0-9a-f]{16}$|^\.incoming-[A-Za-z0-9_]+$")
 _SITE_SUBFOLDER = "artifact"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import hashlib
 import os
-import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -25,6 +24,7 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from dpmtv_common.errors import BadSignatureError, ConfigError, UnknownSigningKeyError
+from dpmtv_common.files import write_atomic
 
 __all__ = [
     "KEY_ID_HEX_CHARS",
@@ -56,18 +56,7 @@ def _write_file_atomic(path: Path, data: bytes, *, mode: int, overwrite: bool) -
         raise ConfigError(
             f"key file must not exist yet, got {str(path)!r}. Pass overwrite=True to replace it."
         )
-    tmp = path.with_name(f".{path.name}.tmp-{secrets.token_hex(8)}")
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL, mode)
-    try:
-        with os.fdopen(fd, "wb") as handle:
-            os.fchmod(handle.fileno(), mode)  # the umask may have dropped bits we asked for
-            handle.write(data)
-            handle.flush()
-            os.fsync(handle.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        tmp.unlink(missing_ok=True)
-        raise
+    write_atomic(path, data, mode=mode)
 
 
 @dataclass(frozen=True, eq=False)

@@ -7,7 +7,7 @@ from dpmtv_common.privacy.accounting import (
     EpsilonBound,
     analytic_noise_multiplier,
     calibrate_noise_multiplier,
-    epsilon_bound,
+    central_epsilon_bound,
     epsilon_per_pick_from_share,
 )
 from dpmtv_common.privacy.auditing import (
@@ -19,6 +19,7 @@ from dpmtv_common.privacy.auditing import (
 )
 from dpmtv_common.privacy.budget import PrivacyBudget
 from dpmtv_common.privacy.calibration import ReleaseCalibration
+from dpmtv_common.privacy.composition import epsilon_bound
 from dpmtv_common.privacy.events import ReleaseEvent
 from dpmtv_common.privacy.ledger import LedgerEntry, PrivacyLedger, ReleaseState, Reservation
 from dpmtv_common.privacy.ledger_files import COUNTED_STATES, LedgerFile, read_ledger_file
@@ -49,6 +50,7 @@ __all__ = [
     "SecureNoise",
     "analytic_noise_multiplier",
     "calibrate_noise_multiplier",
+    "central_epsilon_bound",
     "clip_per_layer",
     "clip_scores",
     "clopper_pearson_epsilon",

@@ -18,6 +18,10 @@ never with the classical √(2 ln(1.25/δ))/ε formula (invalid for ε ≥ 1; 30
 Every quantity here is relative to the L2 sensitivity that the caller states: z = σ/Δ₂.
 The privacy of an unsampled Gaussian and of the exponential mechanism depends on nothing else,
 so these bounds hold for whichever neighbouring relation fixed Δ₂ (replace-one in dpmtv).
+
+Central events only: a ledger that may hold distributed-noise sums is composed by
+:func:`dpmtv_common.privacy.composition.epsilon_bound`, which sits above this module and the
+distributed package and picks the accountant (this module imports neither).
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import dataclass, field, replace
 from functools import lru_cache
 
 from dpmtv_common.errors import CalibrationError, ConfigError
+from dpmtv_common.privacy._search import last_met_level
 from dpmtv_common.privacy.events import ReleaseEvent
 
 __all__ = [
@@ -35,7 +40,7 @@ __all__ = [
     "EpsilonBound",
     "analytic_noise_multiplier",
     "calibrate_noise_multiplier",
-    "epsilon_bound",
+    "central_epsilon_bound",
     "epsilon_per_pick_from_share",
 ]
 
@@ -135,11 +140,13 @@ def _epsilon_analytic(events: Sequence[ReleaseEvent], delta: float) -> float | N
     return float(dp_accounting.get_epsilon_gaussian(events[0].noise_multiplier, delta))
 
 
-def epsilon_bound(events: Sequence[ReleaseEvent], *, delta: float) -> EpsilonBound:
-    """The smallest valid ε at ``delta`` for the sequential composition of ``events``.
+def central_epsilon_bound(events: Sequence[ReleaseEvent], *, delta: float) -> EpsilonBound:
+    """The smallest valid ε at ``delta`` for the sequential composition of central ``events``.
 
-    Events with distributed-noise sums are composed in RDP only, with their overflow aborts
-    counted in δ (``dpmtv_common.privacy.distributed`` says why no PLD is claimed for them).
+    Raises:
+        ConfigError: ``delta`` out of (0, 1), no events, or an event with a distributed-noise
+            sum (composed in RDP with its overflow aborts by
+            :func:`dpmtv_common.privacy.composition.epsilon_bound`; no PLD is claimed for it).
 
     A pure function of its arguments, remembered per process: every site of a simulated
     consortium checks the same plan, and each check composed the same PLDs again.
@@ -147,17 +154,17 @@ def epsilon_bound(events: Sequence[ReleaseEvent], *, delta: float) -> EpsilonBou
     _check_delta(delta)
     if not events:
         raise ConfigError("events must not be empty, got [].")
+    if any(event.is_distributed for event in events):
+        raise ConfigError(
+            "central_epsilon_bound composes central events only, got a distributed-noise sum: "
+            "use dpmtv_common.privacy.composition.epsilon_bound."
+        )
     bound = _remembered_bound(tuple(events), delta)
     return replace(bound, by_accountant=dict(bound.by_accountant))  # callers get their own
 
 
 @lru_cache(maxsize=1024)
 def _remembered_bound(events: tuple[ReleaseEvent, ...], delta: float) -> EpsilonBound:
-    if any(event.is_distributed for event in events):
-        # Imported here: the distributed package builds on this module.
-        from dpmtv_common.privacy.distributed import release_events_epsilon_bound
-
-        return release_events_epsilon_bound(events, delta=delta)
     bounds = {"rdp": _epsilon_rdp(events, delta), "pld": _epsilon_pld(events, delta)}
     analytic = _epsilon_analytic(events, delta)
     if analytic is not None:
@@ -183,14 +190,7 @@ def _smallest_z(
         return None
     if spent(lo) <= epsilon:
         return lo
-    for _ in range(_BISECTION_STEPS):
-        mid = math.sqrt(lo * hi)
-        if spent(mid) <= epsilon:
-            hi = mid
-        else:
-            lo = mid
-    # hi always satisfies the target: any rounding errs towards more noise.
-    return hi
+    return last_met_level(lambda z: spent(z) <= epsilon, met=hi, unmet=lo, steps=_BISECTION_STEPS)
 
 
 def calibrate_noise_multiplier(
@@ -207,7 +207,7 @@ def calibrate_noise_multiplier(
     """
     if picks == 0:
         z = analytic_noise_multiplier(epsilon=epsilon, delta=delta)
-        return Calibration(z, epsilon_bound([ReleaseEvent(z)], delta=delta))
+        return Calibration(z, central_epsilon_bound([ReleaseEvent(z)], delta=delta))
     probe = ReleaseEvent(noise_multiplier=_Z_MAX, picks=picks, epsilon_per_pick=epsilon_per_pick)
 
     def spent_rdp(z: float) -> float:
@@ -230,11 +230,13 @@ def calibrate_noise_multiplier(
         if found is not None:
             candidates.append(found)
     if not candidates:
-        selection_only = epsilon_bound([probe], delta=delta).epsilon
+        selection_only = central_epsilon_bound([probe], delta=delta).epsilon
         raise CalibrationError(
             f"selection of {picks} picks at epsilon_per_pick={epsilon_per_pick!r} already spends"
             f" epsilon ~ {selection_only:.4g} >= the target {epsilon!r}; lower the selection"
             " share or the number of heads."
         )
     z = min(candidates)
-    return Calibration(z, epsilon_bound([ReleaseEvent(z, picks, epsilon_per_pick)], delta=delta))
+    return Calibration(
+        z, central_epsilon_bound([ReleaseEvent(z, picks, epsilon_per_pick)], delta=delta)
+    )

@@ -1,7 +1,7 @@
 """Statistics of an empirical privacy audit: ε lower bounds from two samples of outputs.
 
-``client.audit`` runs a release configuration many times on a neighbouring pair (the data, and
-the data with one record replaced by a canary) and projects every output on the canary's
+``client.audit.empirical`` runs a release configuration many times on a neighbouring pair (the data,
+and the data with one record replaced by a canary) and projects every output on the canary's
 direction; these functions turn the two samples of projections into what the audit reports:
 
 * :func:`mu_estimate` — the Gaussian-DP μ̂ (difference of means over the pooled sd) with a

@@ -42,8 +42,9 @@ from types import TracebackType
 from dpmtv_common.errors import ConfigError, LedgerError, PrivacyBudgetExceededError
 from dpmtv_common.privacy import _ledger_schema as schema
 from dpmtv_common.privacy._ledger_schema import LedgerEntry, ReleaseState
-from dpmtv_common.privacy.accounting import EpsilonBound, epsilon_bound
+from dpmtv_common.privacy.accounting import EpsilonBound
 from dpmtv_common.privacy.budget import PrivacyBudget
+from dpmtv_common.privacy.composition import epsilon_bound
 from dpmtv_common.privacy.events import ReleaseEvent
 from dpmtv_common.privacy.ledger_files import LedgerFile
 

@@ -14,8 +14,8 @@ import pytest
 import torch
 from PIL import Image
 
-from client.hooks import PatchPolicy, capture_last_token_heads, patch_heads
-from client.inference import TaskVectorPatch, generate_answers
+from client.activations.hooks import PatchPolicy, capture_last_token_heads, patch_heads
+from client.inference.answers import TaskVectorPatch, generate_answers
 from client.models import (
     ALL_TINY_ARCHITECTURES,
     Example,

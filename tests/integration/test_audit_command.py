@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 
 from client.cli import main
+from client.data.synthetic import write_task_datasets
 from client.models import save_tiny_model
-from client.synthetic import write_task_datasets
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 

@@ -19,6 +19,8 @@ from pathlib import Path
 import pytest
 from PIL import Image
 
+from client.activations.hooks import PatchPolicy
+from client.activations.scoring import ScoreMethod
 from client.cli import main
 from client.cli._choices import (
     ATTENTION_CHOICES,
@@ -30,13 +32,11 @@ from client.cli._choices import (
     SELECTION_METHODS,
     SELECTION_MODES,
 )
-from client.data import write_jsonl_dataset
+from client.data.records import write_jsonl_dataset
 from client.evaluation import EvaluationMode
-from client.hooks import PatchPolicy
 from client.models import ATTENTION_IMPLEMENTATIONS
 from client.models.loading import _DTYPES
-from client.public_selection import SelectionMethod
-from client.scoring import ScoreMethod
+from client.public.selection import SelectionMethod
 from dpmtv_common.artifact import load_artifact
 from dpmtv_common.crypto import TrustedKeys, VerifyKey
 from dpmtv_common.privacy.budget import PrivacyBudget

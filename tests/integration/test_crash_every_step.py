@@ -12,7 +12,7 @@ process is killed with SIGKILL:
 * **the coordinator** (its own process, killed as it is about to send a message): no abort
   notice ever comes, and every site resolves the release by its idle sweep.
 
-Then every site's ledger holds the release as its own record says (``client.release_states``):
+Then every site's ledger holds the release as its own record says (``client.release.states``):
 counted (committed) when its masked input may have left — always when the coordinator got
 it — and refunded (aborted) only when nothing of its data left; no record is left open; the
 consortium ledger is counted exactly when noise was drawn; nothing else is lost (every
@@ -49,8 +49,8 @@ from typing import Any
 import pytest
 from flwr.app import Message
 
-from client.relay import SOCKET_KEY, RelayApp
-from client.release_record import ReleaseRecordStore
+from client.release.record import ReleaseRecordStore
+from client.service.relay import SOCKET_KEY, RelayApp
 from dpmtv_common.errors import DpmtvError
 from dpmtv_common.privacy.ledger import PrivacyLedger, ReleaseState
 from dpmtv_common.privacy.noise import secure_noise
@@ -349,7 +349,7 @@ def kill_a_site(
 COORDINATOR = """
 import os, signal, sys
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")
-from client.relay import RelayApp, SOCKET_KEY
+from client.service.relay import RelayApp, SOCKET_KEY
 from dpmtv_common.privacy.noise import secure_noise
 from server.coordinator import run_coordinated_release
 from server.settings import CoordinatorSettings, RunConfig

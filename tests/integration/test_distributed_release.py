@@ -19,17 +19,17 @@ from typing import Any
 import numpy as np
 import pytest
 
+from client.data.synthetic import write_task_datasets
 from client.models import save_tiny_model
+from client.release.site import Site
 from client.service.inprocess import open_in_process_sites
 from client.settings import SiteSettings
-from client.site import Site
-from client.synthetic import write_task_datasets
 from dpmtv_common.artifact import load_artifact
 from dpmtv_common.crypto import SigningKey, TrustedKeys
 from dpmtv_common.errors import InsufficientSharesError
 from dpmtv_common.fingerprint import fingerprint_model_dir
 from dpmtv_common.heads import HeadSet
-from dpmtv_common.privacy.accounting import epsilon_bound
+from dpmtv_common.privacy.composition import epsilon_bound
 from dpmtv_common.privacy.ledger import PrivacyLedger, ReleaseState
 from dpmtv_common.privacy.testing import SeededNoise
 from protocol import (

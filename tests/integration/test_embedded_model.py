@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 
-from client.evaluation.task_suite import score_tasks
 from client.models import load_model
 from client.models.embedded import ARCHITECTURES, EMBEDDED_MODEL_DIRS, embedded_model_path
+from client.public.task_suite import score_tasks
 
 pytestmark = pytest.mark.integration
 

@@ -29,17 +29,17 @@ import pytest
 from flwr.app import Message
 
 import server.app
-from client.chunking import num_chunks
+from client.activations.chunking import num_chunks
+from client.data.synthetic import write_task_datasets
 from client.models import save_tiny_model
 from client.service.inprocess import open_in_process_sites, site_settings_for_partition
-from client.synthetic import write_task_datasets
 from dpmtv_common.artifact import TaskVectorArtifact, load_artifact
 from dpmtv_common.crypto import SigningKey, TrustedKeys
 from dpmtv_common.errors import InsecureRandomnessError, InsufficientSharesError
 from dpmtv_common.fingerprint import fingerprint_model_dir
 from dpmtv_common.heads import HeadSet
-from dpmtv_common.privacy.accounting import epsilon_bound
 from dpmtv_common.privacy.budget import PrivacyBudget
+from dpmtv_common.privacy.composition import epsilon_bound
 from dpmtv_common.privacy.ledger import LedgerEntry, PrivacyLedger, ReleaseState
 from dpmtv_common.privacy.noise import NoiseSource, SecureNoise
 from dpmtv_common.privacy.testing import SeededNoise
@@ -562,7 +562,7 @@ def test_release_first_broadcasts_the_noisy_vector_never_the_clean_mean(
     world: World, paths: Paths, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     # Arrange: record the sites' clean extract sums and the vector they are sent to score.
-    from client.site import Site
+    from client.release.site import Site
 
     clean: list[np.ndarray] = []
     sent: list[np.ndarray] = []

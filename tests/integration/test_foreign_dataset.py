@@ -23,7 +23,7 @@ import pytest
 from PIL import Image
 
 from client.cli import main
-from client.data import load_dataset
+from client.data.records import load_dataset
 from client.models.embedded import EMBEDDED_MODEL_DIR
 from dpmtv_common.artifact import load_artifact
 from dpmtv_common.crypto import TrustedKeys, VerifyKey

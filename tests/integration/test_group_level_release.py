@@ -20,9 +20,9 @@ from pathlib import Path
 
 import pytest
 
-from client.data import write_jsonl_dataset
+from client.data.records import write_jsonl_dataset
+from client.data.synthetic import write_task_datasets
 from client.models import save_tiny_model
-from client.synthetic import write_task_datasets
 from dpmtv_common.crypto import SigningKey
 from dpmtv_common.errors import InsufficientSharesError
 from dpmtv_common.fingerprint import fingerprint_model_dir

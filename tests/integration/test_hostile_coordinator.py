@@ -30,12 +30,12 @@ import pytest
 from flwr.app import ArrayRecord, Message, RecordDict
 from flwr.common import Array
 
+from client.data.synthetic import write_task_datasets
 from client.models import instruction_digest, load_model, prompt_template_digest, save_tiny_model
-from client.release_record import SiteReleaseState
+from client.release.record import SiteReleaseState
 from client.service.inprocess import open_in_process_sites
 from client.service.server import SiteService
 from client.settings import SiteSettings
-from client.synthetic import write_task_datasets
 from dpmtv_common.artifact import MANIFEST_FILE, SIGNATURE_FILE, TENSORS_FILE, write_artifact
 from dpmtv_common.crypto import SigningKey
 from dpmtv_common.crypto.key_agreement import AgreementKey
@@ -763,9 +763,9 @@ def test_a_site_sends_its_exact_clipped_sum_and_no_noise_of_its_own(
     # Arrange: in central mode the coordinator adds the one noise draw; a site that added its
     # own would change the sum (and the accounting). Recompute each site's contribution from
     # its secret chunk seed with the production extraction.
-    from client.chunking import make_chunks
-    from client.data import load_dataset
-    from client.release import LocalSums
+    from client.activations.chunking import make_chunks
+    from client.data.records import load_dataset
+    from client.release.single_holder import LocalSums
 
     plan = planned(consortium)
     seeds = [service.site.seeds["r1"] for service in consortium.services]

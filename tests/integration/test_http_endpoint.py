@@ -465,9 +465,9 @@ def test_a_unix_socket_endpoint_is_private_answers_and_is_removed_at_stop(
     world: World, tmp_path: Path
 ) -> None:
     # Arrange: the endpoint in this process, on a Unix socket of mode 600
+    from client.release.site import Site
     from client.service.http_server import HttpEndpoint, HttpSettings
     from client.settings import SiteSettings
-    from client.site import Site
 
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)

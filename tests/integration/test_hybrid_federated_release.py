@@ -21,10 +21,10 @@ from typing import Any
 
 import pytest
 
+from client.data.synthetic import write_task_datasets
 from client.models import save_tiny_model
-from client.release_record import ReleaseRecordStore
+from client.release.record import ReleaseRecordStore
 from client.service.inprocess import open_in_process_sites, site_settings_for_partition
-from client.synthetic import write_task_datasets
 from dpmtv_common.artifact import load_artifact
 from dpmtv_common.crypto import SigningKey, TrustedKeys
 from dpmtv_common.errors import InsufficientSharesError

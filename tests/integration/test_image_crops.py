@@ -121,16 +121,16 @@ def test_the_cap_goes_from_select_heads_through_the_release_into_infer(space, ca
     assert manifest.plan["max_image_crops"] == 1
 
     # Act: infer with the artifact; record the model each query is prompted with
-    import client.inference
+    import client.inference.answers
 
     seen: list[LoadedModel] = []
-    generate = client.inference.generate_answers
+    generate = client.inference.answers.generate_answers
 
     def spy(loaded: LoadedModel, prompts, **kwargs):
         seen.append(loaded)
         return generate(loaded, prompts, **kwargs)
 
-    monkeypatch.setattr(client.inference, "generate_answers", spy)
+    monkeypatch.setattr(client.inference.answers, "generate_answers", spy)
     image = next(space.private.glob("*.png"))
     run_ok(
         ["infer", *space.model_args(), "--artifact", str(artifact), "--trusted-key",
@@ -140,7 +140,7 @@ def test_the_cap_goes_from_select_heads_through_the_release_into_infer(space, ca
     # Assert: the query was prompted under the artifact's cap: one crop, not 17
     (loaded,) = seen
     assert loaded.max_image_crops == 1
-    from client.data import read_rgb
+    from client.data.records import read_rgb
 
     inputs = loaded.adapter.build_batch_inputs(
         loaded.processor, [Prompt.of([], Example(read_rgb(image), "What colour?"))]

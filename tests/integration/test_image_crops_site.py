@@ -6,7 +6,7 @@ import dataclasses
 
 import pytest
 
-import client.site
+import client.release.site
 from protocol import ErrorCode, PlanAccept
 from tests.integration import test_hostile_coordinator as hostile
 from tests.integration.test_hostile_coordinator import Consortium, error_code, make_plan
@@ -37,7 +37,7 @@ def test_a_cap_on_a_processor_without_a_knob_is_refused_before_any_reservation(
     undeclared = dataclasses.replace(
         loaded, adapter=dataclasses.replace(loaded.adapter, image_crops=None)
     )
-    monkeypatch.setattr(client.site, "cached_model", lambda settings: undeclared)
+    monkeypatch.setattr(client.release.site, "cached_model", lambda settings: undeclared)
 
     # Act
     (refused,) = consortium.plan(make_plan(consortium.world, max_image_crops=2), range(1))

@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from dpmtv_common.privacy.accounting import epsilon_bound
 from dpmtv_common.privacy.budget import PrivacyBudget
+from dpmtv_common.privacy.composition import epsilon_bound
 from dpmtv_common.privacy.events import ReleaseEvent
 from dpmtv_common.privacy.ledger import PrivacyLedger, ReleaseState
 

@@ -17,13 +17,13 @@ import torch
 from PIL import Image, ImageDraw
 
 from client.cli import main
+from client.data.synthetic import QUESTION, all_scenes, draw_scene
 from client.models import Example, LoadedModel, load_model
 from client.models.pretrained import (
     DECODER,
     PRETRAINED_PARTS_DIR,
     default_pretrained_model_dir,
 )
-from client.synthetic import QUESTION, all_scenes, draw_scene
 from dpmtv_common.rng import make_rng
 
 MODEL = default_pretrained_model_dir()
@@ -159,7 +159,7 @@ def test_served_greedy_answers_equal_plain_generate_whatever_joins_around_them(l
     import threading
     from contextlib import ExitStack
 
-    from client.hooks import PatchPolicy, patch_heads
+    from client.activations.hooks import PatchPolicy, patch_heads
     from client.models import Prompt
     from client.service.decoding import BatchStats, ContinuousBatch, steps_continuously
     from client.service.rows import RowPatch, Ticket, prepare_row

@@ -32,13 +32,13 @@ from flwr.app import Context, Message, RecordDict
 from flwr.common.serde import message_to_proto
 from PIL import Image
 
-from client.relay import SOCKET_KEY, unix_socket_transport
 from client.service.inference import (
     MAX_IMAGE_BYTES,
     MAX_IMAGE_PIXELS,
     MAX_IMAGES,
     MAX_REQUEST_BYTES,
 )
+from client.service.relay import SOCKET_KEY, unix_socket_transport
 from client.service.server import SMALL_FRAME_BYTES, SiteService
 from client.service.wire import MAGIC, WIRE_VERSION, FrameKind, read_frame, write_frame
 from client.settings import SiteSettings, service_status_file

@@ -15,7 +15,7 @@ import pytest
 from PIL import Image, ImageDraw
 
 from client.cli import main
-from client.data import write_jsonl_dataset
+from client.data.records import write_jsonl_dataset
 from dpmtv_common.artifact import load_artifact
 from dpmtv_common.crypto import TrustedKeys, VerifyKey
 from dpmtv_common.heads import HeadSet
@@ -422,17 +422,17 @@ def test_ledger_command_resolves_a_reservation_left_by_a_lost_run(tmp_path, caps
 
 def test_release_draws_its_noise_from_the_cryptographic_source_only(workspace, monkeypatch):
     # Arrange: watch the noise source the command hands to the release flow.
-    import client.release
+    import client.release.single_holder
     from dpmtv_common.privacy.noise import SecureNoise
 
     sources = []
-    real = client.release.run_single_holder_release
+    real = client.release.single_holder.run_single_holder_release
 
     def spy(plan, **kwargs):
         sources.append(kwargs["noise"])
         return real(plan, **kwargs)
 
-    monkeypatch.setattr(client.release, "run_single_holder_release", spy)
+    monkeypatch.setattr(client.release.single_holder, "run_single_holder_release", spy)
     out = workspace.root / "noise-source"
     # Act
     code = main(
@@ -601,7 +601,7 @@ def test_select_heads_and_data_check_state_the_same_out_of_vocabulary_share(
     # Act
     assert main(["data", "check", str(data), *model, "--shots", "2"]) == 0
     checked = capsys.readouterr().out
-    with caplog.at_level("WARNING", logger="client.scoring"):
+    with caplog.at_level("WARNING", logger="client.activations.scoring"):
         code = main(
             [
                 "select-heads", *model, "--data", str(data), "--shots", "2",

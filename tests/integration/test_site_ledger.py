@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 
 from client.cli import main
+from client.release.site import Site
 from client.settings import SiteSettings
-from client.site import Site
 from dpmtv_common.errors import PrivacyBudgetExceededError
 from dpmtv_common.fingerprint import fingerprint_model_dir
 from dpmtv_common.privacy.budget import PrivacyBudget

@@ -1,7 +1,7 @@
 """The site service as a site admin runs it: a real ``dpmtv-site serve`` process and its socket.
 
 A subprocess serves a tiny random LLaVA site; the test talks to it the way Flower's per-message
-relay does (``client.relay.RelayApp`` over the Unix socket) and the way an admin does
+relay does (``client.service.relay.RelayApp`` over the Unix socket) and the way an admin does
 (``service-status``, ``ask``), starts a second service on the same ledger, and stops it with
 SIGTERM.
 """
@@ -26,9 +26,9 @@ import pytest
 from flwr.app import Context, RecordDict
 
 from client.cli.main import main
+from client.data.synthetic import write_task_datasets
 from client.models import save_tiny_model
-from client.relay import SOCKET_KEY, RelayApp
-from client.synthetic import write_task_datasets
+from client.service.relay import SOCKET_KEY, RelayApp
 from dpmtv_common.crypto import SigningKey
 from dpmtv_common.errors import ServiceError
 from dpmtv_common.fingerprint import fingerprint_model_dir

@@ -27,7 +27,7 @@ from typing import Any
 
 import pytest
 
-from client.graph_draws import GraphDrawLog
+from client.release.graph_draws import GraphDrawLog
 from dpmtv_common.privacy.ledger import PrivacyLedger, ReleaseState
 from protocol import ErrorCode, ErrorReply, key_transcript, message_from_record
 from protocol.secure_sum import SumSharesRequest, SurvivorsSigned, UnmaskReply

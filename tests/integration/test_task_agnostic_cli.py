@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 
 from client.cli.main import main
-from client.synthetic import write_task_datasets
+from client.data.synthetic import write_task_datasets
 from dpmtv_common.artifact import load_artifact
 from dpmtv_common.centre import ActivationCentre
 from dpmtv_common.crypto import TrustedKeys

@@ -1,11 +1,12 @@
 """End-to-end GDP canary audit of the PRODUCTION path (notes/dp.md §4.3 test 6).
 
 A tiny random LLaVA and a small synthetic dataset; one record is replaced by a canary record.
-Both datasets are cut with the same secret chunk seed and summed by ``client.release.LocalSums``
-(per-layer clipping in ``client.extraction``); ``protocol.run_release`` (selection "all") then
-adds the production Gaussian draw N times per side with ``secure_noise()``, through
-``client.audit.audit_pair``. Projected on the canary direction, the outputs are N(a, σ²) and
-N(a + ‖Δ‖, σ²), so μ̂ estimates ‖Δ‖/σ with standard error ≈ sqrt(2/N + μ²/(4N)).
+Both datasets are cut with the same secret chunk seed and summed by
+``client.release.single_holder.LocalSums`` (per-layer clipping in
+``client.activations.extraction``); ``protocol.run_release`` (selection "all") then adds the
+production Gaussian draw N times per side with ``secure_noise()``, through
+``client.audit.empirical.audit_pair``. Projected on the canary direction, the outputs are
+N(a, σ²) and N(a + ‖Δ‖, σ²), so μ̂ estimates ‖Δ‖/σ with standard error ≈ sqrt(2/N + μ²/(4N)).
 
 Distributed noise mode: the same pair, each run the production encoder's shares of exactly
 ``min_honest`` = 2 honest sites (this site's sum and a zero sum, discrete-Gaussian shares from
@@ -28,17 +29,17 @@ import numpy as np
 import pytest
 from scipy import stats
 
-import client.extraction
-from client.audit import (
+import client.activations.extraction
+from client.audit.canary import canary_candidates, choose_canary, plant_canary
+from client.audit.empirical import (
     CanaryPair,
     ScaledNoise,
     audit_pair,
     make_canary_pair,
 )
-from client.canary import canary_candidates, choose_canary, plant_canary
-from client.data import SiteDataset, load_dataset
+from client.data.records import SiteDataset, load_dataset
+from client.data.synthetic import write_task_datasets
 from client.models import LoadedModel, load_model, save_tiny_model
-from client.synthetic import write_task_datasets
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadLayout
 from dpmtv_common.privacy.auditing import epsilon_of_gdp
@@ -160,7 +161,9 @@ def test_skipped_clipping_is_caught_by_the_audit(setting, monkeypatch):
     # Arrange: the planted bug — clipping in the production extraction path does nothing.
     loaded, dataset, neighbour = setting
     monkeypatch.setattr(
-        client.extraction, "clip_per_layer", lambda rows, **_: np.asarray(rows, dtype=np.float64)
+        client.activations.extraction,
+        "clip_per_layer",
+        lambda rows, **_: np.asarray(rows, dtype=np.float64),
     )
     plan = _plan(loaded, clip_norm=0.005)  # far below the activations' norms
     # Act
@@ -207,7 +210,7 @@ def unclipped(setting) -> CanaryPair:
     plan = _distributed_plan(loaded, clip_norm=0.025, max_chunks_per_site=50)
     with pytest.MonkeyPatch.context() as patch:
         patch.setattr(
-            client.extraction,
+            client.activations.extraction,
             "clip_per_layer",
             lambda rows, **_: np.asarray(rows, dtype=np.float64),
         )

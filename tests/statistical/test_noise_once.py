@@ -3,8 +3,8 @@
 The coordinator's real path runs: ``FederatedSums`` (the secure sum over an in-process grid,
 ChaCha20 masks) feeding ``protocol.run_release`` in selection mode ``all``. The sites are the
 site service's real handlers on stand-in sites (``tests.flower_harness.StandInSite``) that
-answer like ``client.site.Site.contribution`` — ``[flattened sum, [m_i]]`` — with an all-zero
-sum, so the released sum (mean times m) minus the exact sum (0) is the noise alone. Its std
+answer like ``client.release.site.Site.contribution`` — ``[flattened sum, [m_i]]`` — with an
+all-zero sum, so the released sum (mean times m) minus the exact sum (0) is the noise alone. Its std
 must be σ = z·2C·√L_scope for n ∈ {2, 5, 10} sites (notes/dp.md §4.3 test 3); per-site noise
 would give √n·σ, and a second central draw √2·σ.
 

@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
+from client.release.policy import ModelShape, check_plan
 from client.settings import SiteSettings
-from client.site_policy import ModelShape, check_plan
 from dpmtv_common.heads import HeadLayout
 from server.coordinator import build_plan
 from server.settings import RunConfig

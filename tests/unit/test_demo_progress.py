@@ -30,7 +30,7 @@ def test_a_beat_names_the_latest_log_line_of_a_site_while_the_phase_runs() -> No
     # Arrange
     out = io.StringIO()
     beat = Heartbeat(every=EVERY_S, out=out)
-    logger = logging.getLogger("client.site.heartbeat-test")
+    logger = logging.getLogger("client.release.site.heartbeat-test")
     logger.setLevel(logging.INFO)
     handler = StepHandler(beat)
     logger.addHandler(handler)

@@ -22,6 +22,36 @@ PROCESS_WORDS = re.compile(
 )
 
 
+# Every file of the product (code, tests, scripts, docker, README) and the notes it was built
+# from: a reader of the repository has no sibling folder to follow.
+BUILD_NOTES = re.compile(r"\.\./shared|shared/(?:design|notes|style)")
+TEXT_SUFFIXES = {".py", ".md", ".toml", ".yaml", ".yml", ".sh", ".txt", ".cfg", ".json", ""}
+
+
+def _product_files() -> list[Path]:
+    skipped = {".git", ".venv", "__pycache__", ".pytest_cache", ".mypy_cache", ".ruff_cache"}
+    return [
+        path
+        for path in REPO.rglob("*")
+        if path.is_file()
+        and not skipped.intersection(path.relative_to(REPO).parts)
+        and path.suffix in TEXT_SUFFIXES | {".Dockerfile", ".dockerignore"}
+        and path != Path(__file__).resolve()
+    ]
+
+
+def test_no_file_of_the_product_points_to_the_notes_it_was_built_from():
+    found = [
+        f"{path.relative_to(REPO)}:{number}"
+        for path in _product_files()
+        for number, line in enumerate(
+            path.read_text(encoding="utf-8", errors="replace").splitlines(), 1
+        )
+        if BUILD_NOTES.search(line)
+    ]
+    assert found == []
+
+
 @pytest.mark.parametrize("doc", DOCS, ids=lambda path: str(path.relative_to(REPO)))
 def test_no_doc_speaks_of_how_it_was_made(doc):
     found = [

@@ -3,8 +3,9 @@
 In ``distributed`` noise mode nobody, the coordinator included, ever holds an un-noised sum:
 every site scales its clipped sum by a public power of two γ, rounds it to integers
 (randomised rounding from the CSPRNG), adds a share N_Z(0, σ_l²)^d from OpenDP's exact
-discrete Gaussian, and hands the integers to Flower's SecAgg+ as float64 values on a grid of
-step 1 (exact in Flower's quantiser, verified in tests); the coordinator divides the sum by γ.
+discrete Gaussian, and hands the integers to the secure sum (``protocol.secure_sum``) as
+float64 values on a grid of step 1 (exact in its quantiser, verified in tests); the
+coordinator divides the sum by γ.
 
 API (what the lead's site service and coordinator call)::
 
@@ -32,7 +33,7 @@ zCDP bound at the σ_l used here (≫ 1 grid unit: τ < 1e-15, and Skellam's ext
 equally negligible), but only the discrete Gaussian has an exact, CSPRNG-backed sampler on
 PyPI (OpenDP's CKS20 sampler over OpenSSL); Skellam would need a Poisson sampler, and the
 ones available are inexact or seeded from a clock (TF Privacy). No random rotation: KLS21 use
-one to bound every coordinate with few bits; Flower gives 30 bits per site, enough to bound
+one to bound every coordinate with few bits; the secure sum gives 30 bits per site, enough to bound
 the worst coordinate of an un-rotated site sum (|x_j| ≤ m_max·C), see ``_params``.
 
 Privacy unit: one example (or group); relation: replace-one (a chunk changes); Δ₂ = 2·C·√L_scope
@@ -40,7 +41,7 @@ for activations, √(2r) for top-r votes, inflated to Δ̃ = γΔ₂ + √d by r
 rounded). Noise: each share is N_Z(0, σ_l²)^d with σ_l = z·Δ̃/√t, sized for t = ``min_honest``
 honest shares (t ≥ 2 by default; t = 1: a site protects itself alone). Accounting: KLS21
 Thm 1 as zCDP, composed in RDP (``_accounting`` says why no PLD is claimed). Overflow: a share
-beyond Flower's ±c aborts the round (probability ≤ p = ``overflow_probability`` per sum;
+beyond the secure sum's ±c aborts the round (probability ≤ p = ``overflow_probability`` per sum;
 (1 + e^ε)·p of δ, :func:`mechanism_delta`).
 
 Dropouts and t (the choice made here): the *plan* fixes t, so every share is sized σ²/t, and

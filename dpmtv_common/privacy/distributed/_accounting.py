@@ -36,6 +36,7 @@ from dataclasses import dataclass
 from functools import lru_cache
 
 from dpmtv_common.errors import CalibrationError, ConfigError
+from dpmtv_common.privacy._search import last_met_level
 from dpmtv_common.privacy.accounting import EpsilonBound
 
 __all__ = [
@@ -275,11 +276,7 @@ def _largest_rho(epsilon: float, delta: float, sums: int) -> float:
         )
     if spent(hi) <= epsilon:
         return hi
-    for _ in range(_BISECTION_STEPS):
-        mid = math.sqrt(lo * hi)
-        if spent(mid) <= epsilon:
-            lo = mid
-        else:
-            hi = mid
-    # lo always meets the target: rounding errs towards less ρ, i.e. more noise.
-    return lo
+    # Less ρ is more noise: the met side is the low one.
+    return last_met_level(
+        lambda rho: spent(rho) <= epsilon, met=lo, unmet=hi, steps=_BISECTION_STEPS
+    )

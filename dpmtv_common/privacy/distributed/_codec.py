@@ -5,7 +5,7 @@ chunk contributions (activations: each chunk per-layer clipped to C; votes: 0/1 
 It encodes ``Y = R(γ·X) + Z``: γ is the public power of two of ``DistributedNoise``, R rounds
 every coordinate to an adjacent integer, rounding up with probability equal to the fractional
 part (``R(a) = ⌈a − U⌉``, U uniform from the CSPRNG), and Z ~ N_Z(0, σ_l²)^d is its noise
-share. Flower's SecAgg+ sums the survivors' Y exactly; the coordinator divides by γ.
+share. The secure sum adds the survivors' Y exactly; the coordinator divides by γ.
 
 Sensitivity. Replacing one chunk moves X by v with ‖v‖₂ ≤ Δ₂ (2·C·√L_scope for activations,
 √(2r) for top-r votes). Couple the two worlds' rounding through the same U: then
@@ -15,7 +15,8 @@ is jointly quasi-convex, so the mechanism is as private as the discrete Gaussian
 coordinate for |γX| < 2²⁹). Integral inputs (votes) are not rounded: Δ̃ = Δ₂, γ = 1.
 Conditional rounding (KLS21's β) would shrink √d, but it bounds the norm of a vector the
 site rounds, and here one unit's change hides inside a site's sum of many chunks; with
-Flower's 2³⁰ grid the √d term costs < 0.1 % noise in the settings measured, so it is not used.
+the secure sum's 2³⁰ grid the √d term costs < 0.1 % noise in the settings measured, so it
+is not used.
 """
 
 from __future__ import annotations
@@ -77,7 +78,7 @@ def encode_site_share(
     share = noise.discrete_gaussian(flat.size, noise_std=params.share_noise_std)
     encoded = flat + share.astype(np.float64)
     if np.any(np.abs(encoded) > params.clipping_range):
-        # Sending it would let Flower clip it silently; the abort is the event counted in δ.
+        # The secure sum would refuse it; the abort is the event counted in δ.
         raise SecAggRangeError(
             f"encoded share must lie within ±clipping_range={params.clipping_range}, got "
             f"max |value| {float(np.max(np.abs(encoded)))}: abort this sum."
@@ -107,8 +108,8 @@ def decode_noisy_sum(
 ) -> Float64Array:
     """Coordinator: turn SecAgg+'s sum of ``num_sites`` encoded shares back into real units.
 
-    The secure sum of integers comes back from Flower's float64 average-times-n within ~1e-6
-    of an integer; it is rounded to that integer and divided by γ (exact: a power of two).
+    The secure sum of integers comes back dequantised in float64, within ~1e-6 of an
+    integer; it is rounded to that integer and divided by γ (exact: a power of two).
 
     Raises:
         IntegrityError: if a coordinate is not near an integer or beyond num_sites·c.

@@ -20,7 +20,7 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from dpmtv_common.errors import ConfigError
-from dpmtv_common.privacy.accounting import EpsilonBound, epsilon_bound
+from dpmtv_common.privacy.accounting import EpsilonBound, central_epsilon_bound
 from dpmtv_common.privacy.distributed._accounting import (
     DistributedGaussianEvent,
     mechanism_delta,
@@ -119,7 +119,7 @@ def combined_epsilon_bound(
     """ε at total ``delta`` of every release of one population, central and distributed.
 
     Args:
-        central: central-mode events (analytic/RDP/PLD as in ``accounting.epsilon_bound``).
+        central: central-mode events (analytic/RDP/PLD as in ``accounting.central_epsilon_bound``).
         distributed: distributed-mode events, each with the honest shares actually present.
         delta: total δ, the distributed sums' overflow aborts included.
         overflow_probability: Σp over every distributed sum composed here (0 if none).
@@ -131,7 +131,7 @@ def combined_epsilon_bound(
     if not central and not distributed:
         raise ConfigError("events must not be empty, got no central and no distributed event.")
     if not distributed:
-        return epsilon_bound(central, delta=delta)
+        return central_epsilon_bound(central, delta=delta)
     if not (overflow_probability > 0.0):
         raise ConfigError(
             f"overflow_probability must be > 0 with distributed events, got "

@@ -1,25 +1,25 @@
 """SecAgg+'s integer grid for distributed noise: the public parameters and their headroom.
 
 One :class:`DistributedNoise` fixes a secure sum: the scale γ (a power of two), the rounding-
-inflated sensitivity Δ̃, the share std σ_l, and Flower's clipping range c, quantization range
+inflated sensitivity Δ̃, the share std σ_l, and the secure sum's clipping range c, quantization range
 Q and modulus M. ``_codec`` uses it to encode a site's share and decode the sum.
 
 Headroom. A discrete Gaussian is σ_l-subgaussian (Canonne, Kamath & Steinke 2020), so
 P(|Z_j| > T·σ_l) ≤ 2·exp(−T²/2); with T = √(2·ln(2·n_max·d/p)) no coordinate of any site
 exceeds T·σ_l except with probability p. A site's encoded |Y_j| is then at most
-B = γ·max|X_j| + 1 + T·σ_l (rounding moves a value by < 1), and Flower's clipping range is
+B = γ·max|X_j| + 1 + T·σ_l (rounding moves a value by < 1), and the secure sum's clipping range is
 c = Q/2 ≥ B, so a site is never clipped; if one would be, it refuses and the round aborts
 (probability ≤ p, which is added to δ). Each quantised site value lies in [0, Q], so the sum
-of n_max sites lies in [0, n_max·Q] and M > n_max·Q never wraps; Flower dequantises in
-float64, so n_max·Q ≤ 2⁵² keeps it exact. γ is the largest power of two with B ≤ 2²⁹: the
-finest grid, hence the least rounding inflation √d/(γΔ₂). No random rotation is needed:
-the worst coordinate (|X_j| ≤ m_max·C, a coordinate never exceeds its clipped block's norm)
-is bounded directly.
+of n_max sites lies in [0, n_max·Q] and M > n_max·Q never wraps; the secure sum dequantises in
+float64 (``protocol.secure_sum.dequantise``), so n_max·Q ≤ 2⁵² keeps it exact. γ is the
+largest power of two with B ≤ 2²⁹: the finest grid, hence the least rounding inflation
+√d/(γΔ₂). No random rotation is needed: the worst coordinate (|X_j| ≤ m_max·C, a
+coordinate never exceeds its clipped block's norm) is bounded directly.
 
-Why integers fed as float64 (step 1): with c = Q/2 Flower's quantiser computes
-``(y + c)·Q/(2c) = y + c``, exact for integers |y| ≤ 2²⁹, whose ceil is itself, so its
-stochastic rounding (``np.random``, not a CSPRNG) never fires. Every random bit that matters
-comes from our CSPRNG; Flower only adds integers.
+Why integers fed as float64 (step 1): with c = Q/2 the secure sum's quantiser
+(``protocol.secure_sum.quantise``) computes ``rint((y + c)·Q/(2c)) = y + c``, exact for
+integers |y| ≤ 2²⁹. Every random bit that matters comes from our CSPRNG; the secure sum only
+adds integers.
 """
 
 from __future__ import annotations
@@ -46,7 +46,7 @@ __all__ = [
 ]
 
 MAX_QUANTIZATION_RANGE = 2**30  # flwr's stochastic rounding casts to int32
-MAX_MODULUS_RANGE = 2**62  # int64 masks (server._secagg_settings uses the same cap)
+MAX_MODULUS_RANGE = 2**62  # int64 masks (protocol.secure_sum uses the same cap)
 _MAX_EXACT_SUM = 2**52  # flwr dequantises the modular sum in float64
 _ROUNDING_MARGIN = 2.0**-20
 _KLS21_MIN_SHARE_STD = 0.5  # grid units: where KLS21's Theorem 1 starts
@@ -79,7 +79,7 @@ class DistributedNoise:
         max_abs_site_coordinate: bound on |X_j| of a site's un-noised sum (m_max·C or m_max).
         max_sites: most sites whose shares a sum may hold.
         overflow_probability: p, chance that any share coordinate leaves ±c (counted in δ).
-        clipping_range: c = Q/2, Flower's per-coordinate clipping range.
+        clipping_range: c = Q/2, the secure sum's per-coordinate clipping range.
         quantization_range: Q, a power of two ≤ 2³⁰ (grid step 2c/Q = 1).
         modulus_range: M, the smallest power of two > max_sites·Q.
         integral: True when inputs are integers already (votes): no rounding; γ is 1 unless
@@ -227,9 +227,9 @@ def _finest_scale(
     room = MAX_QUANTIZATION_RANGE / 2 - fixed
     if room <= 0 or room / per_unit < 2.0**-60:
         raise SecAggRangeError(
-            f"the rounding noise alone must fit Flower's range ±2^29, got a worst site value of "
-            f"{fixed:.4g} grid units before any signal (d={dimension}, z={z!r}, t={t}); lower "
-            f"the dimension or the noise, or raise min_honest."
+            f"the rounding noise alone must fit the secure sum's range ±2^29, got a worst "
+            f"site value of {fixed:.4g} grid units before any signal (d={dimension}, z={z!r}, "
+            f"t={t}); lower the dimension or the noise, or raise min_honest."
         )
     return _largest_power_of_two_at_most(room / per_unit)
 
@@ -258,13 +258,14 @@ def _integral_scale(sensitivity: float, z: float, t: int, max_sites: int, dimens
 def _check_ranges(quantization: int, max_sites: int, bound: float) -> None:
     if quantization > MAX_QUANTIZATION_RANGE:
         raise SecAggRangeError(
-            f"a site's worst value must fit Flower's quantization range 2^30 (c = 2^29), got "
-            f"{bound:.6g} grid units: fewer chunks per site or less noise per share needed."
+            f"a site's worst value must fit the secure sum's quantization range 2^30 "
+            f"(c = 2^29), got {bound:.6g} grid units: fewer chunks per site or less noise per "
+            f"share needed."
         )
     if max_sites * quantization > _MAX_EXACT_SUM:
         raise SecAggRangeError(
-            f"max_sites * quantization_range must be <= 2^52 (Flower dequantises in float64), "
-            f"got {max_sites} * {quantization}."
+            f"max_sites * quantization_range must be <= 2^52 (the secure sum dequantises in "
+            f"float64), got {max_sites} * {quantization}."
         )
 
 

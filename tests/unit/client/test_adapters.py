@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from client.hooks import PatchPolicy, capture_last_token_heads, patch_heads
+from client.activations.hooks import PatchPolicy, capture_last_token_heads, patch_heads
 from client.models import (
     ADAPTER_ENTRY_POINT_GROUP,
     ALL_TINY_ARCHITECTURES,

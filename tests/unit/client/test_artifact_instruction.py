@@ -14,15 +14,15 @@ from typing import Any
 import pytest
 from PIL import Image
 
+import client.release.site
 import client.service.inference as service_inference
-import client.site
+from client.activations.hooks import PatchPolicy
 from client.cli._artifact import artifact_patch
-from client.hooks import PatchPolicy
 from client.models import LoadedModel, build_tiny_model, get_adapter, instruction_digest
+from client.release.site import Site
 from client.service.inference import InferRequest, answer_queries
 from client.service.releases import ReleaseCatalogue
 from client.settings import SiteSettings
-from client.site import Site
 from dpmtv_common.crypto import SigningKey, TrustedKeys
 from dpmtv_common.errors import ConfigError
 from tests.unit.client.signed_artifact import write_signed_artifact
@@ -41,7 +41,7 @@ def tiny_llava() -> LoadedModel:
 @pytest.fixture
 def site(tiny_llava: LoadedModel, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Site:
     KEY.verify_key.save(tmp_path / "site.pub", overwrite=True)
-    monkeypatch.setattr(client.site, "cached_model", lambda settings: tiny_llava)
+    monkeypatch.setattr(client.release.site, "cached_model", lambda settings: tiny_llava)
     return Site(SiteSettings(state_dir=tmp_path / "state", trusted_keys=(tmp_path / "site.pub",)))
 
 

@@ -6,13 +6,13 @@ from pathlib import Path
 
 import pytest
 
-import client.site
+import client.release.site
+from client.activations.hooks import PatchPolicy
 from client.cli._artifact import artifact_patch
-from client.hooks import PatchPolicy
 from client.models import LoadedModel, build_tiny_model, get_adapter, prompt_template_digest
+from client.release.site import Site
 from client.service.inference import verified_artifact
 from client.settings import SiteSettings
-from client.site import Site
 from dpmtv_common.crypto import SigningKey, TrustedKeys
 from dpmtv_common.errors import ConfigError
 from tests.unit.client.signed_artifact import write_signed_artifact
@@ -49,7 +49,7 @@ def apply_with_cli(path: Path, loaded: LoadedModel, tmp_path: Path, monkeypatch)
 
 def apply_with_service(path: Path, loaded: LoadedModel, tmp_path: Path, monkeypatch) -> object:
     KEY.verify_key.save(tmp_path / "site.pub", overwrite=True)
-    monkeypatch.setattr(client.site, "cached_model", lambda settings: loaded)
+    monkeypatch.setattr(client.release.site, "cached_model", lambda settings: loaded)
     site = Site(SiteSettings(state_dir=tmp_path / "state", trusted_keys=(tmp_path / "site.pub",)))
     return verified_artifact(site, path)
 

@@ -1,8 +1,8 @@
 """Tests of ``client.service.batching``: continuous batching, passes, a patch per row, a queue.
 
 The reference for every answer is plain ``generate()`` on the same prompt alone (patched with
-``client.hooks.patch_heads`` where the row is patched): greedy answers must equal it whatever
-the row's batch-mates, and bit-identically so in the batch-invariant mode.
+``client.activations.hooks.patch_heads`` where the row is patched): greedy answers must equal it
+whatever the row's batch-mates, and bit-identically so in the batch-invariant mode.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from contextlib import ExitStack, contextmanager
 import pytest
 import torch
 
-from client.hooks import PatchPolicy, patch_heads
+from client.activations.hooks import PatchPolicy, patch_heads
 from client.models import (
     ALL_TINY_ARCHITECTURES,
     Example,
@@ -273,7 +273,7 @@ def test_the_row_patch_equals_the_whole_batch_patch_of_client_hooks(loaded):
     patch = release("r1", 3)
     patched_row = row(loaded, "red", patch)
     plain_row = row(loaded, "red", None)
-    # Act: the per-row hook, then the plain row under client.hooks.patch_heads.
+    # Act: the per-row hook, then the plain row under client.activations.hooks.patch_heads.
     (own,), _ = run(loaded, [patched_row])
     with patch_heads(
         loaded.model, loaded.adapter, patch.heads, patch.values, policy=patch.policy

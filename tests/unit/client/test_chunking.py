@@ -5,8 +5,8 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from client.chunking import ChunkPlan, make_chunks, num_chunks, planned_num_chunks
-from client.data import Record, SiteDataset
+from client.activations.chunking import ChunkPlan, make_chunks, num_chunks, planned_num_chunks
+from client.data.records import Record, SiteDataset
 from dpmtv_common.errors import ConfigError, DataError
 from dpmtv_common.rng import secret_seed
 

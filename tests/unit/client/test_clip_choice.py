@@ -6,10 +6,10 @@ import numpy as np
 import pytest
 import torch
 
-from client.chunking import Chunk, make_chunks
-from client.clip_choice import CLIP_FACTORS, PlannedNoise, choose_clip_norm, clipped_mean
+from client.activations.chunking import Chunk, make_chunks
 from client.evaluation.first_token import QuerySet
-from client.public_selection import public_activations, suggested_clip_norm
+from client.public.clip import CLIP_FACTORS, PlannedNoise, choose_clip_norm, clipped_mean
+from client.public.selection import public_activations, suggested_clip_norm
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
 from protocol import NoiseMode, SelectionMode, plan_calibration, plan_noise_multiplier

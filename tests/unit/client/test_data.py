@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from PIL import Image, ImageDraw
 
-from client.data import (
+from client.data.records import (
     DEFAULT_QUESTION,
     Record,
     SiteDataset,

@@ -1,4 +1,4 @@
-"""Tests of ``client.data_check`` and ``dpmtv-site data check``."""
+"""Tests of ``client.checks.dataset`` and ``dpmtv-site data check``."""
 
 from __future__ import annotations
 
@@ -9,14 +9,14 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from client.chunking import make_chunks
-from client.cli.main import main
-from client.data_check import (
+from client.activations.chunking import make_chunks
+from client.checks.dataset import (
     check_dataset,
     check_with_model,
     chunk_prompt_lengths,
     report_lines,
 )
+from client.cli.main import main
 from client.models import load_model
 from client.models.embedded import EMBEDDED_MODEL_DIR
 from dpmtv_common.errors import DataError
@@ -127,7 +127,7 @@ def test_chunk_prompt_lengths_match_the_tokenised_prompts(loaded, foreign):
     lengths = chunk_prompt_lengths(loaded, chunks, instruction=None)
 
     # Assert
-    from client.extraction import chunk_prompt
+    from client.activations.extraction import chunk_prompt
 
     for chunk, length in zip(chunks, lengths, strict=True):
         inputs = loaded.adapter.build_batch_inputs(loaded.processor, [chunk_prompt(chunk)])

@@ -19,13 +19,13 @@ import numpy as np
 import pytest
 import torch
 
-import client.fixed_shape as fixed_shape
-from client.chunking import Chunk, make_chunks
-from client.data import SiteDataset, load_dataset, write_jsonl_dataset
-from client.extraction import chunk_contributions, chunk_prompt, extract_clipped_sum
+import client.activations.fixed_shape as fixed_shape
+from client.activations.chunking import Chunk, make_chunks
+from client.activations.extraction import chunk_contributions, chunk_prompt, extract_clipped_sum
+from client.activations.scoring import chunk_votes
+from client.data.records import SiteDataset, load_dataset, write_jsonl_dataset
 from client.models import LoadedModel
-from client.release import LocalSums
-from client.scoring import chunk_votes
+from client.release.single_holder import LocalSums
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
 from protocol import PROTOCOL_VERSION, ReleaseOrder, ReleasePlan, SelectionMode
@@ -135,7 +135,7 @@ def test_a_record_corrupted_after_load_zeroes_its_chunk_only_and_keeps_m(
     plan = _plan(loaded)
 
     # Act
-    with caplog.at_level(logging.WARNING, logger="client.extraction"):
+    with caplog.at_level(logging.WARNING, logger="client.activations.extraction"):
         after = contributions(loaded, chunks)
         summed = LocalSums(loaded, chunks, plan, progress=False).activation_sum(HEADS)
         votes = list(chunk_votes(loaded, chunks, top_r=2))

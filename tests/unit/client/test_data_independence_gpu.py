@@ -18,9 +18,9 @@ import numpy as np
 import pytest
 import torch
 
-from client.chunking import make_chunks
-from client.data import load_dataset
-from client.extraction import chunk_contributions
+from client.activations.chunking import make_chunks
+from client.activations.extraction import chunk_contributions
+from client.data.records import load_dataset
 from client.models import TINY_ARCHITECTURES, LoadedModel, adapter_for, build_tiny_model
 from dpmtv_common.heads import HeadSet
 from tests.site_data import QUESTION, write_site

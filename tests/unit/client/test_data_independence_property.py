@@ -1,4 +1,4 @@
-"""Property: replacing one privacy unit changes at most one chunk and never m (client.chunking).
+"""Property: replacing one privacy unit changes at most one chunk and never m (chunking).
 
 Over random datasets (``tests.strategies.unit_replacements``): at example level the record at
 one position is replaced by another record; at group level one whole group is replaced by a
@@ -13,8 +13,8 @@ from pathlib import Path
 
 from hypothesis import given, settings
 
-from client.chunking import make_chunks, planned_num_chunks
-from client.data import Record, SiteDataset
+from client.activations.chunking import make_chunks, planned_num_chunks
+from client.data.records import Record, SiteDataset
 from tests.strategies import unit_replacements
 
 

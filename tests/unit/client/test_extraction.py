@@ -4,9 +4,9 @@ import numpy as np
 import pytest
 import torch
 
-import client.fixed_shape as fixed_shape
-from client.chunking import Chunk, make_chunks
-from client.extraction import (
+import client.activations.fixed_shape as fixed_shape
+from client.activations.chunking import Chunk, make_chunks
+from client.activations.extraction import (
     batched,
     chunk_prompt,
     extract_clipped_sum,

@@ -6,7 +6,7 @@ from pathlib import Path
 
 import pytest
 
-from client.graph_draws import GraphDrawLog
+from client.release.graph_draws import GraphDrawLog
 from dpmtv_common.errors import LedgerError, PolicyError
 
 DAY = 86_400.0

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from client.hooks import (
+from client.activations.hooks import (
     PatchPolicy,
     capture_last_token_heads,
     patch_heads,

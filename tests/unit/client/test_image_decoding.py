@@ -15,10 +15,9 @@ import numpy as np
 import pytest
 from PIL import Image
 
+from client.checks.dataset import check_dataset, report_lines
 from client.cli.main import main
-from client.data import load_dataset
-from client.data_check import check_dataset, report_lines
-from client.image_decoding import (
+from client.data.images import (
     IMAGE_SUFFIXES,
     PixelScale,
     decode_image,
@@ -27,6 +26,7 @@ from client.image_decoding import (
     summarize_pixels,
     to_rgb,
 )
+from client.data.records import load_dataset
 from dpmtv_common.errors import DataError
 
 COLOUR = (200, 30, 30)

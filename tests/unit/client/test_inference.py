@@ -1,4 +1,4 @@
-"""Tests of ``client.inference`` and of ``client.evaluation.run``, which drives it."""
+"""Tests of ``client.inference.answers`` and of ``client.evaluation.run``, which drives it."""
 
 from __future__ import annotations
 
@@ -9,12 +9,12 @@ import pytest
 import torch
 from PIL import Image, ImageDraw
 
-from client.data import Record
+from client.activations.extraction import forward_last_token_heads, zero_shot_prompt
+from client.activations.hooks import PatchPolicy
+from client.data.records import Record
 from client.evaluation.metrics import vqa_accuracy
 from client.evaluation.run import EvaluationMode, evaluate, icl_prompts
-from client.extraction import forward_last_token_heads, zero_shot_prompt
-from client.hooks import PatchPolicy
-from client.inference import TaskVectorPatch, first_answer_span, generate_answers
+from client.inference.answers import TaskVectorPatch, first_answer_span, generate_answers
 from client.models import LoadedModel, PromptTooLongError
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
@@ -259,7 +259,7 @@ def test_evaluate_without_queries_is_a_config_error(loaded):
 
 
 def test_rescale_heads_sets_every_nonzero_head_to_the_target_norm():
-    from client.inference import rescale_heads
+    from client.inference.answers import rescale_heads
 
     values = np.array([[3.0, 4.0], [0.0, 0.0], [0.6, 0.8]])
     rescaled = rescale_heads(values, target_norm=2.0)
@@ -269,7 +269,7 @@ def test_rescale_heads_sets_every_nonzero_head_to_the_target_norm():
 
 @pytest.mark.parametrize("target", [0.0, -1.0, float("nan")])
 def test_rescale_heads_refuses_a_bad_target(target):
-    from client.inference import rescale_heads
+    from client.inference.answers import rescale_heads
 
     with pytest.raises(ConfigError, match="target_norm"):
         rescale_heads(np.ones((1, 2)), target_norm=target)

@@ -5,8 +5,8 @@ from __future__ import annotations
 import re
 
 from client.cli.main import main
-from dpmtv_common.privacy.accounting import epsilon_bound
 from dpmtv_common.privacy.budget import PrivacyBudget
+from dpmtv_common.privacy.composition import epsilon_bound
 from dpmtv_common.privacy.events import ReleaseEvent
 from dpmtv_common.privacy.ledger import PrivacyLedger
 

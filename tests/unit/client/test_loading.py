@@ -10,8 +10,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, ProcessorMixin
 
-from client.hooks import PatchPolicy, capture_last_token_heads, patch_heads
-from client.inference import generate_answers
+from client.activations.hooks import PatchPolicy, capture_last_token_heads, patch_heads
+from client.inference.answers import generate_answers
 from client.models import (
     Prompt,
     build_tiny_model,

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 from transformers import BertConfig, LlavaConfig
 
-from client.memory_estimate import GIB, estimate_memory, memory_of_folder
 from client.models import save_tiny_model
+from client.models.memory import GIB, estimate_memory, memory_of_folder
 from dpmtv_common.errors import ModelError
 
 

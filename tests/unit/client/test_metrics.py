@@ -1,7 +1,7 @@
 import pytest
 
 from client.evaluation import exact_match, normalize_answer, vqa_accuracy
-from client.inference import first_answer_span
+from client.inference.answers import first_answer_span
 
 
 @pytest.mark.parametrize(

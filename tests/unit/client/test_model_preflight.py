@@ -6,7 +6,7 @@ import pytest
 from transformers import BertConfig, LlavaConfig
 from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
 
-from client.model_preflight import (
+from client.models.preflight import (
     per_layer_heads_refused,
     preflight_model,
     refuse_per_layer_heads,

@@ -10,6 +10,7 @@ import torch
 import transformers as tf
 from safetensors.torch import load_file, save_file
 
+from client.data.synthetic import QUESTION, SceneSpec, draw_scene
 from client.models import load_model
 from client.models._tiny_parts import text_config, tokenizer
 from client.models.pretrained import (
@@ -23,7 +24,6 @@ from client.models.pretrained import (
     trained_parts,
 )
 from client.models.prompts import Example
-from client.synthetic import QUESTION, SceneSpec, draw_scene
 from dpmtv_common.errors import ConfigError, ModelError
 from dpmtv_common.rng import make_rng
 

@@ -4,16 +4,16 @@ import numpy as np
 import pytest
 import torch
 
-from client.chunking import Chunk, make_chunks
-from client.extraction import chunk_prompt, forward_last_token_heads, zero_shot_prompt
-from client.public_selection import (
+from client.activations.chunking import Chunk, make_chunks
+from client.activations.extraction import chunk_prompt, forward_last_token_heads, zero_shot_prompt
+from client.activations.scoring import last_token_attribution
+from client.public.selection import (
     ReinforceSettings,
     public_activations,
     select_heads_attribution,
     select_heads_reinforce,
     suggested_clip_norm,
 )
-from client.scoring import last_token_attribution
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
 from tests.site_data import write_site

@@ -7,16 +7,16 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-import client.release as release_module
-from client.chunking import Chunk, make_chunks
+import client.release.single_holder as release_module
+from client.activations.chunking import Chunk, make_chunks
 from client.models import LoadedModel, instruction_digest
-from client.release import LocalSums, run_single_holder_release
+from client.release.single_holder import LocalSums, run_single_holder_release
 from dpmtv_common.artifact import load_artifact
 from dpmtv_common.crypto import SigningKey, TrustedKeys
 from dpmtv_common.errors import ConfigError, ModelMismatchError, PrivacyBudgetExceededError
 from dpmtv_common.heads import HeadSet
-from dpmtv_common.privacy.accounting import epsilon_bound
 from dpmtv_common.privacy.budget import PrivacyBudget
+from dpmtv_common.privacy.composition import epsilon_bound
 from dpmtv_common.privacy.ledger import PrivacyLedger, ReleaseState
 from dpmtv_common.privacy.testing import SeededNoise
 from protocol import (

@@ -14,10 +14,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from client.chunking import Chunk, make_chunks
+from client.activations.chunking import Chunk, make_chunks
+from client.activations.scoring import ScoreMethod, chunk_head_votes
 from client.models import LoadedModel, adapter_for, build_tiny_model
-from client.release import LocalSums, run_single_holder_release
-from client.scoring import ScoreMethod, chunk_head_votes
+from client.release.single_holder import LocalSums, run_single_holder_release
 from dpmtv_common.artifact import load_artifact
 from dpmtv_common.crypto import SigningKey, TrustedKeys
 from dpmtv_common.errors import ConfigError

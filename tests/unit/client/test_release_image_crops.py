@@ -8,10 +8,10 @@ from datetime import UTC, datetime
 import numpy as np
 import pytest
 
-from client.chunking import Chunk, make_chunks
-from client.extraction import extract_clipped_sum
+from client.activations.chunking import Chunk, make_chunks
+from client.activations.extraction import extract_clipped_sum
 from client.models import LoadedModel
-from client.release import LocalSums
+from client.release.single_holder import LocalSums
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
 from protocol import PROTOCOL_VERSION, ReleaseOrder, ReleasePlan, SelectionMode

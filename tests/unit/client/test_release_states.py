@@ -1,6 +1,6 @@
 """The one table of record/ledger pairs: every step of a real Site lands in it, nothing else runs.
 
-The Site here is the real ``client.site.Site`` on a real ledger and real records; only what
+The Site here is the real ``client.release.site.Site`` on a real ledger and real records; only what
 needs a model or a signed artifact is stood in for (the plan's policy check, the model's
 shape and sums, the artifact's signature check), none of which moves a state.
 """
@@ -17,11 +17,13 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-import client.site
-from client.data import SiteDataset
+import client.release.site
+from client.data.records import SiteDataset
 from client.models import LoadedModel
-from client.release_record import ReleaseRecord, SiteReleaseState
-from client.release_states import (
+from client.release.policy import ModelShape
+from client.release.record import ReleaseRecord, SiteReleaseState
+from client.release.site import Site
+from client.release.states import (
     BESIDE,
     SETTLEMENT,
     Settlement,
@@ -31,8 +33,6 @@ from client.release_states import (
     settlement,
 )
 from client.settings import SiteSettings
-from client.site import Site
-from client.site_policy import ModelShape
 from dpmtv_common.crypto import TrustedKeys
 from dpmtv_common.errors import LedgerError
 from dpmtv_common.heads import HeadLayout
@@ -86,11 +86,11 @@ class ModelFreeSite(Site):
 @pytest.fixture
 def site(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> ModelFreeSite:
     # Checks that need a model, data or keys; each is tested on its own elsewhere.
-    monkeypatch.setattr(client.site, "check_plan", lambda plan, **_: None)
-    monkeypatch.setattr(client.site, "planned_num_chunks", lambda *_: M_I)
-    monkeypatch.setattr(client.site, "prompt_template_digest", lambda _: "0" * 64)
-    monkeypatch.setattr(client.site, "check_artifact", lambda *_: None)
-    monkeypatch.setattr(client.site, "load_artifact", lambda *_, **__: object())
+    monkeypatch.setattr(client.release.site, "check_plan", lambda plan, **_: None)
+    monkeypatch.setattr(client.release.site, "planned_num_chunks", lambda *_: M_I)
+    monkeypatch.setattr(client.release.site, "prompt_template_digest", lambda _: "0" * 64)
+    monkeypatch.setattr(client.release.site, "check_artifact", lambda *_: None)
+    monkeypatch.setattr(client.release.site, "load_artifact", lambda *_, **__: object())
     monkeypatch.setattr(TrustedKeys, "from_files", staticmethod(lambda _: None))
     return ModelFreeSite(SiteSettings(name="site-1", state_dir=tmp_path / "state"))
 

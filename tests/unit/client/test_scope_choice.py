@@ -9,19 +9,19 @@ import numpy as np
 import pytest
 import torch
 
-from client.public_tasks import (
-    PublicTask,
-    centred_clip_scale,
-    centred_mean,
-    domain_centre,
-    rank_heads,
-)
-from client.scope_choice import (
+from client.public.scope import (
     HeadsMode,
     PlannedRelease,
     choose_scope,
     heads_transfer,
     held_out_accuracy_by_chunks,
+)
+from client.public.tasks import (
+    PublicTask,
+    centred_clip_scale,
+    centred_mean,
+    domain_centre,
+    rank_heads,
 )
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet

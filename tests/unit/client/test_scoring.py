@@ -8,17 +8,17 @@ import numpy as np
 import pytest
 import torch
 
-from client.chunking import Chunk, make_chunks
-from client.data import Record
-from client.extraction import chunk_prompt, forward_last_token_heads, zero_shot_prompt
-from client.hooks import registered_pre_hooks
-from client.scoring import (
+from client.activations.chunking import Chunk, make_chunks
+from client.activations.extraction import chunk_prompt, forward_last_token_heads, zero_shot_prompt
+from client.activations.hooks import registered_pre_hooks
+from client.activations.scoring import (
     ScoreMethod,
     answer_token_ids,
     chunk_head_votes,
     last_token_attribution,
     top_r_votes,
 )
+from client.data.records import Record
 from dpmtv_common.errors import ConfigError
 from tests.site_data import write_site
 
@@ -246,7 +246,7 @@ def test_a_chunk_whose_image_is_gone_casts_zero_votes_and_still_counts(
     intact = chunk_head_votes(loaded, [chunks[0], chunks[2]], top_r=2, progress=False)
 
     # Act
-    with caplog.at_level(logging.WARNING, logger="client.extraction"):
+    with caplog.at_level(logging.WARNING, logger="client.activations.extraction"):
         votes = chunk_head_votes(loaded, broken, top_r=2, progress=False)
 
     # Assert
@@ -264,7 +264,7 @@ def test_every_chunk_failing_is_logged_as_an_error_but_still_counts(
         for c in chunks
     ]
 
-    with caplog.at_level(logging.WARNING, logger="client.extraction"):
+    with caplog.at_level(logging.WARNING, logger="client.activations.extraction"):
         votes = chunk_head_votes(loaded, gone, top_r=2, progress=False)
 
     assert (votes.num_chunks, votes.num_replaced) == (3, 3)
@@ -275,9 +275,9 @@ def test_every_chunk_failing_is_logged_as_an_error_but_still_counts(
 
 def test_answers_the_model_cannot_read_are_refused_and_a_partial_share_is_reported():
     # The embedded model has a word-level tokenizer: a foreign label is its <unk>.
+    from client.activations.scoring import check_answer_vocabulary
     from client.models import load_model
     from client.models.embedded import EMBEDDED_MODEL_DIR
-    from client.scoring import check_answer_vocabulary
     from dpmtv_common.errors import DataError
 
     loaded = load_model(EMBEDDED_MODEL_DIR, device="cpu")

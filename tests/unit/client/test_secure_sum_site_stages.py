@@ -14,8 +14,8 @@ from typing import Any, cast
 import numpy as np
 import pytest
 
-from client.secure_sum.site_stages import SiteSums
-from client.site import Site
+from client.release.site import Site
+from client.service.sum_stages import SiteSums
 from dpmtv_common.crypto import SigningKey
 from dpmtv_common.errors import ConfigError, DpmtvError, PolicyError
 from protocol import (

@@ -7,12 +7,12 @@ import io
 import pytest
 from PIL import Image
 
+import client.release.site
 import client.service.inference as service_inference
-import client.site
 from client.models import LoadedModel
+from client.release.site import Site
 from client.service.inference import InferRequest, answer_queries
 from client.settings import SiteSettings
-from client.site import Site
 from dpmtv_common.crypto import SigningKey
 from tests.unit.client.signed_artifact import write_signed_artifact
 from tests.unit.client.test_image_crops import _idefics_tiles, splitting_model
@@ -35,11 +35,11 @@ def test_ask_prompts_queries_under_the_artifact_s_cap(tmp_path, monkeypatch, cap
     key = SigningKey.generate()
     key.verify_key.save(tmp_path / "site.pub")
     loaded = splitting_model("smolvlm", _idefics_tiles)
-    monkeypatch.setattr(client.site, "cached_model", lambda settings: loaded)
+    monkeypatch.setattr(client.release.site, "cached_model", lambda settings: loaded)
     site = Site(SiteSettings(state_dir=tmp_path / "state", trusted_keys=(tmp_path / "site.pub",)))
     store_artifact(site, loaded, key, cap)
     seen: list[LoadedModel] = []
-    from client.inference import generate_answers as generate
+    from client.inference.answers import generate_answers as generate
 
     def spy(model: LoadedModel, prompts, **kwargs):
         seen.append(model)

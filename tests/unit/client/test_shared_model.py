@@ -10,10 +10,9 @@ import pytest
 import torch
 from torch import nn
 
-import client.shared_model
+import client.models.shared
 from client.models import LoadedModel, load_model, save_tiny_model
-from client.settings import SiteSettings
-from client.shared_model import (
+from client.models.shared import (
     WeightGuard,
     check_shared_contents,
     clear_shared_models,
@@ -21,7 +20,8 @@ from client.shared_model import (
     shared_model,
     shared_model_count,
 )
-from client.site import Site, cached_model
+from client.release.site import Site, cached_model
+from client.settings import SiteSettings
 from dpmtv_common.errors import ConfigError, ModelError
 
 
@@ -47,7 +47,7 @@ def load_counter(monkeypatch: pytest.MonkeyPatch) -> list[Path]:
         loads.append(Path(path))
         return load_model(path, **options)  # type: ignore[arg-type]
 
-    monkeypatch.setattr(client.shared_model, "load_model", counting)
+    monkeypatch.setattr(client.models.shared, "load_model", counting)
     return loads
 
 

@@ -10,13 +10,13 @@ from typing import cast
 import numpy as np
 import pytest
 
-import client.site
-from client.data import SiteDataset
+import client.release.site
+from client.data.records import SiteDataset
 from client.models import instruction_digest
-from client.release_record import ReleaseRecord, SiteReleaseState
+from client.release.policy import check_artifact
+from client.release.record import ReleaseRecord, SiteReleaseState
+from client.release.site import Site
 from client.settings import SiteSettings
-from client.site import Site
-from client.site_policy import check_artifact
 from dpmtv_common.artifact import ReleaseDescription, TaskVectorArtifact, load_artifact
 from dpmtv_common.artifact import write_artifact as write
 from dpmtv_common.crypto import SigningKey, TrustedKeys
@@ -60,14 +60,14 @@ class ChunkingReached(Exception):
 @pytest.fixture
 def stand_ins(monkeypatch: pytest.MonkeyPatch) -> None:
     # Checks that need a model or data; each is tested on its own elsewhere.
-    monkeypatch.setattr(client.site, "check_plan", lambda plan, **_: None)
-    monkeypatch.setattr(client.site, "planned_num_chunks", lambda *_: M_I)
-    monkeypatch.setattr(client.site, "prompt_template_digest", lambda _: TEMPLATE)
+    monkeypatch.setattr(client.release.site, "check_plan", lambda plan, **_: None)
+    monkeypatch.setattr(client.release.site, "planned_num_chunks", lambda *_: M_I)
+    monkeypatch.setattr(client.release.site, "prompt_template_digest", lambda _: TEMPLATE)
 
     def reached(*_: object, **__: object) -> None:
         raise ChunkingReached
 
-    monkeypatch.setattr(client.site, "make_chunks", reached)
+    monkeypatch.setattr(client.release.site, "make_chunks", reached)
 
 
 def open_site(kind: type[InstructedSite], tmp_path: Path) -> InstructedSite:

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from client.release_record import ReleaseRecord
-from client.site_policy import _check_released_heads  # the head rule of check_artifact
+from client.release.policy import _check_released_heads  # the head rule of check_artifact
+from client.release.record import ReleaseRecord
 from dpmtv_common.heads import HeadLayout, HeadSet
 from protocol import PROTOCOL_VERSION, PlanMismatchError, ReleaseOrder, ReleasePlan, SelectionMode
 

@@ -10,14 +10,14 @@ from typing import Any
 import numpy as np
 import pytest
 
-from client.release_record import ReleaseRecord
-from client.site_policy import (
+from client.release.policy import (
     ModelShape,
     check_reference,
     check_secure_sum,
     distributed_release,
     gaussian_scope,
 )
+from client.release.record import ReleaseRecord
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadLayout, HeadSet
 from protocol import (

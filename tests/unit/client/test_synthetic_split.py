@@ -9,9 +9,8 @@ from pathlib import Path
 
 import pytest
 
-import client.synthetic as synthetic
-from client.models.embedded import EMBEDDED_MODEL_DIRS
-from client.synthetic import (
+import client.data.synthetic as synthetic
+from client.data.synthetic import (
     CODE_WORDS,
     MANY_CLASS_TASKS,
     SCENE_SPLITS,
@@ -27,6 +26,7 @@ from client.synthetic import (
     task_family,
     write_task_datasets,
 )
+from client.models.embedded import EMBEDDED_MODEL_DIRS
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.rng import make_rng
 
@@ -50,7 +50,7 @@ def test_every_answer_of_every_task_is_equally_frequent_in_each_split(split):
 
 
 # The untrained family, written out independently of the code: attribute, then its two pairs
-# and the word each pair answers (client.synthetic's module docstring).
+# and the word each pair answers (client.data.synthetic's module docstring).
 MERGES = {
     "colour-merged": ("colour", {("red", "yellow"): "red", ("green", "blue"): "blue"}),
     "shape-merged": ("shape", {("circle", "square"): "circle", ("triangle", "cross"): "triangle"}),

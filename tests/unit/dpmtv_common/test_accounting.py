@@ -4,12 +4,13 @@ from dpmtv_common.errors import CalibrationError, ConfigError
 from dpmtv_common.privacy.accounting import (
     analytic_noise_multiplier,
     calibrate_noise_multiplier,
-    epsilon_bound,
     epsilon_per_pick_from_share,
 )
+from dpmtv_common.privacy.composition import epsilon_bound
 from dpmtv_common.privacy.events import ReleaseEvent
 
-# Golden values from ../shared/notes/dp.md §1.2-1.5, measured with dp-accounting 0.6.0.
+# Golden values measured once with dp-accounting 0.6.0 apart from this code (analytic
+# Gaussian, RDP and PLD compositions).
 
 
 def test_analytic_sigma_matches_golden_value():
@@ -114,12 +115,33 @@ def test_a_remembered_bound_is_the_computed_one_and_each_caller_gets_its_own() -
     accounting._remembered_bound.cache_clear()
 
     # Act
-    first = accounting.epsilon_bound(events, delta=1e-5)
+    first = accounting.central_epsilon_bound(events, delta=1e-5)
     first.by_accountant["rdp"] = -1.0  # a caller scribbling on its copy
-    second = accounting.epsilon_bound(list(events), delta=1e-5)
+    second = accounting.central_epsilon_bound(list(events), delta=1e-5)
     accounting._remembered_bound.cache_clear()
-    fresh = accounting.epsilon_bound(events, delta=1e-5)
+    fresh = accounting.central_epsilon_bound(events, delta=1e-5)
 
     # Assert
     assert second == fresh
     assert second.by_accountant["rdp"] > 0
+
+
+def test_the_central_accountant_refuses_a_distributed_sum_and_the_ledger_entry_point_takes_it():
+    # Arrange: one central release and one with a distributed-noise sum
+    from dpmtv_common.privacy import accounting
+    from dpmtv_common.privacy.distributed import release_events_epsilon_bound
+
+    central = ReleaseEvent(noise_multiplier=4.0, picks=2, epsilon_per_pick=0.1)
+    distributed = ReleaseEvent(None, distributed_rho=0.02, overflow_probability=1e-9)
+
+    # Act
+    with pytest.raises(ConfigError, match="distributed"):
+        accounting.central_epsilon_bound([central, distributed], delta=1e-5)
+    mixed = epsilon_bound([central, distributed], delta=1e-5)
+    alone = epsilon_bound([central], delta=1e-5)
+
+    # Assert: RDP with the overflow for the mixed ledger; the central bound otherwise
+    assert mixed == release_events_epsilon_bound([central, distributed], delta=1e-5)
+    assert mixed.accountant == "rdp"
+    assert alone == accounting.central_epsilon_bound([central], delta=1e-5)
+    assert mixed.epsilon > alone.epsilon

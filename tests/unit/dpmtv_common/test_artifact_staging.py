@@ -107,7 +107,7 @@ def test_next_write_moves_a_complete_stale_artifact_to_a_visible_folder_and_warn
 
 
 def test_a_site_incoming_folder_is_tidied_by_its_inner_artifact(tmp_path):
-    # Arrange: client/site.py stages a broadcast artifact in .incoming-XXXX/artifact
+    # Arrange: client/release/site.py stages a broadcast artifact in .incoming-XXXX/artifact
     incomplete, complete = tmp_path / ".incoming-k2j4_9", tmp_path / ".incoming-zz81"
     (incomplete / "artifact").mkdir(parents=True)
     (incomplete / "artifact" / MANIFEST_FILE).write_text("{}")

@@ -8,7 +8,7 @@ import pytest
 from scipy import special, stats
 
 from dpmtv_common.errors import CalibrationError, ConfigError
-from dpmtv_common.privacy.accounting import epsilon_bound
+from dpmtv_common.privacy.composition import epsilon_bound
 from dpmtv_common.privacy.distributed import (
     DistributedGaussianEvent,
     activation_noise,

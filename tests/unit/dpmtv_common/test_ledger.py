@@ -12,8 +12,8 @@ import pytest
 
 from dpmtv_common.errors import ConfigError, LedgerError, PrivacyBudgetExceededError
 from dpmtv_common.privacy import _ledger_schema
-from dpmtv_common.privacy.accounting import epsilon_bound
 from dpmtv_common.privacy.budget import PrivacyBudget
+from dpmtv_common.privacy.composition import epsilon_bound
 from dpmtv_common.privacy.events import ReleaseEvent
 from dpmtv_common.privacy.ledger import PrivacyLedger, ReleaseState, Reservation
 from dpmtv_common.privacy.ledger_files import read_ledger_file

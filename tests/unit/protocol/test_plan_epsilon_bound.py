@@ -16,7 +16,7 @@ import pytest
 
 from dpmtv_common.errors import CalibrationError
 from dpmtv_common.heads import HeadSet
-from dpmtv_common.privacy.accounting import epsilon_bound
+from dpmtv_common.privacy.composition import epsilon_bound
 from protocol import (
     DistributedRelease,
     NoiseMode,

@@ -1,0 +1,1 @@
+"""From examples to attention-head activations: chunks, hooks, fixed-shape passes, scores."""

@@ -1,0 +1,1 @@
+"""What a site admin learns before spending any budget: the data check and the signal check."""

@@ -1,0 +1,1 @@
+"""A site's examples on disk: the dataset format, image decoding, synthetic tasks (no model)."""

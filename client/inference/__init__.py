@@ -1,0 +1,1 @@
+"""Answering queries with a model, patched with a released task vector where one is used."""
