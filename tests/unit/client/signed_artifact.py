@@ -20,9 +20,13 @@ def write_signed_artifact(
     signing_key: SigningKey,
     protocol_version: str,
     plan: dict[str, Any] | None = None,
+    heads: tuple[tuple[int, int], ...] = ((0, 1), (1, 2)),
+    values: np.ndarray | None = None,
     **release_fields: Any,
 ) -> Path:
     """Heads (0, 1) and (1, 2) at 0.1, signed with ``signing_key``, in ``folder / release_id``.
+
+    ``heads`` and ``values`` replace them (an artifact made for another model, say).
 
     The manifest describes a shapes release of two shots (``plan`` defaults to just that);
     ``release_fields`` sets the manifest's other fields (a digest, say).
@@ -45,8 +49,8 @@ def write_signed_artifact(
     )
     return write_artifact(
         folder / release_id,
-        heads=HeadSet.of([(0, 1), (1, 2)]),
-        values=np.full((2, 16), 0.1, dtype=np.float32),
+        heads=HeadSet.of(list(heads)),
+        values=np.full((len(heads), 16), 0.1, dtype=np.float32) if values is None else values,
         release=release,
         signing_key=signing_key,
     )

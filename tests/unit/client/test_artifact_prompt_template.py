@@ -1,9 +1,15 @@
-"""Inference applies an artifact only under the chat template its prompts were rendered with."""
+"""Inference applies an artifact only to the model it fits, through every entry point.
+
+Under the chat template its prompts were rendered with, and only with heads the model has
+and finite values of its head width: the CLI (``artifact_patch``) and the site service
+(``verified_artifact``) ask one function, and both refuse the same artifacts.
+"""
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 import client.release.site
@@ -74,3 +80,30 @@ def test_an_artifact_of_the_model_s_template_or_of_none_applies(
     path = write(tmp_path, tiny_llava, digest)
 
     assert APPLY[entry](path, tiny_llava, tmp_path, monkeypatch) is not None
+
+
+@pytest.mark.parametrize("entry", sorted(APPLY))
+@pytest.mark.parametrize(
+    ("heads", "width", "match"),
+    [
+        (((0, 1), (40, 0)), 16, r"heads must exist in the model's layers .* got \(40, 0\)"),
+        (((0, 1), (1, 99)), 16, r"heads must exist .* got \(1, 99\)"),
+        (((0, 1), (1, 2)), 8, r"values must have shape \(2, 16\), got \(2, 8\)"),
+    ],
+    ids=["no-such-layer", "no-such-head", "another-head-width"],
+)
+def test_an_artifact_the_model_cannot_hold_is_refused(
+    tiny_llava, tmp_path, monkeypatch, entry, heads, width, match
+):
+    path = write_signed_artifact(
+        tmp_path,
+        release_id="r-heads",
+        model_fingerprint=tiny_llava.fingerprint,
+        signing_key=KEY,
+        protocol_version="4.0",
+        heads=heads,
+        values=np.full((len(heads), width), 0.1, dtype=np.float32),
+    )
+
+    with pytest.raises(ConfigError, match=match):
+        APPLY[entry](path, tiny_llava, tmp_path, monkeypatch)
