@@ -40,7 +40,12 @@ def _pct(value: float) -> str:
 
 
 def _variant(row: dict) -> str:
-    """``chosen`` for the release the public choices make, else what the side row changes."""
+    """``chosen`` for the release the public choices make, else what the side row changes.
+
+    Rows written since the field exists carry it; older JSON is read from its label.
+    """
+    if "variant" in row:
+        return str(row["variant"])
     label = row["label"]
     if "(sweep)" in label:
         return "sweep"

@@ -251,11 +251,19 @@ def choice_plan(
     )  # fmt: skip
 
 
-def dp_row(args, loaded, data, label, plan, centre, sites, *, choice: ScopeChoice) -> dict:
+def dp_row(
+    args, loaded, data, label, plan, centre, sites, *, choice: ScopeChoice, variant: str
+) -> dict:  # fmt: skip
+    """One DP row over ``args.draws`` noise draws, labelled for the report.
+
+    ``variant``: "chosen" (the public choices' release), or what a side row changes:
+    "no centre", "other heads mode", "sweep".
+    """
     scores = release_draws(loaded, data, plan, centre, sites, args.draws)
     log(f"  {label}: {statistics.mean(scores):.2f} +- {statistics.pstdev(scores):.2f}")
     return {
-        "label": label, "sites": sites, "m": sites * len(data.sites[0].activations),
+        "label": label, "variant": variant, "sites": sites,
+        "m": sites * len(data.sites[0].activations),
         "mode": plan.noise_mode.value, "t": plan.min_honest,
         "selection": plan.selection.value, "centred": centre is not None,
         "k": plan.num_selected_heads, "C": plan.clip_norm, "factor": choice.factor,
@@ -278,7 +286,10 @@ def size_rows(args, loaded, data: TaskData, sites: int) -> tuple[list[dict], Sco
             f" t={plan.min_honest}" if mode is NoiseMode.DISTRIBUTED else ""
         )
         label += f", {choice.mode.value} heads"
-        rows.append(dp_row(args, loaded, data, label, plan, choice.centre, sites, choice=choice))
+        rows.append(
+            dp_row(args, loaded, data, label, plan, choice.centre, sites, choice=choice,
+                   variant="chosen")
+        )  # fmt: skip
     return rows, choice
 
 
@@ -288,12 +299,15 @@ def side_rows(args, loaded, data: TaskData, choice: ScopeChoice, sites: int) -> 
     raw = choose(args, loaded, data, sites, centred=False, mode=choice.mode)
     plan = choice_plan(loaded, raw, sites=sites, chunks=chunks, centred=False)
     label = f"{sites} sites, no centre, {raw.mode.value} heads"
-    rows = [dp_row(args, loaded, data, label, plan, None, sites, choice=raw)]
+    rows = [dp_row(args, loaded, data, label, plan, None, sites, choice=raw, variant="no centre")]
     other_mode = HeadsMode.PRIVATE if choice.mode is HeadsMode.PUBLIC else HeadsMode.PUBLIC
     other = choose(args, loaded, data, sites, mode=other_mode)
     plan = choice_plan(loaded, other, sites=sites, chunks=chunks)
     label = f"{sites} sites, {other.mode.value} heads (the other mode)"
-    rows.append(dp_row(args, loaded, data, label, plan, other.centre, sites, choice=other))
+    rows.append(
+        dp_row(args, loaded, data, label, plan, other.centre, sites, choice=other,
+               variant="other heads mode")
+    )  # fmt: skip
     return rows
 
 
@@ -309,7 +323,10 @@ def sweep_rows(args, loaded, data: TaskData, choice: ScopeChoice, sites: int) ->
         swept = dataclasses.replace(choice, clip_norm=factor * choice.scale, factor=factor)
         plan = choice_plan(loaded, swept, sites=sites, chunks=chunks)
         label = f"{sites} sites, C' = {factor:g} x scale (sweep)"
-        rows.append(dp_row(args, loaded, data, label, plan, swept.centre, sites, choice=swept))
+        rows.append(
+            dp_row(args, loaded, data, label, plan, swept.centre, sites, choice=swept,
+                   variant="sweep")
+        )  # fmt: skip
     return rows
 
 

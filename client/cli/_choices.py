@@ -11,6 +11,7 @@ __all__ = [
     "ATTENTION_CHOICES",
     "DEFAULT_SELECTION_SHARE",
     "DTYPES",
+    "MIN_MODEL_GAIN",
     "EVALUATION_MODES",
     "PATCH_POLICIES",
     "RELEASE_ORDERS",
@@ -37,3 +38,6 @@ ATTENTION_CHOICES = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 """``client.models.ATTENTION_IMPLEMENTATIONS``."""
 
 DEFAULT_SELECTION_SHARE = 0.3  # share of epsilon private selection spends unless told
+
+MIN_MODEL_GAIN = 0.2
+"""Below this gain of a public task's own plain mean over zero-shot, the model cannot do it."""

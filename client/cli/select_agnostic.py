@@ -16,7 +16,7 @@ import statistics
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from client.cli._choices import DEFAULT_SELECTION_SHARE
+from client.cli._choices import DEFAULT_SELECTION_SHARE, MIN_MODEL_GAIN
 from client.cli._common import (
     check_site_model,
     load_site_model,
@@ -31,10 +31,7 @@ if TYPE_CHECKING:
     from client.public.scope import HeadsMode, PlannedRelease, ScopeChoice
     from client.public.tasks import PublicTask
 
-__all__ = ["MIN_MODEL_GAIN", "public_task_folders", "run_task_agnostic"]
-
-MIN_MODEL_GAIN = 0.2
-"""Below this gain of a public task's own plain mean over zero-shot, the model cannot do it."""
+__all__ = ["public_task_folders", "run_task_agnostic"]
 
 
 def public_task_folders(args: argparse.Namespace) -> list[Path]:

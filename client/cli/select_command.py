@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from client.cli._choices import DEFAULT_SELECTION_SHARE, SELECTION_METHODS
+from client.cli._choices import DEFAULT_SELECTION_SHARE, MIN_MODEL_GAIN, SELECTION_METHODS
 from client.cli._common import (
     add_image_crops_option,
     add_model_options,
@@ -227,8 +227,6 @@ def _print_clip_choice(choice: ClipChoice) -> None:
             f"z = {choice.planned.noise_multiplier:.3g}, {choice.planned.draws} draws)"
         )
     print(f"suggested clip norm C = {choice.clip_norm:.4g}")
-    from client.cli.select_agnostic import MIN_MODEL_GAIN
-
     if choice.unclipped - choice.zero_shot < MIN_MODEL_GAIN:
         print(
             f"warning: the unclipped public mean gains {choice.unclipped - choice.zero_shot:.2f} "
