@@ -297,7 +297,14 @@ def _three_models(headlines: dict[str, dict[str, Any]]) -> list[str]:
         "heads), the public same-task mean and 4-shot ICL from 20 public examples of the task "
         "(a labelled setting, stronger than task-agnostic), and a site's own 4-shot ICL. MTV's "
         "own selection is non-private and chooses heads on validation queries of the private "
-        "task (an oracle). Commands:",
+        "task (an oracle). **Accuracy** here, of every row and baseline alike, is first-token "
+        "accuracy: the share of test queries whose first greedy token is the answer's first "
+        "token (`client/evaluation/first_token.py`, one forward pass a release, so that many "
+        "noise draws can be scored). It bounds the product's own `evaluate` (the whole first "
+        "answer span) from above: on the pretrained decoder a release often names the answer and "
+        "goes on with the other attributes (\"blue square4 right\" for \"blue\"), right here "
+        "and wrong there; the README's pretrained demo (one release, m = 400) measured 0.75 "
+        "first-token and 0.00 answer-span accuracy. Commands:",
         "",
         *commands(headlines),
         "",

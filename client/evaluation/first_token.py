@@ -1,8 +1,10 @@
 """Fast accuracy for single-token answers: one forward per batch, inputs tokenised once.
 
-For answers of one token, greedy generation is right exactly when the first generated token
-is the answer, so a forward pass per batch measures what ``evaluate`` measures with
-``generate`` — much faster, which matters when many noisy releases are scored.
+Whether the first greedy token is the answer's first token: one forward per batch instead of
+a generation, which matters when many noisy releases are scored. It bounds what ``evaluate``
+measures from above, not equals it: ``evaluate`` scores the whole first answer span, and a
+patched model that names the answer and then goes on ("blue square4 right" for "blue")
+counts here and not there.
 
 **Prefix cache.** A task vector is patched at the last position only, and attention is
 causal: every position before the last computes the same keys and values whatever the patch.
