@@ -301,10 +301,10 @@ def _three_models(headlines: dict[str, dict[str, Any]]) -> list[str]:
         "accuracy: the share of test queries whose first greedy token is the answer's first "
         "token (`client/evaluation/first_token.py`, one forward pass a release, so that many "
         "noise draws can be scored). It bounds the product's own `evaluate` (the whole first "
-        "answer span) from above: on the pretrained decoder a release often names the answer and "
-        "goes on with the other attributes (\"blue square4 right\" for \"blue\"), right here "
-        "and wrong there; the README's pretrained demo (one release, m = 400) measured 0.75 "
-        "first-token and 0.00 answer-span accuracy. Commands:",
+        "answer span) from above: on the pretrained decoder a release names a colour and goes "
+        "on with the other attributes ('red square4 right'), and so does the non-private mean "
+        "in the same heads: on the README's pretrained demo (one release, m = 400) first token "
+        "0.52 and answer span 0.00 ([answer-span.md](benchmarks/answer-span.md)). Commands:",
         "",
         *commands(headlines),
         "",
@@ -383,7 +383,9 @@ def main() -> int:
         "[distributed.md](benchmarks/distributed.md); consortium size in "
         "[scale.md](benchmarks/scale.md); local serving in [serving.md](benchmarks/serving.md); "
         "tasks where a site alone is weak in "
-        "[weak-site-candidates.md](benchmarks/weak-site-candidates.md).",
+        "[weak-site-candidates.md](benchmarks/weak-site-candidates.md); first-token accuracy "
+        "against the answer a reader sees, on the pretrained demo's release, in "
+        "[answer-span.md](benchmarks/answer-span.md).",
         "",
         "## Models",
         "",

@@ -1,0 +1,140 @@
+"""First-token accuracy against the answer a user reads, on one release the demo made.
+
+The benchmarks score a patched model by its first greedy token (one forward pass a noise
+draw); the product's own ``evaluate`` scores the whole first answer span. They differ where a
+patched model names the answer and then goes on. This script measures both on a finished
+``scripts/demo`` run (its site 0's verified artifact, its centre, its data), for:
+
+* the private release as stored;
+* the public data alone (the centre in the same heads);
+* the non-private mean of ``--chunks`` chunks of one site's data in the same heads, unclipped
+  (what no noise and no clipping would give), to tell the noise's share from the vector's.
+
+Writes ``docs/benchmarks/answer-span.md`` (and ``.json``)::
+
+    scripts/demo --model M --heads 16 --sites 10 --per-site 200 --workdir RUN
+    .venv/bin/python benchmarks/answer_span.py --run RUN --model M      # ~2 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from dpmtv_common.thread_policy import apply_thread_policy
+
+apply_thread_policy()  # before torch loads
+
+import numpy as np
+import torch
+
+from client.activations.chunking import make_chunks
+from client.activations.extraction import extract_clipped_sum, zero_shot_prompt
+from client.activations.hooks import PatchPolicy
+from client.data.records import Record, load_dataset
+from client.evaluation import EvaluationMode, evaluate
+from client.evaluation.first_token import QuerySet
+from client.inference.answers import TaskVectorPatch
+from client.models import LoadedModel, load_model
+from dpmtv_common.artifact import TaskVectorArtifact, load_artifact
+from dpmtv_common.centre import ActivationCentre
+from dpmtv_common.crypto import TrustedKeys
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--run", type=Path, required=True, help="a finished scripts/demo workdir")
+    parser.add_argument("--model", type=Path, required=True, help="the model the demo used")
+    parser.add_argument("--chunks", type=int, default=40, help="chunks of the non-private mean")
+    parser.add_argument("--queries", type=int, default=40, help="test queries scored")
+    parser.add_argument("--out", type=Path, default=REPO / "docs/benchmarks/answer-span")
+    return parser.parse_args()
+
+
+def site_zero_artifact(run: Path, loaded: LoadedModel) -> TaskVectorArtifact:
+    folders = sorted((run / "site-0-artifacts").iterdir())
+    if len(folders) != 1:
+        raise SystemExit(f"{run}/site-0-artifacts must hold one release, got {len(folders)}.")
+    keys = TrustedKeys.from_files([run / "coordinator.pub"])
+    return load_artifact(
+        folders[0], trusted_keys=keys, expected_model_fingerprint=loaded.fingerprint
+    )
+
+
+def scores(loaded: LoadedModel, queries: list[Record], heads, values: np.ndarray) -> dict:
+    """First-token and answer-span accuracy of one patch, with two answers as examples."""
+    tensor = torch.tensor(values, dtype=torch.float32)
+    first = QuerySet.build(
+        loaded, [zero_shot_prompt(r) for r in queries], [r.answer for r in queries]
+    ).accuracy(loaded, (heads, tensor))
+    patch = TaskVectorPatch(heads, tensor, PatchPolicy.PROMPT_LAST_TOKEN)
+    result = evaluate(loaded, queries, mode=EvaluationMode.ARTIFACT, patch=patch)
+    return {
+        "first_token": first,
+        "answer_span": result.accuracy,
+        "examples": [[p, r.answer] for p, r in zip(result.predictions[:2], queries, strict=False)],
+    }
+
+
+def measure(args: argparse.Namespace) -> dict:
+    loaded = load_model(args.model)
+    artifact = site_zero_artifact(args.run, loaded)
+    heads = artifact.heads
+    queries = list(load_dataset(args.run / "data" / "test").records)[: args.queries]
+    site = load_dataset(args.run / "data" / "site-1")
+    chunks = make_chunks(site, shots=artifact.manifest.shots, seed=1, max_chunks=args.chunks)
+    plain = extract_clipped_sum(loaded, chunks.chunks, heads=heads, clip_norm=1e12, progress=False)
+    rows = {
+        "private release": np.asarray(artifact.values, dtype=np.float64),
+        "public only (the centre)": ActivationCentre.load(args.run / "centre.safetensors").rows(
+            heads
+        ),
+        f"non-private mean of {plain.num_chunks} chunks of one site": plain.total
+        / plain.num_chunks,
+    }
+    return {
+        "run": str(args.run),
+        "release": artifact.manifest.release_id,
+        "heads": len(heads),
+        "queries": len(queries),
+        "rows": {label: scores(loaded, queries, heads, values) for label, values in rows.items()},
+    }
+
+
+def markdown(result: dict) -> str:
+    lines = [
+        "# First-token accuracy against the answer a user reads",
+        "",
+        "Reproduce: `scripts/demo --model M --heads 16 --sites 10 --per-site 200 --workdir RUN`, "
+        "then `.venv/bin/python benchmarks/answer_span.py --run RUN --model M`. One release "
+        f"({result['release']}, {result['heads']} heads), {result['queries']} test queries. "
+        "*First token*: the first greedy token is the answer's (what the benchmarks score). "
+        "*Answer span*: the first answer span equals an accepted answer (what `evaluate` and a "
+        "reader see).",
+        "",
+        "| patch | first token | answer span | answers (given <- expected) |",
+        "|---|---:|---:|---|",
+    ]
+    for label, row in result["rows"].items():
+        shown = "; ".join(f"`{given!r}` <- {expected}" for given, expected in row["examples"])
+        lines.append(f"| {label} | {row['first_token']:.2f} | {row['answer_span']:.2f} | {shown} |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    args = parse_args()
+    result = measure(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    args.out.with_suffix(".md").write_text(markdown(result))
+    print(markdown(result))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
