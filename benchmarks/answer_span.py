@@ -8,7 +8,10 @@ patched model names the answer and then goes on. This script measures both on a 
 * the private release as stored;
 * the public data alone (the centre in the same heads);
 * the non-private mean of ``--chunks`` chunks of one site's data in the same heads, unclipped
-  (what no noise and no clipping would give), to tell the noise's share from the vector's.
+  (what no noise and no clipping would give), to tell the noise's share from the vector's;
+* that mean in MTV's own selection: the 16 heads attribution ranks first on 30 queries of
+  another site (non-private, an oracle for the private task), to tell the heads' share;
+* site 0's own 4-shot ICL (no patch), what a site has without any release.
 
 Writes ``docs/benchmarks/answer-span.md`` (and ``.json``)::
 
@@ -34,13 +37,14 @@ import numpy as np
 import torch
 
 from client.activations.chunking import make_chunks
-from client.activations.extraction import extract_clipped_sum, zero_shot_prompt
+from client.activations.extraction import zero_shot_prompt
 from client.activations.hooks import PatchPolicy
 from client.data.records import Record, load_dataset
-from client.evaluation import EvaluationMode, evaluate
+from client.evaluation import EvaluationMode, evaluate, icl_prompts
 from client.evaluation.first_token import QuerySet
 from client.inference.answers import TaskVectorPatch
 from client.models import LoadedModel, load_model
+from client.public.selection import public_activations, select_heads_attribution
 from dpmtv_common.artifact import TaskVectorArtifact, load_artifact
 from dpmtv_common.centre import ActivationCentre
 from dpmtv_common.crypto import TrustedKeys
@@ -88,22 +92,50 @@ def measure(args: argparse.Namespace) -> dict:
     queries = list(load_dataset(args.run / "data" / "test").records)[: args.queries]
     site = load_dataset(args.run / "data" / "site-1")
     chunks = make_chunks(site, shots=artifact.manifest.shots, seed=1, max_chunks=args.chunks)
-    plain = extract_clipped_sum(loaded, chunks.chunks, heads=heads, clip_norm=1e12, progress=False)
-    rows = {
-        "private release": np.asarray(artifact.values, dtype=np.float64),
-        "public only (the centre)": ActivationCentre.load(args.run / "centre.safetensors").rows(
-            heads
+    mean = public_activations(loaded, chunks.chunks, progress=False).mean(0).double()  # (L, H, D)
+    centre = ActivationCentre.load(args.run / "centre.safetensors")
+    # MTV's own selection, non-private: ranked on another site's queries (an oracle).
+    validation = list(load_dataset(args.run / "data" / "site-2").records)[:30]
+    own = select_heads_attribution(loaded, mean.float(), validation, k=len(heads))
+    patches = {
+        "private release": (heads, np.asarray(artifact.values, dtype=np.float64)),
+        "public only (the centre)": (heads, centre.rows(heads)),
+        f"non-private mean of {len(chunks)} chunks of one site, same heads": (
+            heads,
+            _rows(mean, heads),
         ),
-        f"non-private mean of {plain.num_chunks} chunks of one site": plain.total
-        / plain.num_chunks,
+        f"that mean in MTV's own {len(own)} heads (oracle)": (own, _rows(mean, own)),
     }
+    rows = {
+        label: scores(loaded, queries, patch_heads, values)
+        for label, (patch_heads, values) in patches.items()
+    }
+    rows["site 0's own 4-shot ICL (no patch)"] = icl_scores(
+        loaded, queries, list(load_dataset(args.run / "data" / "site-0").records)
+    )
     return {
         "run": str(args.run),
         "release": artifact.manifest.release_id,
         "heads": len(heads),
         "queries": len(queries),
-        "rows": {label: scores(loaded, queries, heads, values) for label, values in rows.items()},
+        "rows": rows,
     }
+
+
+def icl_scores(loaded: LoadedModel, queries: list[Record], support: list[Record]) -> dict:
+    """First-token and answer-span accuracy of 4-shot ICL from ``support`` (same prompts)."""
+    prompts = icl_prompts(queries, support, shots=4, seed=0)
+    first = QuerySet.build(loaded, prompts, [r.answer for r in queries]).accuracy(loaded)
+    result = evaluate(loaded, queries, mode=EvaluationMode.ICL, support=support, shots=4, seed=0)
+    return {
+        "first_token": first,
+        "answer_span": result.accuracy,
+        "examples": [[p, r.answer] for p, r in zip(result.predictions[:2], queries, strict=False)],
+    }
+
+
+def _rows(mean: torch.Tensor, heads) -> np.ndarray:
+    return np.stack([mean[layer, head].numpy() for layer, head in heads.heads])
 
 
 def markdown(result: dict) -> str:
