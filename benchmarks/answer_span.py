@@ -13,10 +13,12 @@ patched model names the answer and then goes on. This script measures both on a 
   another site (non-private, an oracle for the private task), to tell the heads' share;
 * site 0's own 4-shot ICL (no patch), what a site has without any release.
 
-Writes ``docs/benchmarks/answer-span.md`` (and ``.json``)::
+Writes ``docs/benchmarks/answer-span.md`` (and ``.json``; ``--out`` for another name)::
 
     scripts/demo --model M --heads 16 --sites 10 --per-site 200 --workdir RUN
-    .venv/bin/python benchmarks/answer_span.py --run RUN --model M      # ~2 min on 2 cores
+    .venv/bin/python benchmarks/answer_span.py --run RUN --model M      # ~3 min on 2 cores
+    .venv/bin/python benchmarks/answer_span.py --run RUN --model M --policy every-call \
+        --out docs/benchmarks/answer-span-every-call
 """
 
 from __future__ import annotations
@@ -56,6 +58,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--model", type=Path, required=True, help="the model the demo used")
     parser.add_argument("--chunks", type=int, default=40, help="chunks of the non-private mean")
     parser.add_argument("--queries", type=int, default=40, help="test queries scored")
+    parser.add_argument(
+        "--policy",
+        choices=[policy.value for policy in PatchPolicy],
+        default=PatchPolicy.PROMPT_LAST_TOKEN.value,
+        help="where a patch is applied: the prompt's last token (the product's default), or "
+        "every call (MTV's code)",
+    )
     parser.add_argument("--out", type=Path, default=REPO / "docs/benchmarks/answer-span")
     return parser.parse_args()
 
@@ -70,13 +79,15 @@ def site_zero_artifact(run: Path, loaded: LoadedModel) -> TaskVectorArtifact:
     )
 
 
-def scores(loaded: LoadedModel, queries: list[Record], heads, values: np.ndarray) -> dict:
+def scores(
+    loaded: LoadedModel, queries: list[Record], heads, values: np.ndarray, policy: PatchPolicy
+) -> dict:
     """First-token and answer-span accuracy of one patch, with two answers as examples."""
     tensor = torch.tensor(values, dtype=torch.float32)
     first = QuerySet.build(
         loaded, [zero_shot_prompt(r) for r in queries], [r.answer for r in queries]
     ).accuracy(loaded, (heads, tensor))
-    patch = TaskVectorPatch(heads, tensor, PatchPolicy.PROMPT_LAST_TOKEN)
+    patch = TaskVectorPatch(heads, tensor, policy)
     result = evaluate(loaded, queries, mode=EvaluationMode.ARTIFACT, patch=patch)
     return {
         "first_token": first,
@@ -107,15 +118,16 @@ def measure(args: argparse.Namespace) -> dict:
         f"that mean in MTV's own {len(own)} heads (oracle)": (own, _rows(mean, own)),
     }
     rows = {
-        label: scores(loaded, queries, patch_heads, values)
+        label: scores(loaded, queries, patch_heads, values, PatchPolicy(args.policy))
         for label, (patch_heads, values) in patches.items()
     }
     rows["site 0's own 4-shot ICL (no patch)"] = icl_scores(
         loaded, queries, list(load_dataset(args.run / "data" / "site-0").records)
     )
     return {
-        "run": str(args.run),
+        "run": args.run.name,  # the demo workdir's name, not a path of this machine
         "release": artifact.manifest.release_id,
+        "policy": args.policy,
         "heads": len(heads),
         "queries": len(queries),
         "rows": rows,
@@ -143,8 +155,10 @@ def markdown(result: dict) -> str:
         "# First-token accuracy against the answer a user reads",
         "",
         "Reproduce: `scripts/demo --model M --heads 16 --sites 10 --per-site 200 --workdir RUN`, "
-        "then `.venv/bin/python benchmarks/answer_span.py --run RUN --model M`. One release "
-        f"({result['release']}, {result['heads']} heads), {result['queries']} test queries. "
+        f"then `.venv/bin/python benchmarks/answer_span.py --run RUN --model M --policy "
+        f"{result['policy']}`. One release "
+        f"({result['release']}, {result['heads']} heads), {result['queries']} test queries, "
+        f"patched under the `{result['policy']}` policy. "
         "*First token*: the first greedy token is the answer's (what the benchmarks score). "
         "*Answer span*: the first answer span equals an accepted answer (what `evaluate` and a "
         "reader see).",
