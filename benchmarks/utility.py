@@ -231,7 +231,7 @@ def main() -> int:
     started = time.monotonic()
     results: dict[str, object] = {
         "command": " ".join([".venv/bin/python", "benchmarks/utility.py", *sys.argv[1:]]),
-        "args": {k: str(v) for k, v in vars(args).items()},
+        "args": {k: _recorded(v) for k, v in vars(args).items()},
     }
     with tempfile.TemporaryDirectory(prefix="dpmtv-bench-") as tmp:
         root = Path(tmp)
@@ -260,6 +260,13 @@ def main() -> int:
     _write_family(args.out, args.family, results)
     log(f"done in {results['seconds']:.0f} s; wrote {args.family!r} of {args.out}")
     return 0
+
+
+def _recorded(value: object) -> str:
+    """An argument as the JSON records it: paths inside the repository relative to it."""
+    if isinstance(value, Path) and value.is_absolute() and value.is_relative_to(REPO):
+        return str(value.relative_to(REPO))
+    return str(value)
 
 
 def _write_family(out: Path, family: str, results: dict[str, object]) -> None:
