@@ -125,3 +125,19 @@ def test_readme_names_the_pretrained_model_where_the_assembly_script_puts_it(tmp
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv("XDG_CACHE_HOME", str(cache))
         assert set(expanded) == {str(default_pretrained_model_dir())}
+
+
+def test_the_design_s_room_map_names_every_room_of_the_code():
+    # Arrange: the map is the first code block under "## Rooms"
+    text = (REPO / "docs" / "design.md").read_text(encoding="utf-8")
+    rooms_section = text[text.index("## Rooms") :]
+    block = rooms_section.split("```")[1]
+    mapped = set(re.findall(r"^[ ]+(\w+)/", block, re.MULTILINE))
+    packages = {
+        path.parent.name
+        for top in ("client", "server", "dpmtv_common")
+        for path in (REPO / top).glob("*/__init__.py")
+    }
+    # Assert: every package one level down is on the map, and the map names no other
+    assert packages - mapped == set()
+    assert mapped - packages == set()
