@@ -11,7 +11,9 @@ patched model names the answer and then goes on. This script measures both on a 
   (what no noise and no clipping would give), to tell the noise's share from the vector's;
 * that mean in MTV's own selection: the 16 heads attribution ranks first on 30 queries of
   another site (non-private, an oracle for the private task), to tell the heads' share;
-* site 0's own 4-shot ICL (no patch), what a site has without any release.
+* site 0's own 4-shot ICL (no patch), what a site has without any release;
+* each patch with the answer's end learnt from the run's PUBLIC sets of other tasks
+  (``client.inference.answer_end``: patched at the first decoding step, no privacy cost).
 
 Writes ``docs/benchmarks/answer-span.md`` (and ``.json``; ``--out`` for another name)::
 
@@ -44,6 +46,7 @@ from client.activations.hooks import PatchPolicy
 from client.data.records import Record, load_dataset
 from client.evaluation import EvaluationMode, evaluate, icl_prompts
 from client.evaluation.first_token import QuerySet
+from client.inference.answer_end import learn_answer_end
 from client.inference.answers import TaskVectorPatch
 from client.models import LoadedModel, load_model
 from client.public.selection import public_activations, select_heads_attribution
@@ -80,14 +83,19 @@ def site_zero_artifact(run: Path, loaded: LoadedModel) -> TaskVectorArtifact:
 
 
 def scores(
-    loaded: LoadedModel, queries: list[Record], heads, values: np.ndarray, policy: PatchPolicy
+    loaded: LoadedModel,
+    queries: list[Record],
+    heads,
+    values: np.ndarray,
+    policy: PatchPolicy,
+    answer_end: torch.Tensor | None = None,
 ) -> dict:
     """First-token and answer-span accuracy of one patch, with two answers as examples."""
     tensor = torch.tensor(values, dtype=torch.float32)
     first = QuerySet.build(
         loaded, [zero_shot_prompt(r) for r in queries], [r.answer for r in queries]
     ).accuracy(loaded, (heads, tensor))
-    patch = TaskVectorPatch(heads, tensor, policy)
+    patch = TaskVectorPatch(heads, tensor, policy, answer_end)
     result = evaluate(loaded, queries, mode=EvaluationMode.ARTIFACT, patch=patch)
     return {
         "first_token": first,
@@ -117,10 +125,18 @@ def measure(args: argparse.Namespace) -> dict:
         ),
         f"that mean in MTV's own {len(own)} heads (oracle)": (own, _rows(mean, own)),
     }
+    policy = PatchPolicy(args.policy)
     rows = {
-        label: scores(loaded, queries, patch_heads, values, PatchPolicy(args.policy))
+        label: scores(loaded, queries, patch_heads, values, policy)
         for label, (patch_heads, values) in patches.items()
     }
+    if policy is PatchPolicy.PROMPT_LAST_TOKEN:  # the answer's end takes the decoding steps
+        public = [load_dataset(folder) for folder in sorted((args.run / "data").glob("public-*"))]
+        for label, (patch_heads, values) in patches.items():
+            end = learn_answer_end(loaded, public, patch_heads, shots=artifact.manifest.shots)
+            rows[f"{label} + the public answer's end"] = scores(
+                loaded, queries, patch_heads, values, policy, end.values
+            )
     rows["site 0's own 4-shot ICL (no patch)"] = icl_scores(
         loaded, queries, list(load_dataset(args.run / "data" / "site-0").records)
     )

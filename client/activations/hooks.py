@@ -11,7 +11,8 @@ How this connects:
   removes all handles in ``finally``: no hook outlives its ``with`` block, also on error.
 - **What for.** :func:`capture_last_token_heads` reads the activations that sites average,
   clip and release (design.md §1, step 2). :func:`patch_heads` writes a released task vector
-  back at inference (step 8), under one of two :class:`PatchPolicy` values.
+  back at inference (step 8), under one of two :class:`PatchPolicy` values;
+  :func:`patch_first_decoding_step` writes a public answer's end after the first token.
 - **Position.** Both act at position ``-1``. Prompts are left-padded
   (``ModelAdapter.build_batch_inputs``), so ``-1`` is every row's last prompt token.
 - **Layers.** Indices are decoder-layer indices. A hybrid model's layers without heads
@@ -45,6 +46,7 @@ __all__ = [
     "PatchPolicy",
     "PatchRecord",
     "capture_last_token_heads",
+    "patch_first_decoding_step",
     "patch_heads",
     "prompt_length_guard",
     "registered_pre_hooks",
@@ -245,8 +247,53 @@ def patch_heads(
     Raises:
         ConfigError: A head is out of range, or ``values`` has the wrong shape.
     """
-    shape = adapter.head_shape(model)
     policy = PatchPolicy(policy)
+
+    def patches(layer: int, seq_len: int) -> bool:
+        return policy is PatchPolicy.EVERY_CALL or seq_len > 1
+
+    with _patched_calls(model, adapter, heads, values, patches) as record:
+        yield record
+
+
+@contextmanager
+def patch_first_decoding_step(
+    model: PreTrainedModel,
+    adapter: ModelAdapter,
+    heads: HeadSet,
+    values: torch.Tensor | npt.NDArray[np.floating[Any]],
+) -> Iterator[PatchRecord]:
+    """Overwrite the heads at the first decoding step after each prompt, and only there.
+
+    In KV-cache ``generate()`` the prompt is one call (``seq_len > 1``) and every generated
+    token one more (``seq_len == 1``); this patches the call that reads the first generated
+    token. It is how an answer's end, learnt from public data
+    (``client.inference.answer_end``), is put where a one-token answer ends. Arguments,
+    result and errors as :func:`patch_heads`.
+    """
+    steps_since_prompt = {layer: 0 for layer in heads.layers}
+
+    def patches(layer: int, seq_len: int) -> bool:
+        if seq_len > 1:  # a new prompt: count its decoding steps afresh
+            steps_since_prompt[layer] = 0
+            return False
+        steps_since_prompt[layer] += 1
+        return steps_since_prompt[layer] == 1
+
+    with _patched_calls(model, adapter, heads, values, patches) as record:
+        yield record
+
+
+@contextmanager
+def _patched_calls(
+    model: PreTrainedModel,
+    adapter: ModelAdapter,
+    heads: HeadSet,
+    values: torch.Tensor | npt.NDArray[np.floating[Any]],
+    patches: Callable[[int, int], bool],
+) -> Iterator[PatchRecord]:
+    """Overwrite ``heads`` at the last position of the calls ``patches(layer, seq_len)`` picks."""
+    shape = adapter.head_shape(model)
     table = _validated_values(heads, values, shape)
     rows = heads.row_layers()
     head_index = torch.as_tensor(heads.to_array()[:, 1])
@@ -258,7 +305,7 @@ def patch_heads(
 
         def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
             hidden = _head_input(args, shape)
-            if policy is PatchPolicy.PROMPT_LAST_TOKEN and hidden.shape[1] == 1:
+            if not patches(layer, hidden.shape[1]):
                 return None
             patched = hidden.clone(memory_format=torch.contiguous_format)
             per_head = patched.view(*hidden.shape[:2], shape.num_heads, shape.head_dim)

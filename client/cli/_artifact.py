@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -10,7 +12,7 @@ from client.activations.hooks import PatchPolicy
 from client.inference.answers import TaskVectorPatch, check_instruction, rescale_heads
 from client.inference.artifact_use import Remedies, usable_artifact
 from client.models import LoadedModel
-from dpmtv_common.artifact import load_artifact
+from dpmtv_common.artifact import TaskVectorArtifact, load_artifact
 from dpmtv_common.crypto import TrustedKeys
 from dpmtv_common.errors import ConfigError
 
@@ -58,13 +60,16 @@ def artifact_patch(
     policy: PatchPolicy,
     instruction: str | None,
     rescale_norm: float | None = None,
+    answer_end_from: Sequence[Path] = (),
 ) -> TaskVectorPatch:
     """Verify the artifact for this model (:func:`usable_artifact`) and the queries' instruction.
 
     ``instruction`` is the one the queries will be prompted with (the evaluated dataset's,
     or ``--instruction``); it must be the release's. ``rescale_norm`` sets every head's
     vector to that L2 norm (a typical norm measured on public data; post-processing, no
-    privacy cost).
+    privacy cost). ``answer_end_from`` names labelled PUBLIC datasets (already checked not to
+    be the site's private data) to learn where a one-token answer ends
+    (``client.inference.answer_end``); ``loaded`` must then be prompted as the queries are.
     """
     artifact, values = usable_artifact(path, loaded=loaded, keys=keys, remedies=_COMMAND_REMEDIES)
     check_instruction(
@@ -77,4 +82,28 @@ def artifact_patch(
         values = torch.tensor(
             rescale_heads(values.numpy(), target_norm=rescale_norm), dtype=torch.float32
         )
-    return TaskVectorPatch(artifact.heads, values, policy)
+    answer_end = None
+    if answer_end_from:
+        answer_end = _answer_end(artifact, loaded, answer_end_from, instruction)
+    return TaskVectorPatch(artifact.heads, values, policy, answer_end)
+
+
+def _answer_end(
+    artifact: TaskVectorArtifact,
+    loaded: LoadedModel,
+    folders: Sequence[Path],
+    instruction: str | None,
+) -> torch.Tensor:
+    from client.data.records import load_dataset
+    from client.inference.answer_end import learn_answer_end
+
+    datasets = [load_dataset(folder) for folder in folders]
+    end = learn_answer_end(
+        loaded, datasets, artifact.heads, shots=artifact.manifest.shots, instruction=instruction
+    )
+    print(
+        f"answer's end learnt from {end.chunks} public chunks of {len(datasets)} dataset(s) "
+        f"({end.skipped} skipped: answers of more than one token)",
+        file=sys.stderr,
+    )
+    return end.values

@@ -28,6 +28,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "add_image_crops_option",
+    "answer_end_folders",
     "add_model_options",
     "add_patch_options",
     "check_artifact",
@@ -92,7 +93,7 @@ def add_image_crops_option(parser: argparse.ArgumentParser, *, purpose: str) -> 
 
 
 def add_patch_options(parser: argparse.ArgumentParser) -> None:
-    """--policy, --max-new-tokens, --rescale-norm: how an artifact answers queries."""
+    """--policy, --max-new-tokens, --rescale-norm, --answer-end-from: how an artifact answers."""
     parser.add_argument("--policy", choices=PATCH_POLICIES, default="prompt-last-token")
     parser.add_argument("--max-new-tokens", type=positive_int, default=10)
     parser.add_argument(
@@ -101,6 +102,29 @@ def add_patch_options(parser: argparse.ArgumentParser) -> None:
         help="set each released head to this L2 norm (a typical norm on PUBLIC data; "
         "post-processing, no privacy cost)",
     )
+    parser.add_argument(
+        "--answer-end-from",
+        type=Path,
+        action="append",
+        metavar="DIR",
+        help="a labelled PUBLIC dataset (repeat for more; other tasks of the domain will do): "
+        "learn from it where a one-token answer ends and patch that at the first decoding "
+        "step, so the model answers with the word and stops (no privacy cost; for tasks "
+        "whose answers are one token; prompt-last-token policy only)",
+    )
+
+
+def answer_end_folders(args: argparse.Namespace) -> list[Path]:
+    """Every ``--answer-end-from`` folder, each checked as public data (never the private one).
+
+    Raises:
+        ConfigError: One is the site's private data folder (see :func:`public_data_folder`).
+    """
+    folders: list[Path] = list(getattr(args, "answer_end_from", None) or [])
+    for folder in folders:
+        public_data_folder(argparse.Namespace(**{**vars(args), "answer_end_from": folder}),
+                           option="--answer-end-from")  # fmt: skip
+    return folders
 
 
 def settings_from(

@@ -11,6 +11,7 @@ from client.cli._common import (
     add_image_crops_option,
     add_model_options,
     add_patch_options,
+    answer_end_folders,
     check_artifact,
     check_site_model,
     load_site_model,
@@ -54,6 +55,23 @@ def _check_mode_options(args: argparse.Namespace) -> None:
         raise ConfigError("--mode artifact needs --artifact DIR.")
     if args.mode == "icl" and args.support is None:
         raise ConfigError("--mode icl needs --support DIR (demonstrations).")
+    if args.answer_end_from and args.mode != "artifact":
+        raise ConfigError(
+            f"--answer-end-from is for --mode artifact (it patches an artifact's heads), got "
+            f"--mode {args.mode}."
+        )
+
+
+def _answer_end_folders(args: argparse.Namespace, evaluated: Path) -> list[Path]:
+    """Public folders, none of them the evaluated set (learning on the test set inflates it)."""
+    folders = answer_end_folders(args)
+    for folder in folders:
+        if folder.resolve() == evaluated.resolve():
+            raise ConfigError(
+                f"--answer-end-from must not be the evaluated set --data, got {str(folder)!r}: "
+                "what is learnt from the queries themselves would inflate their accuracy."
+            )
+    return folders
 
 
 def run(args: argparse.Namespace) -> int:
@@ -62,6 +80,7 @@ def run(args: argparse.Namespace) -> int:
     if settings.data_path is None:
         raise ConfigError("evaluate needs --data DIR (a labelled set).")
     _check_mode_options(args)
+    answer_end = _answer_end_folders(args, settings.data_path)
     keys = trusted_keys(settings) if args.mode == "artifact" else None
     if keys is not None:
         check_artifact(args.artifact, keys)
@@ -92,6 +111,7 @@ def run(args: argparse.Namespace) -> int:
             policy=PatchPolicy(args.policy),
             instruction=dataset.instruction,  # the queries are prompted with it
             rescale_norm=args.rescale_norm,
+            answer_end_from=answer_end,
         )
     result = evaluate(
         loaded,

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 from client.cli._common import (
     add_model_options,
     add_patch_options,
+    answer_end_folders,
     check_artifact,
     load_site_model,
     settings_from,
@@ -102,6 +103,7 @@ def run(args: argparse.Namespace) -> int:
     """Answer the queries; one line (or JSON line) per query."""
     settings = settings_from(args)
     queries = _queries(args)
+    answer_end = answer_end_folders(args)  # public only, checked before any model loads
     images = [_load_image(image) for image, _ in queries]
     keys = trusted_keys(settings)
     check_artifact(args.artifact, keys)
@@ -112,6 +114,7 @@ def run(args: argparse.Namespace) -> int:
     from client.inference.answers import generate_answers
     from client.models import Example, Prompt
 
+    loaded = artifact_model(args.artifact, loaded=loaded, keys=keys)  # the release's crop cap
     patch = artifact_patch(
         args.artifact,
         loaded=loaded,
@@ -119,8 +122,8 @@ def run(args: argparse.Namespace) -> int:
         policy=PatchPolicy(args.policy),
         instruction=args.instruction,
         rescale_norm=args.rescale_norm,
+        answer_end_from=answer_end,
     )
-    loaded = artifact_model(args.artifact, loaded=loaded, keys=keys)  # the release's crop cap
     prompts = [
         Prompt.of([], Example(image, q)) for image, (_, q) in zip(images, queries, strict=True)
     ]

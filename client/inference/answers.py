@@ -18,7 +18,7 @@ import numpy.typing as npt
 import torch
 from tqdm import tqdm
 
-from client.activations.hooks import PatchPolicy, patch_heads
+from client.activations.hooks import PatchPolicy, patch_first_decoding_step, patch_heads
 from client.models import LoadedModel, Prompt, instruction_digest
 from dpmtv_common.artifact import ArtifactManifest
 from dpmtv_common.errors import ConfigError
@@ -92,22 +92,37 @@ class TaskVectorPatch:
         heads: The released heads.
         values: float32 ``(len(heads), D)``, the released mean activations.
         policy: ``prompt-last-token`` or MTV's ``every-call``.
+        answer_end: float32 ``(len(heads), D)`` patched at the first decoding step, where a
+            one-token answer ends (``client.inference.answer_end``: public data, no privacy
+            cost); ``prompt-last-token`` only.
     """
 
     heads: HeadSet
     values: torch.Tensor
     policy: PatchPolicy = PatchPolicy.PROMPT_LAST_TOKEN
+    answer_end: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        policy = PatchPolicy(self.policy)
+        if self.answer_end is not None and policy is not PatchPolicy.PROMPT_LAST_TOKEN:
+            raise ConfigError(
+                "an answer's end is patched at the first decoding step, which the policy must "
+                f"leave alone: policy must be 'prompt-last-token' with it, got {policy.value!r}."
+            )
 
 
 @contextmanager
 def _maybe_patched(loaded: LoadedModel, patch: TaskVectorPatch | None) -> Iterator[None]:
     with ExitStack() as stack:
         if patch is not None:
+            model, adapter = loaded.model, loaded.adapter
             stack.enter_context(
-                patch_heads(
-                    loaded.model, loaded.adapter, patch.heads, patch.values, policy=patch.policy
-                )
+                patch_heads(model, adapter, patch.heads, patch.values, policy=patch.policy)
             )
+            if patch.answer_end is not None:
+                stack.enter_context(
+                    patch_first_decoding_step(model, adapter, patch.heads, patch.answer_end)
+                )
         yield
 
 

@@ -41,8 +41,13 @@ def _required_public(ws: Workspace, tmp: Path) -> dict[tuple[str, str], list[str
 
 
 # Public inputs whose absence reads nothing public: without candidates every head is one;
-# without a centre the release is of raw activations.
-OPTIONAL_PUBLIC = {("release", "--candidate-heads"), ("release", "--centre")}
+# without a centre the release is of raw activations; without an answer's end none is patched.
+OPTIONAL_PUBLIC = {
+    ("release", "--candidate-heads"),
+    ("release", "--centre"),
+    ("infer", "--answer-end-from"),
+    ("evaluate", "--answer-end-from"),
+}
 
 
 def _public_path_options() -> set[tuple[str, str]]:
@@ -131,3 +136,57 @@ def test_select_heads_refuses_the_private_folder_named_as_public(
     assert code == 2
     assert "--data must be PUBLIC data, got the site's private data folder" in error
     assert not (tmp_path / "heads.json").exists()
+
+
+def _answer_end_argv(ws: Workspace, tmp: Path, command: str, public: Path) -> list[str]:
+    """``command`` answering with an artifact, its answer's end learnt from ``public``."""
+    artifact = ["--artifact", str(tmp / "no-artifact"), "--answer-end-from", str(public)]
+    if command == "infer":
+        image = ["--image", str(tmp / "q.png"), "--question", "Which colour?"]
+        return ["infer", *ws.model_args(), *artifact, *image]
+    return ["evaluate", *ws.model_args(), "--data", str(tmp), "--mode", "artifact", *artifact]
+
+
+@pytest.mark.parametrize("command", ["infer", "evaluate"])
+def test_the_answer_end_refuses_the_private_folder_named_as_public(
+    workspace: Workspace,  # noqa: F811
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    command: str,
+) -> None:
+    monkeypatch.setenv("DPMTV_CLIENT_DATA_PATH", str(workspace.private))
+
+    code = main(_answer_end_argv(workspace, tmp_path, command, workspace.private / "."))
+
+    error = capsys.readouterr().err
+    assert code == 2
+    assert "--answer-end-from must be PUBLIC data, got the site's private data folder" in error
+
+
+def test_evaluate_refuses_an_answer_end_learnt_from_the_evaluated_set(
+    workspace: Workspace,  # noqa: F811
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    code = main(_answer_end_argv(workspace, tmp_path, "evaluate", tmp_path / "."))
+
+    error = capsys.readouterr().err
+    assert code == 2
+    assert "--answer-end-from must not be the evaluated set --data" in error
+
+
+def test_evaluate_refuses_an_answer_end_outside_artifact_mode(
+    workspace: Workspace,  # noqa: F811
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = [
+        "evaluate", *workspace.model_args(), "--data", str(workspace.private), "--mode",
+        "zero-shot", "--answer-end-from", str(tmp_path),
+    ]  # fmt: skip
+
+    code = main(argv)
+
+    assert code == 2
+    assert "--answer-end-from is for --mode artifact" in capsys.readouterr().err

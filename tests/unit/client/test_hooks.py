@@ -7,6 +7,7 @@ import torch
 from client.activations.hooks import (
     PatchPolicy,
     capture_last_token_heads,
+    patch_first_decoding_step,
     patch_heads,
     prompt_length_guard,
     registered_pre_hooks,
@@ -106,6 +107,32 @@ def test_generate_with_kv_cache_patches_per_policy(tiny, prompt, policy, calls_p
 
     assert record.calls_by_layer == {0: calls_per_layer, 1: calls_per_layer}
     assert record.total_calls == 2 * calls_per_layer
+
+
+def test_first_decoding_step_patch_takes_one_call_per_prompt(tiny, prompt, query):
+    values = torch.full((2, 16), 3.0)
+
+    with patch_first_decoding_step(tiny.model, tiny.adapter, TWO_HEADS, values) as record:
+        for each in (prompt, Prompt((), query)):  # counting starts afresh at each prompt
+            tiny.model.generate(
+                **tiny.inputs([each]), max_new_tokens=4, min_new_tokens=4, do_sample=False
+            )
+
+    assert record.calls_by_layer == {0: 2, 1: 2}
+
+
+def test_first_decoding_step_patch_keeps_the_first_token_and_changes_the_next(tiny, prompt):
+    inputs = tiny.inputs([prompt])
+    settings = {"max_new_tokens": 2, "min_new_tokens": 2, "do_sample": False}
+    settings |= {"output_logits": True, "return_dict_in_generate": True}
+    clean = tiny.model.generate(**inputs, **settings)
+    values = torch.full((2, 16), 30.0)
+
+    with patch_first_decoding_step(tiny.model, tiny.adapter, TWO_HEADS, values):
+        patched = tiny.model.generate(**inputs, **settings)
+
+    assert torch.equal(patched.logits[0], clean.logits[0])
+    assert (patched.logits[1] - clean.logits[1]).abs().max() > 1e-3
 
 
 def test_first_generated_token_is_the_patched_forward_argmax(tiny, prompt):
