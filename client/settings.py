@@ -52,6 +52,7 @@ _PATH_FIELDS = frozenset(
         "ledger_path",
         "signing_key",
         "trusted_keys",
+        "answer_end_from",
         "roster",
         "identity_key",
         "artifacts_dir",
@@ -90,6 +91,10 @@ class SiteSettings(BaseSettings):
         budget_delta: δ at which the ledger composes releases.
         signing_key: Ed25519 private key (PEM) for single-holder releases.
         trusted_keys: Public keys (PEM) whose artifacts this site accepts.
+        answer_end_from: Labelled PUBLIC datasets (other tasks of the domain will do) from
+            which a patched answer learns where a one-token answer ends
+            (``client.inference.answer_end``); empty: no answer's end is patched. Never the
+            private ``data_path``.
         roster: The consortium roster (TOML, ``dpmtv-site roster make``) the site admin
             installed after comparing its fingerprint out of band. Without one the site
             takes part in no secure sum: it could not tell real sites from made-up ones.
@@ -147,6 +152,7 @@ class SiteSettings(BaseSettings):
     budget_delta: float = Field(default=1e-5, gt=0, lt=1)
     signing_key: Path | None = None
     trusted_keys: Annotated[tuple[Path, ...], NoDecode] = ()
+    answer_end_from: Annotated[tuple[Path, ...], NoDecode] = ()
     roster: Path | None = None
     identity_key: Path | None = None
     artifacts_dir: Path | None = None
@@ -228,7 +234,7 @@ class SiteSettings(BaseSettings):
         ledger = self.ledger_file
         return ledger.with_name(ledger.name + _RELEASES_SUFFIX)
 
-    @field_validator("trusted_keys", mode="before")
+    @field_validator("trusted_keys", "answer_end_from", mode="before")
     @classmethod
     def _split_key_list(cls, value: Any) -> Any:
         # Flower node config and env vars carry lists as comma-separated strings.
@@ -314,10 +320,11 @@ class _ConfigFileSource(PydanticBaseSettingsSource):
                 f"{str(self._path)!r}."
             )
         folder = self._path.parent
-        if isinstance(values.get("trusted_keys"), str):  # one string: comma-separated
-            values["trusted_keys"] = [
-                part.strip() for part in values["trusted_keys"].split(",") if part.strip()
-            ]
+        for listed in ("trusted_keys", "answer_end_from"):
+            if isinstance(values.get(listed), str):  # one string: comma-separated
+                values[listed] = [
+                    part.strip() for part in values[listed].split(",") if part.strip()
+                ]
         for name in _PATH_FIELDS & set(values):
             values[name] = _relative_to(folder, values[name])
         return values

@@ -50,6 +50,7 @@ _OPTIONS = {
     "budget_delta": "--budget-delta",
     "signing_key": "--signing-key",
     "trusted_keys": "--trusted-key",
+    "answer_end_from": "--answer-end-from",
     "roster": "--roster",
     "identity_key": "--identity-key",
     "batch_size": "--batch-size",
@@ -114,17 +115,28 @@ def add_patch_options(parser: argparse.ArgumentParser) -> None:
     )
 
 
-def answer_end_folders(args: argparse.Namespace) -> list[Path]:
-    """Every ``--answer-end-from`` folder, each checked as public data (never the private one).
+def answer_end_folders(args: argparse.Namespace) -> tuple[Path, ...]:
+    """The public sets an answer's end is learnt from, each checked (never the private data).
+
+    ``--answer-end-from`` on the command line, else the site's ``answer_end_from`` setting
+    (``DPMTV_CLIENT_ANSWER_END_FROM``, config file ``answer-end-from``), as the service reads it.
 
     Raises:
         ConfigError: One is the site's private data folder (see :func:`public_data_folder`).
     """
-    folders: list[Path] = list(getattr(args, "answer_end_from", None) or [])
-    for folder in folders:
-        public_data_folder(argparse.Namespace(**{**vars(args), "answer_end_from": folder}),
-                           option="--answer-end-from")  # fmt: skip
-    return folders
+    given = getattr(args, "answer_end_from", None)
+    if getattr(args, "policy", "prompt-last-token") != "prompt-last-token":
+        if given:
+            raise ConfigError(
+                "--answer-end-from needs --policy prompt-last-token (the answer's end takes "
+                f"the first decoding step, which {args.policy} patches), got --policy "
+                f"{args.policy}."
+            )
+        return ()  # the site's setting applies where the policy leaves that step alone
+    settings = settings_from(args, ignore=("data_path",))
+    for folder in settings.answer_end_from:
+        _refuse_private(folder, settings.data_path, "--answer-end-from")
+    return settings.answer_end_from
 
 
 def settings_from(
@@ -176,14 +188,17 @@ def public_data_folder(args: argparse.Namespace, *, option: str = "--data") -> P
             "taken from DPMTV_CLIENT_DATA_PATH or a config file's data-path (the site's "
             "private data)."
         )
-    private = settings_from(args, ignore=("data_path",)).data_path
+    _refuse_private(given, settings_from(args, ignore=("data_path",)).data_path, option)
+    return given
+
+
+def _refuse_private(given: Path, private: Path | None, option: str) -> None:
     if private is not None and given.resolve() == private.resolve():
         raise ConfigError(
             f"{option} must be PUBLIC data, got the site's private data folder "
             f"{str(given)!r} (its DPMTV_CLIENT_DATA_PATH or config file data-path): choosing "
             "on it would spend privacy without accounting for it."
         )
-    return given
 
 
 def _damaged_weights(directory: Path) -> str:

@@ -62,8 +62,10 @@ def _check_mode_options(args: argparse.Namespace) -> None:
         )
 
 
-def _answer_end_folders(args: argparse.Namespace, evaluated: Path) -> list[Path]:
+def _answer_end_folders(args: argparse.Namespace, evaluated: Path) -> tuple[Path, ...]:
     """Public folders, none of them the evaluated set (learning on the test set inflates it)."""
+    if args.mode != "artifact":
+        return ()
     folders = answer_end_folders(args)
     for folder in folders:
         if folder.resolve() == evaluated.resolve():

@@ -99,6 +99,15 @@ def register(sub: Any) -> None:
         help="resolve a release whose run sent no message for this long (default 900; keep it "
         "above the coordinator's stage timeout)",
     )
+    parser.add_argument(
+        "--answer-end-from",
+        type=Path,
+        action="append",
+        metavar="DIR",
+        help="a labelled PUBLIC dataset (repeat for more): every release served under the "
+        "prompt-last-token policy learns from them, at its first request, where a one-token "
+        "answer ends, and stops there (no privacy cost; for tasks whose answers are one token)",
+    )
     parser.add_argument("--threads", type=positive_int, help="torch threads (default: cores)")
     add_http_options(parser)
     parser.set_defaults(handler=run_serve)

@@ -3,7 +3,8 @@
 How this connects: the batcher's worker thread (:mod:`client.service.batching`) owns one
 :class:`ContinuousBatch`. Between steps it hands it the rows that arrived (:meth:`join`: one
 prefill forward per group of rows whose image tensors stack, the patched rows patched at their
-prompt's last token), then runs one decoding step for every running row (:meth:`step`). Each
+prompt's last token), then runs one decoding step for every running row (:meth:`step`: a row
+with a public answer's end takes it at its own first step). Each
 row's tokens go to its sink as they are made; a row leaves at its end of sequence or its
 ``max_new_tokens``, and the next waiting row takes its place at the next step. This is how vLLM
 and text-generation-inference schedule, on plain forward passes of the ``transformers`` model.
@@ -49,9 +50,11 @@ from client.activations.hooks import prompt_length_guard
 from client.models import LoadedModel
 from client.service.rows import (
     Row,
+    Step,
     Ticket,
     draw_token,
     eos_ids,
+    needs_patch,
     row_generators,
     row_patches,
     stack_rows,
@@ -212,8 +215,9 @@ class ContinuousBatch:
             columns = torch.arange(cache.get_seq_length() + 1)
             inputs["attention_mask"] = (columns[None, :] >= pads[:, None]).long()
         rows = [item.ticket.row for item in live]
-        every_call = any(row.every_call for row in rows)
-        logits = self._forward(inputs, cache, rows if every_call else None, prefill=False)
+        # A row's first step takes in its first generated token (made == 1 by then).
+        steps = [Step.FIRST_DECODING if item.made == 1 else Step.LATER_DECODING for item in live]
+        logits = self._forward(inputs, cache, rows, steps, prefill=False)
         for item, token in zip(live, _choose(live, logits), strict=True):
             item.length += 1
             item.last = token
@@ -238,8 +242,8 @@ class ContinuousBatch:
         if not bool(mask.all()):  # as generate(): no mask when nothing is padded
             inputs["attention_mask"] = mask
         cache = DynamicCache(config=loaded.model.config.get_text_config(decoder=True))
-        patched = any(row.patch is not None for row in rows)
-        logits = self._forward(inputs, cache, rows if patched else None, prefill=True)
+        steps = [Step.PROMPT] * len(rows)
+        logits = self._forward(inputs, cache, rows, steps, prefill=True)
         width = int(mask.shape[1])
         _plain_layers(cache)  # refuses a cache of another kind
         if cache.get_seq_length() != width:
@@ -262,13 +266,14 @@ class ContinuousBatch:
         self,
         inputs: dict[str, Any],
         cache: DynamicCache,
-        patched: Sequence[Row] | None,
+        rows: Sequence[Row],
+        steps: Sequence[Step],
         *,
         prefill: bool,
     ) -> torch.Tensor:
         """One forward pass under the model lock; the last position's logits, ``(rows, V)``.
 
-        ``patched``: the batch's rows when some must be patched in this pass, else None.
+        ``rows`` are the batch's, each at its ``steps``: each is patched as its policy says.
         """
         model = self.loaded.model
         device = model.device
@@ -279,13 +284,12 @@ class ContinuousBatch:
             kwargs["logits_to_keep"] = 1
         started = time.monotonic()
         with self.model_lock, torch.no_grad(), ExitStack() as stack:
-            if patched is not None:
-                stack.enter_context(row_patches(self.loaded, patched, prefill=prefill))
+            if needs_patch(rows, steps):
+                stack.enter_context(row_patches(self.loaded, rows, steps=steps))
             if prefill:
                 stack.enter_context(prompt_length_guard(model))
             logits: torch.Tensor = model(**kwargs).logits[:, -1, :]
-        rows = int(kwargs["input_ids"].shape[0])
-        self.stats.count_pass(rows, time.monotonic() - started, prefill=prefill)
+        self.stats.count_pass(len(rows), time.monotonic() - started, prefill=prefill)
         return logits
 
     def _merge(self, joined: list[_Live], cache: DynamicCache) -> None:

@@ -48,6 +48,7 @@ from starlette.routing import Route
 from client.activations.hooks import PatchPolicy
 from client.models import LoadedModel
 from client.release.site import Site
+from client.service.answer_ends import AnswerEnds
 from client.service.batching import Batcher, OverloadedError
 from client.service.chat_format import (
     ChatRequest,
@@ -151,17 +152,29 @@ class ChatApi:
     """The routes' shared state: the model, the releases, the batcher, the token."""
 
     def __init__(
-        self, site: Site, batcher: Batcher, token: bytes, *, max_queue: int, plain_name: str
+        self,
+        site: Site,
+        batcher: Batcher,
+        token: bytes,
+        *,
+        max_queue: int,
+        plain_name: str,
+        model_lock: threading.Lock | None = None,
     ) -> None:
         self.site = site
         self.batcher = batcher
-        self.catalogue = ReleaseCatalogue(site)
         self.token = token
         self.admitted = threading.BoundedSemaphore(max_queue)
         self.metrics = _Metrics(Counter())
         self.owner = plain_name
         self._capped_lock = threading.Lock()
         self._capped_models: dict[int | None, LoadedModel] = {}
+        self.catalogue = ReleaseCatalogue(
+            site,
+            model_lock=model_lock,
+            answer_ends=AnswerEnds(site.settings),  # refuses private data as public
+            capped=self._capped,
+        )
 
     def authorised(self, request: Request) -> bool:
         """Whether ``request`` carries the site's token (compared in constant time)."""

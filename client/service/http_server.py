@@ -165,7 +165,7 @@ class HttpEndpoint:
         self.batcher = Batcher(site.model(), model_lock, rows=rows, max_queue=settings.max_queue,
                                batch_invariant=settings.batch_invariant)  # fmt: skip
         api = ChatApi(site, self.batcher, token, max_queue=settings.max_queue,
-                   plain_name=site.settings.name)  # fmt: skip
+                   plain_name=site.settings.name, model_lock=model_lock)  # fmt: skip
         config = uvicorn.Config(
             build_app(api),
             lifespan="off",

@@ -16,6 +16,7 @@ the model or the artifact is touched. A small file that would decode to gigabyte
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Literal
 
@@ -34,6 +35,7 @@ from protocol.plan import ReleaseId
 if TYPE_CHECKING:
     import torch
 
+    from client.service.answer_ends import AnswerEnds
     from dpmtv_common.artifact import TaskVectorArtifact
 
 __all__ = [
@@ -112,11 +114,15 @@ def check_request(request: InferRequest) -> None:
         size_from_bytes(data, index, max_pixels=MAX_IMAGE_PIXELS)
 
 
-def answer_queries(site: Site, request: InferRequest) -> InferAnswers:
+def answer_queries(
+    site: Site, request: InferRequest, answer_ends: AnswerEnds | None = None
+) -> InferAnswers:
     """Check the request, verify the stored artifact, decode the images, answer greedily.
 
     The images are prompted under the artifact's ``max_image_crops`` and with the request's
-    instruction, which must be the one the artifact's chunks were prompted with.
+    instruction, which must be the one the artifact's chunks were prompted with. With
+    ``answer_ends`` (the site's public sets), a ``prompt-last-token`` request also takes the
+    release's answer's end. The caller holds the model lock.
 
     Raises:
         ConfigError: Questions and images differ in number, no such artifact is stored, or
@@ -124,9 +130,14 @@ def answer_queries(site: Site, request: InferRequest) -> InferAnswers:
         DataError: An image cannot be decoded or is too large.
     """
     check_request(request)  # every bound before the model, the artifact or a pixel
-    patch, max_image_crops = _patch(site, request)
+    artifact, patch = _patch(site, request)
     # Queries are prompted under the crop cap the artifact's chunks were prompted under.
-    loaded = site.model().with_image_crops(max_image_crops)
+    loaded = site.model().with_image_crops(artifact.manifest.max_image_crops)
+    if answer_ends is not None and patch.policy is PatchPolicy.PROMPT_LAST_TOKEN:
+        end = answer_ends.for_release(
+            artifact.manifest, artifact.heads, loaded, request.instruction
+        )
+        patch = dataclasses.replace(patch, answer_end=end)
     prompts = [
         Prompt.of([], Example(rgb_from_bytes(image, index), question))
         for index, (image, question) in enumerate(
@@ -144,7 +155,7 @@ def answer_queries(site: Site, request: InferRequest) -> InferAnswers:
     return InferAnswers(answers=tuple(answers))
 
 
-def _patch(site: Site, request: InferRequest) -> tuple[TaskVectorPatch, int | None]:
+def _patch(site: Site, request: InferRequest) -> tuple[TaskVectorArtifact, TaskVectorPatch]:
     folder = site.settings.artifacts_folder / request.release_id  # a checked token
     if not folder.is_dir():
         raise ConfigError(
@@ -156,8 +167,7 @@ def _patch(site: Site, request: InferRequest) -> tuple[TaskVectorPatch, int | No
         request.instruction,
         remedy="ask with the release's instruction (--instruction)",
     )
-    patch = TaskVectorPatch(artifact.heads, values, PatchPolicy(request.policy))
-    return patch, artifact.manifest.max_image_crops
+    return artifact, TaskVectorPatch(artifact.heads, values, PatchPolicy(request.policy))
 
 
 # What a site admin changes when a stored artifact does not fit the service's model.

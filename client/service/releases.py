@@ -7,21 +7,28 @@ the signature of a trusted key, the tensors' hash, the model's fingerprint, dtyp
 template, and heads that exist in the loaded model. A request is served a release only with
 the instruction the release's prompts carried (its system messages, or none), checked per
 request since each request brings its own. A verified artifact is kept in memory until one of its
-files changes (size or modification time), when it is verified again. Why an artifact fails
+files changes (size or modification time), when it is verified again. A site that names public
+sets in ``answer_end_from`` has each release's ``prompt-last-token`` rows take the answer's end
+learnt from them (:mod:`client.service.answer_ends`). Why an artifact fails
 goes to the log only: the reason may name a path of the site.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
+from collections.abc import Callable
 from pathlib import Path
 
+import torch
 from pydantic import TypeAdapter, ValidationError
 
 from client.activations.hooks import PatchPolicy
 from client.inference.answers import check_instruction
+from client.models import LoadedModel
 from client.release.site import Site
+from client.service.answer_ends import AnswerEnds
 from client.service.inference import verified_artifact
 from client.service.rows import RowPatch
 from dpmtv_common.artifact import ArtifactManifest, TaskVectorArtifact
@@ -46,12 +53,29 @@ class UnknownModelError(ConfigError):
 
 
 class ReleaseCatalogue:
-    """Verified patches of the site's stored artifacts, by release id (thread-safe)."""
+    """Verified patches of the site's stored artifacts, by release id (thread-safe).
 
-    def __init__(self, site: Site) -> None:
+    Args:
+        site: The site whose artifacts folder and model are served.
+        model_lock: The lock every use of the model takes (learning an answer's end runs it).
+        answer_ends: Where each release's public answer's end is learnt and kept; None: none.
+        capped: The site's model capped at an image-crop cap (the server's copies).
+    """
+
+    def __init__(
+        self,
+        site: Site,
+        *,
+        model_lock: threading.Lock | None = None,
+        answer_ends: AnswerEnds | None = None,
+        capped: Callable[[int | None], LoadedModel] | None = None,
+    ) -> None:
         self._site = site
         self._lock = threading.Lock()
         self._verified: dict[str, tuple[_Stamp, _Served]] = {}
+        self._model_lock = model_lock or threading.Lock()
+        self._answer_ends = answer_ends
+        self._capped = capped or (lambda crops: site.model().with_image_crops(crops))
 
     def model_ids(self) -> list[str]:
         """The plain model's name, then every release whose artifact verifies, sorted."""
@@ -84,8 +108,25 @@ class ReleaseCatalogue:
         remedy = "send the release's instruction as the system message (or none if it had none)"
         check_instruction(manifest, instruction, remedy=remedy)
         if policy is not patch.policy:
-            patch = RowPatch(patch.release_id, patch.heads, patch.values, policy)
+            return RowPatch(patch.release_id, patch.heads, patch.values, policy), crops
+        answer_end = self._answer_end(patch, crops, manifest, instruction)
+        if answer_end is not None:
+            patch = dataclasses.replace(patch, answer_end=answer_end)
         return patch, crops
+
+    def _answer_end(
+        self,
+        patch: RowPatch,
+        crops: int | None,
+        manifest: ArtifactManifest,
+        instruction: str | None,
+    ) -> torch.Tensor | None:
+        """The release's public answer's end (learnt at its first request), or None."""
+        if self._answer_ends is None or not self._answer_ends.enabled:
+            return None
+        loaded = self._capped(crops)
+        with self._model_lock:
+            return self._answer_ends.for_release(manifest, patch.heads, loaded, instruction)
 
     def _lookup(self, name: str) -> _Served | None:
         try:

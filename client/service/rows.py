@@ -28,6 +28,7 @@ from __future__ import annotations
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
+from enum import Enum
 from typing import Any, Protocol
 
 import torch
@@ -46,9 +47,11 @@ __all__ = [
     "RowPatch",
     "RowSampler",
     "RowSink",
+    "Step",
     "Ticket",
     "draw_token",
     "eos_ids",
+    "needs_patch",
     "prepare_row",
     "row_generators",
     "row_patches",
@@ -57,6 +60,14 @@ __all__ = [
 
 _Inputs = dict[str, torch.Tensor]
 _StackKey = tuple[tuple[str, tuple[int, ...]], ...]
+
+
+class Step(Enum):
+    """Which forward call a row is in: its prompt, its first decoding step, or a later one."""
+
+    PROMPT = "prompt"
+    FIRST_DECODING = "first decoding step"
+    LATER_DECODING = "later decoding step"
 
 
 @dataclass(frozen=True)
@@ -68,12 +79,24 @@ class RowPatch:
         heads: The released heads; row ``i`` of ``values`` belongs to ``heads.heads[i]``.
         values: float32 ``(len(heads), D)``, the released mean activations.
         policy: When the row is patched (see the module docstring).
+        answer_end: float32 ``(len(heads), D)`` patched at the row's first decoding step,
+            where a one-token answer ends (``client.inference.answer_end``: public data),
+            or None; ``prompt-last-token`` only.
     """
 
     release_id: str
     heads: HeadSet
     values: torch.Tensor
     policy: PatchPolicy = PatchPolicy.PROMPT_LAST_TOKEN
+    answer_end: torch.Tensor | None = None
+
+    def __post_init__(self) -> None:
+        if self.answer_end is not None and self.policy is not PatchPolicy.PROMPT_LAST_TOKEN:
+            raise ConfigError(
+                "an answer's end is patched at the first decoding step, which the policy must "
+                f"leave alone: policy must be 'prompt-last-token' with it, got "
+                f"{self.policy.value!r}."
+            )
 
 
 @dataclass(frozen=True)
@@ -103,6 +126,15 @@ class Row:
     def every_call(self) -> bool:
         """Whether its patch applies at every decoding step too (MTV's policy)."""
         return self.patch is not None and self.patch.policy is PatchPolicy.EVERY_CALL
+
+    def step_patch(self, step: Step) -> torch.Tensor | None:
+        """The values this row's heads take in a forward call of kind ``step``, or None."""
+        patch = self.patch
+        if patch is None:
+            return None
+        if step is Step.PROMPT or patch.policy is PatchPolicy.EVERY_CALL:
+            return patch.values
+        return patch.answer_end if step is Step.FIRST_DECODING else None
 
 
 class RowSink(Protocol):
@@ -235,14 +267,15 @@ class RowSampler(LogitsProcessor):
 
 
 def _patch_tables(
-    loaded: LoadedModel, rows: Sequence[Row], active: Sequence[bool]
+    loaded: LoadedModel, rows: Sequence[Row], steps: Sequence[Step]
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """``{layer: (mask (batch, H), values (batch, H, D))}`` of the active patched rows."""
+    """``{layer: (mask (batch, H), values (batch, H, D))}`` of the rows patched at ``steps``."""
     shape = loaded.adapter.head_shape(loaded.model)
     batch = len(rows)
     tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-    for index, (row, on) in enumerate(zip(rows, active, strict=True)):
-        if row.patch is None or not on:
+    for index, (row, step) in enumerate(zip(rows, steps, strict=True)):
+        vector = row.step_patch(step)
+        if row.patch is None or vector is None:
             continue
         heads = torch.as_tensor(row.patch.heads.to_array())
         for layer in row.patch.heads.layers:
@@ -252,37 +285,47 @@ def _patch_tables(
                 tables[layer] = (mask, values)
             in_layer = heads[:, 0] == layer
             tables[layer][0][index, heads[in_layer, 1]] = True
-            tables[layer][1][index, heads[in_layer, 1]] = row.patch.values[in_layer]
+            tables[layer][1][index, heads[in_layer, 1]] = vector[in_layer]
     return tables
+
+
+def needs_patch(rows: Sequence[Row], steps: Sequence[Step]) -> bool:
+    """Whether any row is patched in a forward call where each row is at its ``steps``."""
+    return any(row.step_patch(step) is not None for row, step in zip(rows, steps, strict=True))
 
 
 @contextmanager
 def row_patches(
-    loaded: LoadedModel, rows: Sequence[Row], *, prefill: bool | None = None
+    loaded: LoadedModel, rows: Sequence[Row], *, steps: Sequence[Step] | None = None
 ) -> Iterator[None]:
     """Each patched row's heads overwritten at the last position, per its own policy.
 
     Args:
         loaded: The model.
         rows: The rows of the batch, in batch order.
-        prefill: Whether the forward calls in the block are prefills (every patched row is
-            patched) or decoding steps (only ``every-call`` rows are). None: decided per
-            call by its length (more than one position: a prefill), for ``generate()``.
+        steps: Where each row is in the forward calls of the block (:class:`Step`). None:
+            every row at the same step, decided per call, for ``generate()``: a call of more
+            than one position is the prompt, the next call the first decoding step.
     """
     shape = loaded.adapter.head_shape(loaded.model)
-    every_call = [row.every_call for row in rows]
-    active = [True] * len(rows) if prefill is not False else every_call
-    tables = _patch_tables(loaded, rows, active)
-    every_call_mask = torch.tensor(every_call)
+    kinds = [[step] * len(rows) for step in Step] if steps is None else [list(steps)]
+    by_kind = [_patch_tables(loaded, rows, kind) for kind in kinds]
+    layers = sorted({layer for tables in by_kind for layer in tables})
+    calls = {layer: 0 for layer in layers}  # generate()'s calls since its prompt, a layer
 
-    def make_hook(mask: torch.Tensor, values: torch.Tensor) -> Any:
+    def tables_for(layer: int, positions: int) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        if steps is not None:
+            return by_kind[0]
+        calls[layer] = 0 if positions > 1 else calls[layer] + 1
+        return by_kind[min(calls[layer], 2)]  # Step order: prompt, first, later
+
+    def make_hook(layer: int) -> Any:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...] | None:
             hidden = args[0]
-            on = mask
-            if prefill is None and hidden.shape[1] == 1:  # a decoding step of generate()
-                on = mask & every_call_mask[:, None]
-            if not bool(on.any()):
+            table = tables_for(layer, hidden.shape[1]).get(layer)
+            if table is None:
                 return None
+            on, values = table
             patched = hidden.clone(memory_format=torch.contiguous_format)
             per_head = patched.view(*hidden.shape[:2], shape.num_heads, shape.head_dim)
             where = on.to(hidden.device)[..., None]
@@ -292,6 +335,6 @@ def row_patches(
         return hook
 
     projections = loaded.adapter.projections_by_layer(loaded.model)
-    hooks = [(projections[layer], make_hook(*tables[layer])) for layer in sorted(tables)]
+    hooks = [(projections[layer], make_hook(layer)) for layer in layers]
     with registered_pre_hooks(hooks):
         yield

@@ -52,6 +52,7 @@ from pydantic import ValidationError
 
 from client.release.record import ReleaseRecord
 from client.release.site import Site
+from client.service.answer_ends import AnswerEnds
 from client.service.handlers import build_site_app, error_message
 from client.service.inference import (
     MAX_REQUEST_BYTES,
@@ -104,6 +105,7 @@ class SiteService:
         self.read_timeout_s = read_timeout_s
         self._message_bound = SMALL_FRAME_BYTES
         self.sums = SiteSums(self.site)
+        self.answer_ends = AnswerEnds(self.site.settings)  # refuses private data as public
         self._app = build_site_app(self.site, self.sums)
         self._lock = threading.Lock()
         self._lock_file: IO[str] | None = None
@@ -167,7 +169,7 @@ class SiteService:
             return FrameKind.ERROR, str(exc).encode()
         try:
             with self._lock:
-                answers = answer_queries(self.site, request)
+                answers = answer_queries(self.site, request, self.answer_ends)
         except Exception as exc:  # artifact, keys, model: the text may name a path; logged
             _log.warning("inference failed: %s", exc)
             reply = ErrorReply.from_exception(exc)

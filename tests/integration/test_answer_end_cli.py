@@ -5,11 +5,10 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from PIL import Image
 
 from client.cli import main
-from client.data.records import write_jsonl_dataset
 from tests.integration.test_site_cli import Workspace, clean_site_env, workspace  # noqa: F401
+from tests.unit.client.test_service_answer_end import letters_set
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 
@@ -17,17 +16,6 @@ pytestmark = [pytest.mark.integration, pytest.mark.timeout(300)]
 @pytest.fixture(autouse=True)
 def site_env(workspace: Workspace, monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:  # noqa: F811
     clean_site_env(monkeypatch, tmp_path)
-
-
-def letters_set(root: Path, count: int) -> Path:
-    """A labelled public set of another task: each image answered by one letter."""
-    root.mkdir(parents=True)
-    rows = []
-    for i in range(count):
-        Image.new("RGB", (56, 56), (20 * i, 120, 200)).save(root / f"{i:02d}.png")
-        rows.append({"id": f"l{i}", "image": f"{i:02d}.png", "question": "Which letter?",
-                     "answer": "abcdef"[i % 6]})  # fmt: skip
-    return write_jsonl_dataset(root, rows, task="letters")
 
 
 def evaluate_argv(ws: Workspace, public: Path) -> list[str]:

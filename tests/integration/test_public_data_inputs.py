@@ -47,6 +47,7 @@ OPTIONAL_PUBLIC = {
     ("release", "--centre"),
     ("infer", "--answer-end-from"),
     ("evaluate", "--answer-end-from"),
+    ("serve", "--answer-end-from"),
 }
 
 

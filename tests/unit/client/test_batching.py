@@ -15,7 +15,7 @@ from contextlib import ExitStack, contextmanager
 import pytest
 import torch
 
-from client.activations.hooks import PatchPolicy, patch_heads
+from client.activations.hooks import PatchPolicy, patch_first_decoding_step, patch_heads
 from client.models import (
     ALL_TINY_ARCHITECTURES,
     Example,
@@ -28,6 +28,7 @@ from client.models import (
 from client.service.batching import Batcher, OverloadedError
 from client.service.decoding import BatchStats, ContinuousBatch, steps_continuously
 from client.service.rows import Row, RowPatch, Ticket, prepare_row
+from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
 from tests.unit.client.conftest import draw
 
@@ -80,6 +81,12 @@ def plain_generate(loaded: LoadedModel, item: Row) -> list[int]:
                     loaded.model, loaded.adapter, patch.heads, patch.values, policy=patch.policy
                 )
             )
+            if patch.answer_end is not None:
+                stack.enter_context(
+                    patch_first_decoding_step(
+                        loaded.model, loaded.adapter, patch.heads, patch.answer_end
+                    )
+                )
         output = loaded.model.generate(  # type: ignore[operator]
             **item.inputs,
             max_new_tokens=item.max_new_tokens,
@@ -265,6 +272,47 @@ def test_batch_invariant_answers_are_bit_identical_to_plain_generate_alone(loade
     assert batcher.mode == "invariant"
     assert {rows for rows, _ in seen} == {1}
     assert [s.tokens for s in sinks] == [plain_generate(loaded, item) for item in rows]
+
+
+def with_answer_end(rows: list[Row]) -> list[Row]:
+    """The rows, each prompt-last-token patch given an answer's end (a strong one)."""
+    ended = []
+    for item in rows:
+        patch = item.patch
+        if patch is not None and patch.policy is PatchPolicy.PROMPT_LAST_TOKEN:
+            end = 8 * torch.randn(patch.values.shape, generator=torch.manual_seed(7))
+            patch = dataclasses.replace(patch, answer_end=end)
+        ended.append(dataclasses.replace(item, patch=patch))
+    return ended
+
+
+@ONE_ARCH
+def test_an_answer_end_is_patched_at_each_rows_own_first_step_as_plain_generate(loaded):
+    # Arrange: rows with an answer's end joining at different steps, beside rows without
+    rows = with_answer_end(mixed_rows(loaded))
+    # Act
+    sinks = staggered(loaded, rows, {0: [0, 1], 2: [2], 3: [3, 4], 6: [5]})
+    # Assert: each as plain generate() under both hooks; the answer's end changed answers
+    assert [s.tokens for s in sinks] == [plain_generate(loaded, item) for item in rows]
+    without = [plain_generate(loaded, item) for item in mixed_rows(loaded)]
+    assert [s.tokens for s in sinks] != without
+
+
+@ONE_ARCH
+def test_an_answer_end_in_passes_through_generate_is_plain_generates(loaded):
+    rows = with_answer_end(mixed_rows(loaded))
+
+    sinks, batcher = run(loaded, rows, batch_invariant=True)
+
+    assert batcher.mode == "invariant"
+    assert [s.tokens for s in sinks] == [plain_generate(loaded, item) for item in rows]
+
+
+def test_a_row_patch_with_an_answer_end_must_leave_the_steps_alone():
+    values = torch.zeros(len(ALL_HEADS), 16)
+
+    with pytest.raises(ConfigError, match="policy must be 'prompt-last-token' with it"):
+        RowPatch("r1", ALL_HEADS, values, PatchPolicy.EVERY_CALL, answer_end=values)
 
 
 @ONE_ARCH
