@@ -57,6 +57,7 @@ from client.public.clip import PlannedNoise
 from client.public.scope import HeadsMode, PlannedRelease
 from client.service.inprocess import in_process_sites, site_settings_for_partition
 from dpmtv_common.crypto import SigningKey, TrustedKeys
+from dpmtv_common.errors import DataError
 from dpmtv_common.fingerprint import fingerprint_model_dir
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.noise import require_cryptographic, secure_noise
@@ -298,6 +299,9 @@ def site_zero_inference(
         public_only = TaskVectorPatch(heads, centre, PatchPolicy.PROMPT_LAST_TOKEN)
         rows.append(("public only (centre)", EvaluationMode.ARTIFACT, {"patch": public_only}))
     rows.append(("private release", EvaluationMode.ARTIFACT, {"patch": patch}))
+    ended = _with_answer_end(work, loaded, keys, artifact, beat)
+    if ended is not None:
+        rows.append(("release + public answer's end", EvaluationMode.ARTIFACT, {"patch": ended}))
     first_tokens = QuerySet.build(
         loaded, [zero_shot_prompt(record) for record in test], [r.answer for r in test]
     )
@@ -312,8 +316,27 @@ def site_zero_inference(
             line += f" (first token right: {first_tokens.accuracy(loaded, applied):.3f})"
         print(line)
     first = test[0]
-    answer = evaluate(loaded, test[:1], mode=EvaluationMode.ARTIFACT, patch=patch).predictions[0]
+    asked = ended or patch
+    answer = evaluate(loaded, test[:1], mode=EvaluationMode.ARTIFACT, patch=asked).predictions[0]
     print(f"  site-0 asks {first.question!r} about {first.image_path.name}: {answer!r}")
+
+
+def _with_answer_end(
+    work: Path, loaded, keys: TrustedKeys, artifact: Path, beat: Heartbeat
+) -> TaskVectorPatch | None:
+    """The release with the answer's end learnt from the demo's public sets, if it has any."""
+    public = sorted((work / "data").glob("public-*"))
+    if not public:
+        return None
+    beat.step("learning the answer's end from the public sets")
+    try:
+        return artifact_patch(
+            artifact, loaded=loaded, keys=keys, policy=PatchPolicy.PROMPT_LAST_TOKEN,
+            instruction=None, answer_end_from=public,
+        )  # fmt: skip
+    except DataError as exc:  # public answers of several tokens: nothing to learn from
+        print(f"  no answer's end: {exc}")
+        return None
 
 
 def _log_steps(beat: Heartbeat) -> None:
