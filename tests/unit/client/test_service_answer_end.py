@@ -116,6 +116,7 @@ def test_every_entry_patches_the_answer_end_learnt_from_the_public_sets(
     catalogue = ReleaseCatalogue(site, answer_ends=AnswerEnds(site.settings))
     http, _ = catalogue.patch(RELEASE, PatchPolicy.PROMPT_LAST_TOKEN, instruction=None)
     # Assert
+    assert http is not None
     for patch in (cli, ask, http):
         assert patch.answer_end is not None
         assert torch.equal(patch.answer_end, expected)
@@ -134,7 +135,9 @@ def test_every_call_requests_and_a_site_without_public_sets_take_no_answer_end(
         RELEASE, PatchPolicy.PROMPT_LAST_TOKEN, instruction=None
     )
 
+    assert every_call is not None
     assert every_call.answer_end is None
+    assert none_named is not None
     assert none_named.answer_end is None
     assert asked_patch(with_sets, monkeypatch, "every-call").answer_end is None
 
@@ -142,7 +145,7 @@ def test_every_call_requests_and_a_site_without_public_sets_take_no_answer_end(
 def test_the_answer_end_is_learnt_once_per_release(tmp_path, monkeypatch, tiny_llava, public):
     site = make_site(tmp_path, monkeypatch, tiny_llava, answer_end_from=(public,))
     calls: list[object] = []
-    learn = answer_ends_module.learn_answer_end
+    learn = learn_answer_end
 
     def counted(*args: Any, **kwargs: Any) -> Any:
         calls.append(args)
