@@ -5,12 +5,13 @@ every release it serves under the ``prompt-last-token`` policy answer with a one
 answer and stop (:mod:`client.inference.answer_end`). The end depends on the release's heads
 and chunk size, on the prompts' instruction and image-crop cap, and on the public data: it is
 learnt at the first request that needs it and kept for the service's life (a public set
-changed on disk is read again only after a restart). Learning runs the model, so the caller
-holds the model lock.
+changed on disk is read again only after a restart). Learning runs the model, under the
+model lock.
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 
 import torch
@@ -68,11 +69,15 @@ class AnswerEnds:
         heads: HeadSet,
         loaded: LoadedModel,
         instruction: str | None,
+        *,
+        model_lock: threading.Lock | None = None,
     ) -> torch.Tensor | None:
         """The release's answer's end in its heads, or None when the site names no public set.
 
-        ``loaded`` is the model capped as the release's queries are; the caller holds the
-        model lock (learning runs the model once per public chunk).
+        ``loaded`` is the model capped as the release's queries are. Learning runs the model
+        once per public chunk: under ``model_lock``, taken only then (a learnt end is read
+        without it, so serving never waits on the model to find it); None: the caller holds
+        the model lock already.
 
         Raises:
             DataError: A public set cannot be read, or has no one-token answer.
@@ -87,6 +92,9 @@ class AnswerEnds:
             loaded.max_image_crops,
         )
         with self._lock:
+            if key in self._learnt:
+                return self._learnt[key]
+        with model_lock or contextlib.nullcontext(), self._lock:  # the model lock first, always
             if key not in self._learnt:
                 datasets = [load_dataset(folder) for folder in self._folders]
                 end = learn_answer_end(

@@ -125,8 +125,9 @@ class ReleaseCatalogue:
         if self._answer_ends is None or not self._answer_ends.enabled:
             return None
         loaded = self._capped(crops)
-        with self._model_lock:
-            return self._answer_ends.for_release(manifest, patch.heads, loaded, instruction)
+        return self._answer_ends.for_release(
+            manifest, patch.heads, loaded, instruction, model_lock=self._model_lock
+        )
 
     def _lookup(self, name: str) -> _Served | None:
         try:

@@ -7,6 +7,7 @@ Three entries patch a stored artifact: the CLI (``artifact_patch``), the service
 from __future__ import annotations
 
 import io
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -165,3 +166,26 @@ def test_a_service_refuses_its_private_data_named_as_answer_end_public_data(tmp_
 
     with pytest.raises(ConfigError, match="must be PUBLIC data, got the site's private data"):
         AnswerEnds(settings)
+
+
+def test_a_learnt_answer_end_is_read_while_the_model_is_busy(
+    tmp_path, monkeypatch, tiny_llava, public
+):
+    # Arrange: the end learnt once, then the model lock held (a forward pass under way)
+    site = make_site(tmp_path, monkeypatch, tiny_llava, answer_end_from=(public,))
+    model_lock = threading.Lock()
+    answer_ends = AnswerEnds(site.settings)
+    catalogue = ReleaseCatalogue(site, model_lock=model_lock, answer_ends=answer_ends)
+    catalogue.patch(RELEASE, PatchPolicy.PROMPT_LAST_TOKEN, instruction=None)
+    done = threading.Event()
+
+    def prepare() -> None:
+        catalogue.patch(RELEASE, PatchPolicy.PROMPT_LAST_TOKEN, instruction=None)
+        done.set()
+
+    # Act
+    with model_lock:
+        worker = threading.Thread(target=prepare, daemon=True)
+        worker.start()
+        # Assert: a request's preparation does not wait for the model
+        assert done.wait(30)
