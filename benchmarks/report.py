@@ -309,8 +309,11 @@ def _three_models(headlines: dict[str, dict[str, Any]]) -> list[str]:
         "sets of the other tasks (patched at the first decoding step: public data, no privacy "
         "cost, `--answer-end-from`) the answer span meets the first token: release 0.53, MTV's "
         "own selection 0.97, the same heads' non-private mean 0.60 against 0.60 "
-        "([answer-span.md](benchmarks/answer-span.md)): in those three patches the answer a "
-        "site reads with the answer's end is within 0.01 of the first-token figure. "
+        "([answer-span.md](benchmarks/answer-span.md)); over 20 noise draws of a 10-site "
+        "release made the headline's way, colour 0.56 ± 0.18 both ways and position 0.31 ± "
+        "0.31 against 0.32 ± 0.31 (the two scores differ in 1 draw of 40; "
+        "[answer-span-draws.md](benchmarks/answer-span-draws.md)). The first-token figures "
+        "below are what a site reads with the answer's end, on these one-token tasks. "
         "Commands:",
         "",
         *commands(headlines),
