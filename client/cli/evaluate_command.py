@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import argparse
+import sys
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from client.cli._choices import EVALUATION_MODES
 from client.cli._common import (
@@ -19,9 +21,14 @@ from client.cli._common import (
     trusted_keys,
 )
 from client.cli._types import non_negative_int, positive_int
-from dpmtv_common.errors import ConfigError
+from dpmtv_common.errors import ConfigError, DpmtvError
 
-__all__ = ["register"]
+if TYPE_CHECKING:
+    from client.data.records import Record
+    from client.inference.answers import TaskVectorPatch
+    from client.models import LoadedModel
+
+__all__ = ["goes_on_note", "register"]
 
 
 def register(sub: Any) -> None:
@@ -129,4 +136,42 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.quiet,  # answered queries, with an estimate of the time left
     )
     print(f"{mode.value}: accuracy {result.accuracy:.4f} over {len(result.scores)} queries")
+    if patch is not None and patch.answer_end is None:
+        first = _first_token_accuracy(loaded, queries, patch, dataset.instruction)
+        note = goes_on_note(first, result.accuracy)
+        if note is not None:
+            print(note, file=sys.stderr)
     return 0
+
+
+GOES_ON_GAP = 0.2
+"""First-token accuracy this far above the answer's: the patched model names it and goes on."""
+
+
+def goes_on_note(first_token: float | None, accuracy: float) -> str | None:
+    """What to tell a site whose patched model gets the first token right but not the answer."""
+    if first_token is None or first_token - accuracy < GOES_ON_GAP:
+        return None
+    return (
+        f"note: the answer's first token is right on {first_token:.4f} of the queries, the "
+        f"whole answer on {accuracy:.4f}: the patched model names the answer and goes on. "
+        "Where the task's answers are one token, --answer-end-from DIR (labelled PUBLIC sets; "
+        "other tasks of the domain will do) makes it stop after the word."
+    )
+
+
+def _first_token_accuracy(
+    loaded: LoadedModel, queries: Sequence[Record], patch: TaskVectorPatch, instruction: str | None
+) -> float | None:
+    """The patched first greedy token's accuracy (one forward pass); None if it cannot say."""
+    from client.activations.extraction import zero_shot_prompt
+    from client.evaluation.first_token import QuerySet
+
+    prompts = [zero_shot_prompt(record) for record in queries]
+    try:
+        query_set = QuerySet.build(
+            loaded, prompts, [r.answer for r in queries], instruction=instruction
+        )
+        return query_set.accuracy(loaded, (patch.heads, patch.values))
+    except DpmtvError:  # an answer the first-token check cannot tokenise: no note, no failure
+        return None

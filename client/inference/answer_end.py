@@ -117,7 +117,7 @@ def learn_answer_end(
         )
     mean = torch.stack(task_means).mean(0)  # (L, H, D): each public task weighs the same
     index = heads.to_array()
-    logger.info("answer's end learnt from %d public chunks (%d skipped)", used, skipped)
+    logger.debug("answer's end learnt from %d public chunks (%d skipped)", used, skipped)
     return AnswerEnd(mean[index[:, 0], index[:, 1]].clone(), used, skipped)
 
 

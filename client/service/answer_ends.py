@@ -12,6 +12,7 @@ model lock.
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
 
 import torch
@@ -25,6 +26,8 @@ from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
 
 __all__ = ["AnswerEnds", "check_public_answer_end"]
+
+_log = logging.getLogger(__name__)
 
 _Key = tuple[str, tuple[tuple[int, int], ...], int, str, int | None]
 
@@ -101,4 +104,9 @@ class AnswerEnds:
                     loaded, datasets, heads, shots=manifest.shots, instruction=instruction
                 )
                 self._learnt[key] = end.values
+                _log.info(
+                    "release %s: answer's end learnt from %d public chunks (%d skipped: "
+                    "answers of more than one token)",
+                    manifest.release_id, end.chunks, end.skipped,
+                )  # fmt: skip
             return self._learnt[key]

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 
 from client.cli import main
+from client.cli.evaluate_command import goes_on_note
 from tests.integration.test_site_cli import Workspace, clean_site_env, workspace  # noqa: F401
 from tests.unit.client.test_service_answer_end import letters_set
 
@@ -51,3 +52,22 @@ def test_a_public_set_without_one_token_answers_is_refused_in_one_line(
     error = capsys.readouterr().err
     assert code == 2
     assert "public answers of one token, got none among" in error
+
+
+@pytest.mark.parametrize(
+    ("first_token", "accuracy", "noted"),
+    [
+        (0.95, 0.0, True),
+        (0.5, 0.3, True),
+        (0.5, 0.31, False),
+        (1.0, 1.0, False),
+        (None, 0.0, False),
+    ],
+)
+def test_evaluate_notes_a_model_that_names_the_answer_and_goes_on(first_token, accuracy, noted):
+    note = goes_on_note(first_token, accuracy)
+
+    assert (note is not None) == noted
+    if note is not None:
+        assert "--answer-end-from" in note
+        assert f"{first_token:.4f}" in note
