@@ -28,9 +28,9 @@ if TYPE_CHECKING:
 
 __all__ = [
     "add_image_crops_option",
-    "answer_end_folders",
     "add_model_options",
     "add_patch_options",
+    "answer_end_folders",
     "check_artifact",
     "check_site_model",
     "load_heads_file",

@@ -15,8 +15,11 @@ plain model), so one batch may mix releases. A forward pre-hook on every patched
 ``prompt-last-token`` policy (the default, what was measured) a row is patched in its
 prefill only, at its prompt's last token: the generated tokens then attend to the patched
 position through the KV cache, and each decoding step itself runs unpatched. Under
-``every-call`` (MTV's code) the row is patched at every step's position as well. This is
-what :func:`client.activations.hooks.patch_heads` does to a whole batch (tested equal).
+``every-call`` (MTV's code) the row is patched at every step's position as well. A
+``prompt-last-token`` row whose patch carries an answer's end (learnt from public data,
+:mod:`client.inference.answer_end`) takes it at its own first decoding step. This is what
+:func:`client.activations.hooks.patch_heads` and ``patch_first_decoding_step`` do to a whole
+batch (tested equal).
 
 **Sampling is per row.** A row with ``temperature > 0`` draws its tokens from its own
 ``torch.Generator``, seeded by the request (or at random): its draws never depend on its
@@ -121,11 +124,6 @@ class Row:
     max_new_tokens: int
     temperature: float
     seed: int
-
-    @property
-    def every_call(self) -> bool:
-        """Whether its patch applies at every decoding step too (MTV's policy)."""
-        return self.patch is not None and self.patch.policy is PatchPolicy.EVERY_CALL
 
     def step_patch(self, step: Step) -> torch.Tensor | None:
         """The values this row's heads take in a forward call of kind ``step``, or None."""
