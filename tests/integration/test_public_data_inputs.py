@@ -191,3 +191,22 @@ def test_evaluate_refuses_an_answer_end_outside_artifact_mode(
 
     assert code == 2
     assert "--answer-end-from is for --mode artifact" in capsys.readouterr().err
+
+
+def test_serve_refuses_its_private_data_named_as_answer_end_data_before_serving(
+    workspace: Workspace,  # noqa: F811
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    argv = [
+        "serve", *workspace.model_args(), "--data", str(workspace.private),
+        "--state-dir", str(tmp_path / "state"), "--socket", str(tmp_path / "s.sock"),
+        "--answer-end-from", str(workspace.private),
+    ]  # fmt: skip
+
+    code = main(argv)
+
+    error = capsys.readouterr().err
+    assert code == 2
+    assert "must be PUBLIC data, got the site's private data folder" in error
+    assert not (tmp_path / "s.sock").exists()
