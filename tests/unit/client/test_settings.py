@@ -91,6 +91,21 @@ def test_an_explicit_config_file_sits_below_flags_and_environment(monkeypatch, t
     assert settings.trusted_keys == (tmp_path / "conf" / "keys" / "a.pub", Path("/k/b.pub"))
 
 
+def test_answer_end_sets_come_comma_separated_or_as_a_list_relative_to_the_file(
+    monkeypatch, tmp_path
+):
+    monkeypatch.delenv("DPMTV_CLIENT_CONFIG_FILE", raising=False)
+    monkeypatch.setenv("DPMTV_CLIENT_ANSWER_END_FROM", "/p/count,/p/shape")
+    assert SiteSettings().answer_end_from == (Path("/p/count"), Path("/p/shape"))
+    monkeypatch.delenv("DPMTV_CLIENT_ANSWER_END_FROM")
+    config = tmp_path / "site.toml"
+    config.write_text('answer-end-from = ["public/count", "/p/shape"]\n')
+    assert SiteSettings(config_file=config).answer_end_from == (
+        tmp_path / "public" / "count",
+        Path("/p/shape"),
+    )
+
+
 def test_the_config_file_may_be_named_by_the_environment(monkeypatch, tmp_path):
     config = tmp_path / "site.toml"
     config.write_text("min-sites = 5\n")
