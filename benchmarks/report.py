@@ -393,7 +393,8 @@ def main() -> int:
         "[distributed.md](benchmarks/distributed.md); consortium size in "
         "[scale.md](benchmarks/scale.md); local serving in [serving.md](benchmarks/serving.md); "
         "tasks where a site alone is weak in "
-        "[weak-site-candidates.md](benchmarks/weak-site-candidates.md); first-token accuracy "
+        "[weak-site-candidates.md](benchmarks/weak-site-candidates.md) and, with sites holding "
+        "a few classes each, [label-skew.md](benchmarks/label-skew.md); first-token accuracy "
         "against the answer a reader sees, with and without the public answer's end, on the "
         "pretrained demo's release, in [answer-span.md](benchmarks/answer-span.md).",
         "",

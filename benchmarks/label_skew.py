@@ -1,0 +1,173 @@
+"""Label skew: when each site holds a few classes only, is a site alone weak and the pool strong?
+
+Hospitals and clinics rarely see every class alike: a specialty clinic sees one kind of case.
+Here each site of 100 examples holds only ``--classes-per-site`` of the task's four answers
+(every combination of that many classes is one site, the classes split evenly), on the
+pretrained decoder, first-token accuracy on 40 balanced test scenes no site or training saw:
+
+* **a site alone**: 4-shot ICL from its own examples (mean over four sites), and the
+  non-private mean of its own 20 chunks, in the pooled selection's heads and in heads
+  attribution picks on its own examples;
+* **the pool**: the non-private mean of every site's chunks (K = 4, each chunk one site's) in
+  the 16 heads attribution picks on validation queries of the task (MTV's own selection: an
+  oracle, and no noise: what a perfect release could at best give).
+
+Non-private throughout: a candidate finder, as ``weak_site_candidates.py``. Writes
+``docs/benchmarks/label-skew.md`` (and ``.json``)::
+
+    .venv/bin/python benchmarks/label_skew.py          # ~13 min on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import itertools
+import json
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from dpmtv_common.thread_policy import apply_thread_policy
+
+apply_thread_policy()  # before torch loads
+
+import torch
+from _headline_data import icl_accuracy
+
+from client.activations.chunking import make_chunks
+from client.activations.extraction import zero_shot_prompt
+from client.data.records import Record, SiteDataset, load_dataset
+from client.data.synthetic import write_task_datasets
+from client.evaluation.first_token import QuerySet
+from client.models import LoadedModel, load_model
+from client.models.pretrained import pretrained_model_path
+from client.public.selection import public_activations, select_heads_attribution
+
+SITE = 100  # examples a site holds
+K = 16  # heads
+
+
+def skewed_sites(records: list[Record], per_site: int) -> list[list[Record]]:
+    """A site per combination of ``per_site`` classes; no record in two sites.
+
+    Each class is an even share of a site's SITE examples; with one class a site, two sites
+    hold each class.
+    """
+    by_class: dict[str, list[Record]] = collections.defaultdict(list)
+    for record in records:
+        by_class[record.answer].append(record)
+    taken: collections.Counter[str] = collections.Counter()
+    combos = list(itertools.combinations(sorted(by_class), per_site))
+    sites = []
+    for combo in combos * (2 if per_site == 1 else 1):
+        site: list[Record] = []
+        for answer in combo:
+            share = SITE // per_site
+            site += by_class[answer][taken[answer] : taken[answer] + share]
+            taken[answer] += share
+        random.Random(len(sites)).shuffle(site)
+        sites.append(site)
+    return sites
+
+
+def measure(loaded: LoadedModel, root: Path, task: str, per_site: int, seed: int) -> dict:
+    write_task_datasets(
+        root, task=task, sites=1, per_site=1600, public=0, test=40, validation=32, seed=seed
+    )
+    pool = list(load_dataset(root / "site-0").records)
+    test = list(load_dataset(root / "test").records)
+    sites = skewed_sites(pool, per_site)
+    queries = QuerySet.build(loaded, [zero_shot_prompt(r) for r in test], [r.answer for r in test])
+    acts = [
+        public_activations(
+            loaded, make_chunks(SiteDataset(tuple(s), task), shots=4, seed=1).chunks, progress=False
+        )
+        for s in sites
+    ]  # fmt: skip
+    pooled = torch.cat(acts).mean(0)
+    heads = select_heads_attribution(
+        loaded, pooled, list(load_dataset(root / "validation").records), k=K
+    )
+
+    def rows(mean: torch.Tensor, chosen=heads) -> tuple:
+        index = torch.as_tensor(chosen.to_array())
+        return chosen, mean[index[:, 0], index[:, 1]]
+
+    four = range(4)
+    own_heads = [
+        select_heads_attribution(loaded, acts[i].mean(0), sites[i][:32], k=K) for i in four
+    ]
+    return {
+        "task": task, "classes_per_site": per_site, "sites": len(sites),
+        "m": sum(len(a) for a in acts),
+        "zero_shot": queries.accuracy(loaded),
+        "site_icl": statistics.mean(icl_accuracy(loaded, test, sites[i], shots=4, seeds=1) for i in four),  # noqa: E501
+        "site_mean_pool_heads": statistics.mean(queries.accuracy(loaded, rows(acts[i].mean(0))) for i in four),  # noqa: E501
+        "site_mean_own_heads": statistics.mean(
+            queries.accuracy(loaded, rows(acts[i].mean(0), own_heads[i])) for i in four
+        ),
+        "pooled_mean": queries.accuracy(loaded, rows(pooled)),
+    }  # fmt: skip
+
+
+def render(results: dict) -> str:
+    lines = [
+        "# Label skew: a site alone against the pooled examples (non-private)",
+        "",
+        f"Generated by `{results['command']}` in {results['seconds'] / 60:.0f} min on 2 cores. "
+        "Pretrained decoder; each site holds 100 examples of only some of the task's four "
+        "answers; first-token accuracy on 40 balanced test scenes. Non-private and with the "
+        "pooled mean's heads chosen on the task's validation queries (an oracle): what a "
+        "perfect release could at best give, not what one gives.",
+        "",
+        "| task | classes a site | sites (m) | zero-shot | a site alone: 4-shot ICL | a site "
+        "alone: its own mean (pooled heads / own heads) | every site's chunks pooled |",
+        "|---|---:|---|---:|---:|---:|---:|",
+    ]
+    for r in results["rows"]:
+        lines.append(
+            f"| {r['task']} | {r['classes_per_site']} | {r['sites']} ({r['m']}) | "
+            f"{r['zero_shot']:.2f} | {r['site_icl']:.2f} | {r['site_mean_pool_heads']:.2f} / "
+            f"{r['site_mean_own_heads']:.2f} | {r['pooled_mean']:.2f} |"
+        )
+    return "\n".join(lines) + "\n"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--tasks", nargs="+", default=["position", "colour"])
+    parser.add_argument("--classes-per-site", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=REPO / "docs/benchmarks/label-skew")
+    args = parser.parse_args()
+    started = time.monotonic()
+    loaded = load_model(pretrained_model_path(), device="cpu")
+    results: dict = {
+        "command": " ".join([".venv/bin/python", "benchmarks/label_skew.py", *sys.argv[1:]]),
+        "rows": [],
+    }
+    for task in args.tasks:
+        for per_site in args.classes_per_site:
+            with tempfile.TemporaryDirectory(prefix="dpmtv-skew-") as tmp:
+                row = measure(loaded, Path(tmp), task, per_site, args.seed)
+            results["rows"].append(row)
+            print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+            results["seconds"] = round(time.monotonic() - started, 1)
+            args.out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
+            args.out.with_suffix(".md").write_text(render(results), encoding="utf-8")
+    print(render(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
