@@ -159,7 +159,7 @@ class ChatApi:
         *,
         max_queue: int,
         plain_name: str,
-        model_lock: threading.Lock | None = None,
+        model_lock: threading.Lock,
     ) -> None:
         self.site = site
         self.batcher = batcher
