@@ -35,7 +35,10 @@ from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.mechanisms import clip_per_layer
 from protocol import ActivationSum, ReleasePlan, VoteSum
 
-__all__ = ["SiteActs", "TaskData", "icl_accuracy", "prepare_task", "public_family"]
+__all__ = [
+    "SiteActs", "TaskData", "icl_accuracy", "prepare_task", "public_family", "public_tasks",
+    "query_set", "site_activations",
+]  # fmt: skip
 
 TINY_PUBLIC = 20
 
@@ -97,7 +100,7 @@ class TaskData:
         return torch.as_tensor(np.concatenate([s.activations for s in self.sites]).mean(0))
 
 
-def _queries(loaded: LoadedModel, records: list[Record]) -> QuerySet:
+def query_set(loaded: LoadedModel, records: list[Record]) -> QuerySet:
     prompts = [zero_shot_prompt(r) for r in records]
     return QuerySet.build(loaded, prompts, [r.answer for r in records])
 
@@ -127,21 +130,14 @@ def prepare_task(
         root / task, task=task, sites=sites, per_site=per_site, public=TINY_PUBLIC,
         test=test, validation=validation, seed=seed,
     )  # fmt: skip
-    public = []
-    for offset, other in enumerate(public_family(task), start=1):
-        folder = root / f"public-{other}"
-        write_task_datasets(
-            folder, task=other, sites=0, per_site=1, public=public_per_task, test=0,
-            seed=seed + 100 * offset,
-        )  # fmt: skip
-        dataset = load_dataset(folder / "public")
-        public.append(public_task(loaded, dataset, shots=shots, max_chunks=public_per_task))
-        log(f"{task}: public task {other}: {len(public[-1].activations)} chunks")
+    public = public_tasks(
+        loaded, root, task, shots=shots, public_per_task=public_per_task, seed=seed, log=log
+    )
     caches, records = [], []
     for index in range(sites):
         dataset = load_dataset(root / task / f"site-{index}")
         chunks = make_chunks(dataset, shots=shots, seed=1000 + index).chunks
-        acts = _site_activations(loaded, chunks, cache, f"{task}-{per_site}-{seed}-{index}")
+        acts = site_activations(loaded, chunks, cache, f"{task}-{per_site}-{seed}-{index}")
         sums = None
         if plan_for_votes is not None:
             sums = LocalSums(loaded, chunks, plan_for_votes, progress=False)
@@ -155,14 +151,32 @@ def prepare_task(
         sites=caches,
         public=public,
         tiny=load_dataset(root / task / "public"),
-        test=_queries(loaded, test_records),
+        test=query_set(loaded, test_records),
         test_records=test_records,
         validation=list(load_dataset(root / task / "validation").records),
         site_records=records,
     )
 
 
-def _site_activations(loaded: LoadedModel, chunks, cache: Path | None, name: str) -> np.ndarray:
+def public_tasks(
+    loaded: LoadedModel, root: Path, task: str, *, shots: int, public_per_task: int, seed: int,
+    log,
+) -> list[PublicTask]:  # fmt: skip
+    """The task-agnostic public setting of ``task``: a labelled set of each other family task."""
+    public = []
+    for offset, other in enumerate(public_family(task), start=1):
+        folder = root / f"public-{other}"
+        write_task_datasets(
+            folder, task=other, sites=0, per_site=1, public=public_per_task, test=0,
+            seed=seed + 100 * offset,
+        )  # fmt: skip
+        dataset = load_dataset(folder / "public")
+        public.append(public_task(loaded, dataset, shots=shots, max_chunks=public_per_task))
+        log(f"{task}: public task {other}: {len(public[-1].activations)} chunks")
+    return public
+
+
+def site_activations(loaded: LoadedModel, chunks, cache: Path | None, name: str) -> np.ndarray:
     path = None if cache is None else cache / f"{loaded.fingerprint[-16:]}-{name}.npy"
     if path is not None and path.is_file():
         return np.load(path)

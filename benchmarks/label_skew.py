@@ -55,27 +55,36 @@ SITE = 100  # examples a site holds
 K = 16  # heads
 
 
-def skewed_sites(records: list[Record], per_site: int) -> list[list[Record]]:
-    """A site per combination of ``per_site`` classes; no record in two sites.
+def skewed_sites(
+    records: list[Record], per_site: int, *, size: int = SITE, sites: int | None = None
+) -> list[list[Record]]:
+    """Sites of ``size`` examples holding ``per_site`` classes each; no record in two sites.
 
-    Each class is an even share of a site's SITE examples; with one class a site, two sites
-    hold each class.
+    Sites take the combinations of ``per_site`` classes in turn (``sites`` of them; default:
+    every combination once, twice with one class a site), each class an even share of a site.
+
+    Raises:
+        ValueError: Too few records of a class for the sites asked for.
     """
     by_class: dict[str, list[Record]] = collections.defaultdict(list)
     for record in records:
         by_class[record.answer].append(record)
     taken: collections.Counter[str] = collections.Counter()
     combos = list(itertools.combinations(sorted(by_class), per_site))
-    sites = []
-    for combo in combos * (2 if per_site == 1 else 1):
+    count = sites if sites is not None else len(combos) * (2 if per_site == 1 else 1)
+    out = []
+    for combo in itertools.islice(itertools.cycle(combos), count):
         site: list[Record] = []
         for answer in combo:
-            share = SITE // per_site
-            site += by_class[answer][taken[answer] : taken[answer] + share]
+            share = size // per_site
+            picked = by_class[answer][taken[answer] : taken[answer] + share]
+            if len(picked) < share:
+                raise ValueError(f"only {len(by_class[answer])} records of {answer!r}")
+            site += picked
             taken[answer] += share
-        random.Random(len(sites)).shuffle(site)
-        sites.append(site)
-    return sites
+        random.Random(len(out)).shuffle(site)
+        out.append(site)
+    return out
 
 
 def measure(loaded: LoadedModel, root: Path, task: str, per_site: int, seed: int) -> dict:

@@ -394,7 +394,9 @@ def main() -> int:
         "[scale.md](benchmarks/scale.md); local serving in [serving.md](benchmarks/serving.md); "
         "tasks where a site alone is weak in "
         "[weak-site-candidates.md](benchmarks/weak-site-candidates.md) and, with sites holding "
-        "a few classes each, [label-skew.md](benchmarks/label-skew.md); first-token accuracy "
+        "a few classes each, [label-skew.md](benchmarks/label-skew.md) (non-private) and "
+        "[label-skew-release.md](benchmarks/label-skew-release.md) (the DP release at up to "
+        "48 sites); first-token accuracy "
         "against the answer a reader sees, with and without the public answer's end, on the "
         "pretrained demo's release, in [answer-span.md](benchmarks/answer-span.md).",
         "",
