@@ -1,0 +1,143 @@
+"""Label skew: where each head choice loses (a diagnostic of ``label_skew_release.py``).
+
+On the label-skew setting (position, sites holding two answers each, the largest size of
+``label_skew_release.py``), the release in MTV's own heads beats a site alone while the release
+in the heads the public data picks, or privately selects, does not. This scores the *pooled,
+non-private* mean in each head set, so only the head choice differs:
+
+* MTV's own k heads (attribution on the task's validation answers: an oracle);
+* the public ranking's top k and top 2k (the candidates private selection picks among), and
+  MTV's heads found among them;
+* the top k by the sites' noise-free vote totals (the private selection's score, no noise),
+  among the 2k candidates and among every head;
+
+and the private release itself (public candidates) at the planned selection share and at
+larger shares (``--shares``), ``--draws`` noise draws each. Reads the sites' activations and
+votes kept by ``label_skew_release.py --cache-dir CACHE`` (or computes them). Writes
+``docs/benchmarks/label-skew-heads.md``::
+
+    .venv/bin/python benchmarks/label_skew_heads.py --cache-dir CACHE   # ~5 min with CACHE
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "benchmarks"))
+
+from dpmtv_common.thread_policy import apply_thread_policy
+
+apply_thread_policy()  # before torch loads
+
+from headline import choice_plan, choose, release_draws
+from label_skew_release import prepare
+
+from client.models import load_model
+from client.models.pretrained import pretrained_model_path
+from client.public.scope import HeadsMode
+from client.public.selection import select_heads_attribution
+from client.public.tasks import rank_heads
+from dpmtv_common.heads import HeadSet
+
+
+def parse_args() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__.split("\n\n")[0], formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--sites", type=int, default=48)
+    parser.add_argument("--per-site", type=int, default=200)
+    parser.add_argument("--classes-per-site", type=int, default=2)
+    parser.add_argument("--k", type=int, default=16)
+    parser.add_argument("--shares", type=float, nargs="+", default=[0.3, 0.5, 0.7])
+    parser.add_argument("--draws", type=int, default=20)
+    parser.add_argument("--choice-draws", type=int, default=3)
+    parser.add_argument("--public-per-task", type=int, default=150)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--cache-dir", type=Path)
+    parser.add_argument("--out", type=Path, default=REPO / "docs/benchmarks/label-skew-heads.md")
+    args = parser.parse_args()
+    # what label_skew_release.prepare and headline.py's row functions read
+    args.sites = [args.sites]
+    args.model, args.shots = "pretrained", 4
+    return args
+
+
+def main() -> int:
+    args = parse_args()
+    started = time.monotonic()
+    sites = args.sites[0]
+    loaded = load_model(pretrained_model_path(), device="cpu")
+    with tempfile.TemporaryDirectory(prefix="dpmtv-skew-heads-") as tmp:
+        data = prepare(args, loaded, Path(tmp), "position")
+        own = select_heads_attribution(loaded, data.pooled_mean, data.validation, k=args.k)
+        top_k = rank_heads(loaded, data.public, k=args.k)
+        top_2k = rank_heads(loaded, data.public, k=2 * args.k)
+        shape = loaded.adapter.head_shape(loaded.model)
+        votes = sum(s.vote().total for s in data.sites).reshape(shape.num_layers, shape.num_heads)
+
+        def by_votes(pool: list[tuple[int, int]]) -> HeadSet:
+            ranked = sorted(pool, key=lambda h: float(votes[h[0], h[1]]), reverse=True)
+            return HeadSet.of(sorted(ranked[: args.k]))
+
+        every = [
+            (layer, head) for layer in range(shape.num_layers) for head in range(shape.num_heads)
+        ]
+        sets = {
+            "MTV's own heads (oracle)": own,
+            "public ranking, top k": top_k,
+            "public ranking, top 2k (the candidates)": top_2k,
+            "MTV's heads among the 2k candidates": HeadSet.of(
+                sorted(set(own.heads) & set(top_2k.heads))
+            ),
+            "noise-free votes, top k of the candidates": by_votes(list(top_2k.heads)),
+            "noise-free votes, top k of every head": by_votes(every),
+        }
+        rows = []
+        for label, heads in sets.items():
+            index = heads.to_array()
+            values = data.pooled_mean[index[:, 0], index[:, 1]]
+            accuracy = data.test.accuracy(loaded, (heads, values))
+            shared = len(set(heads.heads) & set(own.heads))
+            rows.append(f"| {label} | {len(heads)} | {shared} | {accuracy:.2f} |")
+        choice = choose(args, loaded, data, sites, mode=HeadsMode.PRIVATE)
+        base = choice_plan(loaded, choice, sites=sites, chunks=len(data.sites[0].activations))
+        releases = []
+        for share in args.shares:
+            plan = base.model_copy(update={"selection_share": share})
+            scores = release_draws(loaded, data, plan, choice.centre, sites, args.draws)
+            releases.append(
+                f"| {share:g} | {statistics.mean(scores):.2f} ± {statistics.pstdev(scores):.2f} |"
+            )
+    command = " ".join([".venv/bin/python", "benchmarks/label_skew_heads.py", *sys.argv[1:]])
+    text = [
+        "# Label skew: where each head choice loses",
+        "",
+        f"Generated by `{command}` in {(time.monotonic() - started) / 60:.0f} min on 2 cores. "
+        f"Position on the pretrained decoder, {sites} sites of {args.per_site} examples holding "
+        f"{args.classes_per_site} answers each (m = {sites * len(data.sites[0].activations)}), "
+        "40 balanced test scenes. The pooled, non-private mean of every site's chunks in each "
+        "head set (only the heads differ); then the private release among the public "
+        f"candidates at each selection share of eps (eps = 1, {args.draws} draws).",
+        "",
+        "| heads | count | of MTV's own | pooled mean's accuracy |",
+        "|---|---:|---:|---:|",
+        *rows,
+        "",
+        "| selection share of eps | private release among the candidates |",
+        "|---:|---:|",
+        *releases,
+    ]
+    args.out.write_text("\n".join(text) + "\n", encoding="utf-8")
+    print("\n".join(text))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
