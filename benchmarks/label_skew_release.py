@@ -164,7 +164,7 @@ def prepare(args, loaded: LoadedModel, root: Path, task: str) -> TaskData:
     )
 
 
-def _rows(mean, heads: HeadSet):
+def rows_of(mean, heads: HeadSet):
     index = heads.to_array()
     return heads, mean[index[:, 0], index[:, 1]]
 
@@ -177,7 +177,8 @@ def site_alone(args, loaded: LoadedModel, data: TaskData, heads: HeadSet) -> dic
         for i in combos
     ]
     own = [
-        data.test.accuracy(loaded, _rows(data.sites[i].activations.mean(0), heads)) for i in combos
+        data.test.accuracy(loaded, rows_of(data.sites[i].activations.mean(0), heads))
+        for i in combos
     ]
     return {
         "site_alone_icl": statistics.mean(icl), "site_alone_icl_each": icl,
@@ -189,19 +190,25 @@ def _combinations(per_site: int, classes: int = 4) -> int:
     return math.comb(classes, per_site)
 
 
+def central_row(
+    args, loaded: LoadedModel, data: TaskData, choice: ScopeChoice, sites: int, label: str,
+    variant: str,
+) -> dict:  # fmt: skip
+    """One central DP row of ``choice`` at ``sites``, labelled as a side row (``variant``)."""
+    plan = choice_plan(loaded, choice, sites=sites, chunks=len(data.sites[0].activations))
+    return dp_row(
+        args, loaded, data, label, plan, choice.centre, sites, choice=choice, variant=variant
+    )
+
+
 def other_mode_row(
     args, loaded: LoadedModel, data: TaskData, chosen: ScopeChoice, sites: int
 ) -> tuple[dict, ScopeChoice]:
     """The heads mode the transfer rule did not choose, central, at one size (side by side)."""
     other = HeadsMode.PRIVATE if chosen.mode is HeadsMode.PUBLIC else HeadsMode.PUBLIC
     choice = choose(args, loaded, data, sites, mode=other)
-    chunks = len(data.sites[0].activations)
-    plan = choice_plan(loaded, choice, sites=sites, chunks=chunks)
     label = f"{sites} sites, central, {other.value} heads (the other mode)"
-    row = dp_row(
-        args, loaded, data, label, plan, choice.centre, sites, choice=choice,
-        variant="other heads mode",
-    )  # fmt: skip
+    row = central_row(args, loaded, data, choice, sites, label, "other heads mode")
     return row, choice
 
 
@@ -213,13 +220,8 @@ def every_head_row(
     Same k, C' and centre as the private-mode choice: what the public candidate set costs.
     """
     every = dataclasses.replace(choice, candidates=None)
-    chunks = len(data.sites[0].activations)
-    plan = choice_plan(loaded, every, sites=sites, chunks=chunks)
     label = f"{sites} sites, central, private heads among every head"
-    row = dp_row(
-        args, loaded, data, label, plan, every.centre, sites, choice=every,
-        variant="every head a candidate",
-    )  # fmt: skip
+    row = central_row(args, loaded, data, every, sites, label, "every head a candidate")
     return row | {"noise_free": None, "unclipped": None}
 
 
@@ -234,13 +236,8 @@ def oracle_heads_row(
     """
     own = select_heads_attribution(loaded, data.pooled_mean, data.validation, k=choice.k)
     oracle = dataclasses.replace(choice, heads=own)
-    chunks = len(data.sites[0].activations)
-    plan = choice_plan(loaded, oracle, sites=sites, chunks=chunks)
     label = f"{sites} sites, central, MTV's own heads (oracle heads: a diagnostic)"
-    row = dp_row(
-        args, loaded, data, label, plan, oracle.centre, sites, choice=oracle,
-        variant="oracle heads",
-    )  # fmt: skip
+    row = central_row(args, loaded, data, oracle, sites, label, "oracle heads")
     return row | without_noise(loaded, data, oracle, sites)
 
 
@@ -260,7 +257,7 @@ def without_noise(loaded: LoadedModel, data: TaskData, choice: ScopeChoice, site
     pooled = np.concatenate([s.activations for s in data.sites[:sites]]).mean(0)
     return {
         "noise_free": data.test.accuracy(loaded, (heads, mean)),
-        "unclipped": data.test.accuracy(loaded, _rows(pooled, heads)),
+        "unclipped": data.test.accuracy(loaded, rows_of(pooled, heads)),
     }
 
 
