@@ -6,8 +6,9 @@ in the heads the public data picks, or privately selects, does not. This scores 
 non-private* mean in each head set, so only the head choice differs:
 
 * MTV's own k heads (attribution on the task's validation answers: an oracle);
-* the public ranking's top k and top 2k (the candidates private selection picks among), and
-  MTV's heads found among them;
+* the public ranking's top k, the same with MTV's heads it lacks added (do its own extra
+  heads hurt?), its top 2k (the candidates private selection picks among), and MTV's heads
+  found among them;
 * the top k by the sites' noise-free vote totals (the private selection's score, no noise),
   among the 2k candidates and among every head;
 
@@ -37,7 +38,7 @@ from dpmtv_common.thread_policy import apply_thread_policy
 apply_thread_policy()  # before torch loads
 
 from headline import choice_plan, choose, release_draws
-from label_skew_release import prepare
+from label_skew_release import prepare, rows_of
 
 from client.models import load_model
 from client.models.pretrained import pretrained_model_path
@@ -92,6 +93,9 @@ def main() -> int:
         sets = {
             "MTV's own heads (oracle)": own,
             "public ranking, top k": top_k,
+            "public ranking, top k, with MTV's heads it lacks added": HeadSet.of(
+                sorted(set(top_k.heads) | set(own.heads))
+            ),
             "public ranking, top 2k (the candidates)": top_2k,
             "MTV's heads among the 2k candidates": HeadSet.of(
                 sorted(set(own.heads) & set(top_2k.heads))
@@ -101,9 +105,7 @@ def main() -> int:
         }
         rows = []
         for label, heads in sets.items():
-            index = heads.to_array()
-            values = data.pooled_mean[index[:, 0], index[:, 1]]
-            accuracy = data.test.accuracy(loaded, (heads, values))
+            accuracy = data.test.accuracy(loaded, rows_of(data.pooled_mean, heads))
             shared = len(set(heads.heads) & set(own.heads))
             rows.append(f"| {label} | {len(heads)} | {shared} | {accuracy:.2f} |")
         choice = choose(args, loaded, data, sites, mode=HeadsMode.PRIVATE)
