@@ -55,11 +55,13 @@ __all__ = [
     "HeadVotes",
     "ScoreMethod",
     "answer_token_ids",
+    "attribution_scores",
     "check_answer_vocabulary",
     "chunk_head_votes",
     "chunk_votes",
     "last_token_attribution",
     "top_r_votes",
+    "votes_among",
 ]
 
 
@@ -93,6 +95,28 @@ def top_r_votes(scores: np.ndarray, top_r: int) -> Float64Array:
     best = np.argsort(-scores, axis=1, kind="stable")[:, :top_r]
     np.put_along_axis(votes, best, 1.0, axis=1)
     return votes
+
+
+def votes_among(scores: np.ndarray, candidates: Sequence[int], top_r: int) -> Float64Array:
+    """Top-r votes ``(B, n)`` of each row of ``scores`` ``(B, n)``, cast among ``candidates`` only.
+
+    The slots outside ``candidates`` (a hybrid's headless layers) never get a vote.
+    """
+    votes = np.zeros(scores.shape, dtype=np.float64)
+    votes[:, candidates] = top_r_votes(scores[:, candidates], top_r)
+    return votes
+
+
+def attribution_scores(
+    activations: torch.Tensor, gradients: torch.Tensor, target: torch.Tensor
+) -> np.ndarray:
+    """First-order gains ``(B, L * H)`` of overwriting each head with ``target``.
+
+    ``(target_h − z_h)·∂log p/∂z_h`` summed over the head's dims, for zero-shot activations z
+    and gradients ``(B, L, H, D)`` from :func:`last_token_attribution`.
+    """
+    scores = ((target - activations) * gradients).sum(dim=-1)
+    return np.asarray(scores.reshape(len(activations), -1).to(torch.float64).numpy())
 
 
 def answer_token_ids(loaded: LoadedModel, answers: Sequence[str]) -> torch.Tensor:
@@ -225,7 +249,7 @@ def _chunk_scores(
         answers = [chunk.query.answer for chunk in batch]
         acts, grads = last_token_attribution(loaded, zero_shot, answers, instruction=instruction)
         target = shots if reference is None else reference.expand_as(acts)
-        scores = ((target - acts) * grads).sum(dim=-1)
+        return attribution_scores(acts, grads, target)
     return np.asarray(scores.reshape(len(batch), -1).to(torch.float64).numpy())
 
 
@@ -330,9 +354,7 @@ def chunk_votes(
                 failures[type(chunk_scores).__name__] += 1
             yield np.zeros(num_heads)
         else:
-            vote = np.zeros(num_heads)
-            vote[candidates] = top_r_votes(chunk_scores[None, candidates], top_r)[0]
-            yield vote
+            yield votes_among(chunk_scores[None], candidates, top_r)[0]
 
 
 def chunk_head_votes(

@@ -208,6 +208,7 @@ def _plan(
         _check_heads_file_crops(candidate_extras, args.max_image_crops)
         extras = extras or candidate_extras
     _check_heads_file_centre(extras, centre)
+    _check_heads_file_order(extras, args.order)
     k = len(public_heads) if public_heads else args.heads
     try:
         return ReleasePlan(
@@ -265,6 +266,21 @@ def _check_heads_file_centre(extras: dict[str, Any], centre: ActivationCentre | 
         raise ConfigError(
             f"--centre must be the centre the heads file was chosen with (sha256 "
             f"{str(recorded)[:16]}...), got one with sha256 {centre.digest()[:16]}..."
+        )
+
+
+def _check_heads_file_order(extras: dict[str, Any], order: str) -> None:
+    """Heads (and C') chosen for one release order are used in that order.
+
+    A release-first Gaussian covers every head, a select-first one the released heads only:
+    a C' chosen for one scope clips the other far from its norms (too much signal lost, or
+    too much noise), so the mismatch is refused before anything is spent.
+    """
+    recorded = extras.get("release_order")
+    if recorded is not None and recorded != order:
+        raise ConfigError(
+            f"--order must be {recorded!r}, the order the heads file's C' was chosen for, got "
+            f"{order!r}: pass --order {recorded} or rerun select-heads with --for-order {order}."
         )
 
 

@@ -53,7 +53,11 @@ def public_task_folders(args: argparse.Namespace) -> list[Path]:
 
 
 def _planned(args: argparse.Namespace) -> dict[HeadsMode, PlannedRelease]:
-    """The planned central release in each heads mode (public heads spend no ε on picks)."""
+    """The planned central release in each heads mode (public heads spend no ε on picks).
+
+    In release-first order (``--for-order``) the Gaussian covers every carried head in
+    either mode: ``client.public.scope`` then scales C' and the noise to whole layers.
+    """
     from client.public.scope import HeadsMode, PlannedRelease
     from dpmtv_common.privacy import ReleaseCalibration
 
@@ -63,9 +67,10 @@ def _planned(args: argparse.Namespace) -> dict[HeadsMode, PlannedRelease]:
             selection_share=DEFAULT_SELECTION_SHARE,
         ).noise_multiplier  # fmt: skip
 
+    every_head = args.for_order == "release-first"
     return {
-        HeadsMode.PUBLIC: PlannedRelease(z(0), args.for_chunks),
-        HeadsMode.PRIVATE: PlannedRelease(z(args.k), args.for_chunks),
+        HeadsMode.PUBLIC: PlannedRelease(z(0), args.for_chunks, every_head=every_head),
+        HeadsMode.PRIVATE: PlannedRelease(z(args.k), args.for_chunks, every_head=every_head),
     }
 
 
@@ -123,12 +128,15 @@ def _say_choice(choice: ScopeChoice, expected: dict[int, float]) -> None:
 
 
 def _release_options(args: argparse.Namespace, choice: ScopeChoice, centre_file: Path) -> str:
-    if choice.candidates is None:
-        return f"--selection public --public-heads {args.out} --centre {centre_file}"
-    return (
-        f"--selection private --heads {choice.k} --candidate-heads {args.out} "
-        f"--centre {centre_file}"
-    )
+    """The ``release`` options of this choice: its order, heads, C' and centre."""
+    from client.public.scope import HeadsMode
+
+    common = f"--order {args.for_order} --centre {centre_file}"
+    if choice.mode is HeadsMode.PUBLIC:
+        return f"--selection public --public-heads {args.out} {common}"
+    if choice.candidates is None:  # release-first: picked among every head, C' given here
+        return f"--selection private --heads {choice.k} --clip-norm {choice.clip_norm:.6g} {common}"
+    return f"--selection private --heads {choice.k} --candidate-heads {args.out} {common}"
 
 
 def run_task_agnostic(args: argparse.Namespace) -> int:

@@ -6,7 +6,12 @@ import argparse
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from client.cli._choices import DEFAULT_SELECTION_SHARE, MIN_MODEL_GAIN, SELECTION_METHODS
+from client.cli._choices import (
+    DEFAULT_SELECTION_SHARE,
+    MIN_MODEL_GAIN,
+    RELEASE_ORDERS,
+    SELECTION_METHODS,
+)
 from client.cli._common import (
     add_image_crops_option,
     add_model_options,
@@ -85,6 +90,15 @@ def register(sub: Any) -> None:
     )
     parser.add_argument(
         "--for-delta", type=open_unit_float, default=1e-5, help="delta of the planned release"
+    )
+    parser.add_argument(
+        "--for-order",
+        choices=RELEASE_ORDERS,
+        default="release-first",
+        help="order of the release the heads file is for (default release-first, as release's; "
+        "release refuses the file with another --order): a release-first Gaussian covers every "
+        "head, so C bounds whole layers, and with --public-task private picks are scored "
+        "against the noisy vector",
     )
     parser.add_argument("--seed", type=non_negative_int, default=0)
     add_image_crops_option(parser, purpose="as the release will (written to the heads file)")
@@ -172,10 +186,12 @@ def run(args: argparse.Namespace) -> int:
         heads = select_heads_attribution(
             loaded, mean, queries, k=args.k, instruction=dataset.instruction, progress=True
         )
+    # A release-first Gaussian covers every carried head: C then bounds whole layers.
+    clipped = layout.all_heads() if args.for_order == "release-first" else heads
     planned = None
     if args.for_epsilon is not None:
         planned = PlannedNoise(
-            _central_noise_multiplier(args), args.for_chunks, heads.num_layers_in_scope
+            _central_noise_multiplier(args), args.for_chunks, clipped.num_layers_in_scope
         )
     choice = choose_clip_norm(
         loaded,
@@ -185,12 +201,14 @@ def run(args: argparse.Namespace) -> int:
         instruction=dataset.instruction,
         keep=args.clip_keep,
         planned=planned,
+        clipped_scope=clipped,
     )
     write_heads_file(
         args.out,
         heads,
         clip_norm_suggestion=choice.clip_norm,
         **choice.as_record(),
+        release_order=args.for_order,
         method=args.method,
         model_fingerprint=loaded.fingerprint,
         public_chunks=len(chunks.chunks),
@@ -198,6 +216,7 @@ def run(args: argparse.Namespace) -> int:
         max_image_crops=args.max_image_crops,  # release checks it: heads fit their cap only
     )
     print(f"{len(heads)} heads over {heads.num_layers_in_scope} layers -> {args.out}")
+    print(f"chosen for a {args.for_order} release: pass release --order {args.for_order}")
     _print_clip_choice(choice)
     return 0
 

@@ -177,12 +177,16 @@ def choose_clip_norm(
     keep: float = 0.9,
     planned: PlannedNoise | None = None,
     noise: NoiseSource | None = None,
+    clipped_scope: HeadSet | None = None,
 ) -> ClipChoice:
     """The smallest tried C keeping ``keep`` of the gain, or the best under ``planned`` noise.
 
     Args:
         activations: Public chunks' last-token activations, ``(m, L, H, D)``.
         heads: The heads the release will carry.
+        clipped_scope: The heads the release clips per layer (and its Gaussian covers), of
+            which ``heads`` are kept: every carried head in release-first order, where C
+            bounds whole layers; default ``heads`` (select-first).
         queries: Public records (``client.data.records.Record``) scored zero-shot, first token.
         factors: Multiples of the public median to try, tried smallest first.
         keep: Share of (unclipped − zero-shot) accuracy the clipped mean must keep.
@@ -202,7 +206,8 @@ def choose_clip_norm(
     prompts = [zero_shot_prompt(record) for record in queries]
     answers = [record.answer for record in queries]
     scored = QuerySet.build(loaded, prompts, answers, size=8, instruction=instruction)
-    median = suggested_clip_norm(activations, heads)
+    scope = _ClippedScope(heads, clipped_scope or heads)
+    median = suggested_clip_norm(activations, scope.clipped)
     index = heads.to_array()
     unclipped_values = activations[:, index[:, 0], index[:, 1]].double().mean(0).numpy()
     zero = scored.accuracy(loaded)
@@ -214,23 +219,40 @@ def choose_clip_norm(
     if planned is not None:
         source = noise if noise is not None else secure_noise()
         return _best_under_noise(
-            loaded, activations, heads, scored, factors, evidence,
+            loaded, activations, scope, scored, factors, evidence,
             target=target, keep=keep, planned=planned, noise=source,
         )  # fmt: skip
     tried: list[ClipCandidate] = []
     for factor in sorted(factors):
         clip = factor * median
-        accuracy = scored.accuracy(loaded, (heads, clipped_mean(activations, heads, clip)))
+        accuracy = scored.accuracy(loaded, (heads, scope.kept_mean(activations, clip)))
         tried.append(ClipCandidate(factor, clip, accuracy))
         if accuracy >= target:
             return ClipChoice(clip, *evidence, tuple(tried), kept_gain=True)
     return ClipChoice(tried[-1].clip_norm, *evidence, tuple(tried), kept_gain=False)
 
 
+@dataclass(frozen=True)
+class _ClippedScope:
+    """The heads a release keeps, within the (possibly larger) scope it clips per layer."""
+
+    kept: HeadSet
+    clipped: HeadSet
+
+    def kept_rows(self, values: np.ndarray) -> np.ndarray:
+        """The kept heads' rows of ``values`` (one row per head of the clipped scope)."""
+        position = {head: i for i, head in enumerate(self.clipped.heads)}
+        return values[[position[head] for head in self.kept.heads]]
+
+    def kept_mean(self, activations: torch.Tensor, clip_norm: float) -> np.ndarray:
+        """The clipped mean over the clipped scope, on the kept heads."""
+        return self.kept_rows(clipped_mean(activations, self.clipped, clip_norm))
+
+
 def _best_under_noise(
     loaded: LoadedModel,
     activations: torch.Tensor,
-    heads: HeadSet,
+    scope: _ClippedScope,
     scored: QuerySet,
     factors: Sequence[float],
     evidence: tuple[float, float, float],
@@ -248,12 +270,12 @@ def _best_under_noise(
     tried = []
     for factor in sorted(factors):
         clip = factor * median
-        mean = clipped_mean(activations, heads, clip)
+        mean = scope.kept_mean(activations, clip)
         std = planned.mean_std(clip)
         accuracy = float(
             np.mean(
                 [
-                    scored.accuracy(loaded, (heads, noise.add_gaussian(mean, noise_std=std)))
+                    scored.accuracy(loaded, (scope.kept, noise.add_gaussian(mean, noise_std=std)))
                     for _ in range(planned.draws)
                 ]
             )

@@ -21,6 +21,15 @@ best on the held-out tasks are suggested for the real, private task.
    finds — an optimistic stand-in, stated in the record) and scored on the held-out queries.
    The best k is kept, and within it the smallest f keeping ``keep`` of the best gain over
    the centre alone (a smaller C' adds less noise).
+
+   **In release-first order** (``PlannedRelease.every_head``) the Gaussian covers every
+   carried head whatever is kept: s is then the median centred norm of whole layers, each
+   chunk is clipped over whole layers, the noise spans every carried layer, and in private
+   mode the k heads are picked from each simulated noisy vector by the held-out task's
+   attribution gains against it, among every head (as the sites' votes score the released
+   vector), instead of the optimistic stand-in. Those gains are computed on the held-out
+   queries that score the release (optimistic, as the sites' votes score their own
+   examples); no candidate set is suggested.
 3. **What more chunks buy** (:func:`held_out_accuracy_by_chunks`): the chosen scope scored the
    same way at other chunk counts, so a consortium sees before spending whether its m is
    enough, and how many more sites or examples would help.
@@ -40,6 +49,7 @@ from enum import StrEnum
 import torch
 
 from client.models import LoadedModel
+from client.public.selection import top_heads
 from client.public.tasks import (
     MIN_PUBLIC_TASKS,
     PublicTask,
@@ -48,6 +58,7 @@ from client.public.tasks import (
     domain_centre,
     rank_heads,
 )
+from dpmtv_common.aliases import Float64Array
 from dpmtv_common.centre import ActivationCentre
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
@@ -83,11 +94,16 @@ class PlannedRelease:
         noise_multiplier: z of the planned plan (``protocol.plan_noise_multiplier``).
         num_chunks: m, the chunks the release will pool.
         draws: Simulated releases a tried (k, C') is scored on.
+        every_head: The Gaussian covers every carried head (a release-first plan: the noisy
+            vector is released whole, and the kept heads are picked after), so C' bounds
+            whole layers and the noise spans every carried layer; else it covers the
+            released heads only (select-first).
     """
 
     noise_multiplier: float
     num_chunks: int
     draws: int = 3
+    every_head: bool = False
 
     def __post_init__(self) -> None:
         if not self.noise_multiplier > 0 or self.num_chunks < 1 or self.draws < 1:
@@ -120,14 +136,17 @@ class ScopeChoice:
         mode: Public heads, or private selection among ``candidates``.
         heads: Public mode: the k heads all public tasks rank first (released as they are).
             Private mode: the same ranking's top k (what the noisy picks are scored against).
-        candidates: Private mode: the 2k heads all public tasks rank first; else None.
+        candidates: Private mode, select-first: the 2k heads all public tasks rank first;
+            else None (release-first private selection picks among every head).
         clip_norm: C' = factor x scale.
         factor: The chosen factor.
-        scale: The public median centred layer norm over ``heads`` (factor 1).
+        scale: The public median centred layer norm over the Gaussian's scope (factor 1):
+            ``heads``, or every carried head when ``every_head``.
         centre: The centre over all public tasks (zeros for a plain release).
         transfer: The share of the held-out own-heads gain the others' heads keep.
         public_only: Held-out accuracy of the centre alone in the others' heads.
         candidates_tried: Every (k, f) tried in the chosen mode.
+        every_head: Chosen for a release-first plan (``PlannedRelease.every_head``).
     """
 
     mode: HeadsMode
@@ -140,6 +159,7 @@ class ScopeChoice:
     transfer: float
     public_only: float
     candidates_tried: tuple[ScopeCandidate, ...]
+    every_head: bool = False
 
     @property
     def k(self) -> int:
@@ -151,6 +171,7 @@ class ScopeChoice:
         return {
             "scope_rule": "leave one public task out under the planned noise",
             "heads_mode": self.mode.value,
+            "release_order": "release-first" if self.every_head else "select-first",
             "heads_transfer": self.transfer,
             "centred_clip_factor": self.factor,
             "centred_clip_scale": self.scale,
@@ -196,10 +217,18 @@ def _check(tasks: Sequence[PublicTask], ks: Sequence[int], factors: Sequence[flo
 
 @dataclass(frozen=True)
 class _Trial:
-    """Everything one held-out task's simulated releases share."""
+    """Everything one held-out task's simulated releases share.
+
+    ``noised``: the Gaussian's scope (``heads``, or every carried head in release-first
+    order). ``heads`` None: release-first private selection, whose k heads are picked from
+    each noisy vector by the held-out task's attribution gains against it (as the sites'
+    votes score the noisy vector), among every head.
+    """
 
     held: PublicTask
-    heads: HeadSet
+    heads: HeadSet | None
+    noised: HeadSet
+    k: int
     centre: ActivationCentre
     scale: float
 
@@ -207,29 +236,46 @@ class _Trial:
         self, loaded: LoadedModel, factor: float, planned: PlannedRelease, noise: NoiseSource
     ) -> float:
         clip_norm = factor * self.scale
-        mean = centred_mean(self.held.activations, self.heads, self.centre, clip_norm)
-        std = planned.mean_std(clip_norm, self.heads.num_layers_in_scope)
-        back = self.centre.rows(self.heads)
-        scores = [
-            self.held.queries.accuracy(
-                loaded, (self.heads, noise.add_gaussian(mean, noise_std=std) + back)
-            )
-            for _ in range(planned.draws)
-        ]
+        mean = centred_mean(self.held.activations, self.noised, self.centre, clip_norm)
+        std = planned.mean_std(clip_norm, self.noised.num_layers_in_scope)
+        back = self.centre.rows(self.noised)
+        scores = []
+        for _ in range(planned.draws):
+            values = noise.add_gaussian(mean, noise_std=std) + back
+            heads = self.heads or self._picked(loaded, values)
+            scores.append(self.held.queries.accuracy(loaded, (heads, self._rows(values, heads))))
         return statistics.mean(scores)
+
+    def _rows(self, values: Float64Array, heads: HeadSet) -> Float64Array:
+        position = {head: i for i, head in enumerate(self.noised.heads)}
+        return values[[position[head] for head in heads.heads]]
+
+    def _picked(self, loaded: LoadedModel, values: Float64Array) -> HeadSet:
+        dense = torch.zeros(self.held.activations.shape[1:], dtype=torch.float64)
+        index = torch.as_tensor(self.noised.to_array())
+        dense[index[:, 0], index[:, 1]] = torch.as_tensor(values)
+        return top_heads(loaded, self.held.gains_against(dense), k=self.k)
 
 
 def _trial(
     loaded: LoadedModel, tasks: Sequence[PublicTask], held: PublicTask, k: int, *,
-    mode: HeadsMode, centred: bool,
+    mode: HeadsMode, centred: bool, every_head: bool,
 ) -> _Trial:  # fmt: skip
     centre = domain_centre(tasks, exclude=held.name, centred=centred)
+    heads: HeadSet | None
     if mode is HeadsMode.PUBLIC:
         heads = rank_heads(loaded, tasks, k=k, exclude=held.name)
+    elif every_head:
+        heads = None  # picked from each noisy vector (class docstring)
     else:  # an accurate private pick finds the task's own heads (optimistic; module doc)
         heads = rank_heads(loaded, [held], k=k)
+    noised = _carried(loaded) if every_head or heads is None else heads
     others = [task for task in tasks if task.name != held.name]
-    return _Trial(held, heads, centre, centred_clip_scale(others, heads, centre))
+    return _Trial(held, heads, noised, k, centre, centred_clip_scale(others, noised, centre))
+
+
+def _carried(loaded: LoadedModel) -> HeadSet:
+    return loaded.adapter.head_shape(loaded.model).layout().all_heads()
 
 
 def choose_scope(
@@ -268,12 +314,12 @@ def choose_scope(
     source = noise if noise is not None else secure_noise()
     tried, floors = [], []
     for k in sorted(ks):
-        trials = [_trial(loaded, tasks, h, k, mode=chosen, centred=centred) for h in tasks]
-        floors.append(
-            statistics.mean(
-                t.held.queries.accuracy(loaded, (t.heads, t.centre.rows(t.heads))) for t in trials
-            )
-        )
+        every_head = planned[chosen].every_head
+        trials = [
+            _trial(loaded, tasks, h, k, mode=chosen, centred=centred, every_head=every_head)
+            for h in tasks
+        ]
+        floors.append(statistics.mean(_centre_alone(loaded, tasks, t) for t in trials))
         for factor in sorted(factors):
             scores = {
                 t.held.name: t.accuracy(loaded, factor, planned[chosen], source) for t in trials
@@ -281,12 +327,22 @@ def choose_scope(
             tried.append(ScopeCandidate(k, factor, statistics.mean(scores.values()), scores))
             if progress is not None:
                 progress(f"k = {k}, C' = {factor:g} x scale: held-out {tried[-1].accuracy:.2f}")
-    return _suggest(loaded, tasks, tried, min(floors), keep, chosen, transfer, centred)
+    return _suggest(
+        loaded, tasks, tried, min(floors), keep, chosen, transfer, centred,
+        every_head=planned[chosen].every_head,
+    )  # fmt: skip
+
+
+def _centre_alone(loaded: LoadedModel, tasks: Sequence[PublicTask], trial: _Trial) -> float:
+    """Held-out accuracy of the centre alone in the trial's heads (the public-only floor)."""
+    heads = trial.heads or rank_heads(loaded, tasks, k=trial.k, exclude=trial.held.name)
+    return trial.held.queries.accuracy(loaded, (heads, trial.centre.rows(heads)))
 
 
 def _suggest(
     loaded: LoadedModel, tasks: Sequence[PublicTask], tried: list[ScopeCandidate],
-    floor: float, keep: float, mode: HeadsMode, transfer: float, centred: bool,
+    floor: float, keep: float, mode: HeadsMode, transfer: float, centred: bool, *,
+    every_head: bool,
 ) -> ScopeChoice:  # fmt: skip
     """The best k; within it the smallest factor keeping ``keep`` of the best gain."""
     best = max(tried, key=lambda c: c.accuracy)
@@ -297,11 +353,11 @@ def _suggest(
     )
     heads = rank_heads(loaded, tasks, k=chosen.heads)
     candidates = None
-    if mode is HeadsMode.PRIVATE:
-        carried = len(loaded.adapter.head_shape(loaded.model).layout().all_heads())
+    if mode is HeadsMode.PRIVATE and not every_head:
+        carried = len(_carried(loaded))
         candidates = rank_heads(loaded, tasks, k=min(2 * chosen.heads, carried))
     centre = domain_centre(tasks, centred=centred)
-    scale = centred_clip_scale(tasks, heads, centre)
+    scale = centred_clip_scale(tasks, _carried(loaded) if every_head else heads, centre)
     return ScopeChoice(
         mode=mode,
         heads=heads,
@@ -313,6 +369,7 @@ def _suggest(
         transfer=transfer,
         public_only=floor,
         candidates_tried=tuple(tried),
+        every_head=every_head,
     )
 
 
@@ -332,7 +389,11 @@ def held_out_accuracy_by_chunks(
     :func:`choose_scope`, with the planned noise at ``m`` chunks instead of the plan's.
     """
     source = noise if noise is not None else secure_noise()
-    trials = [_trial(loaded, tasks, h, choice.k, mode=choice.mode, centred=centred) for h in tasks]
+    trials = [
+        _trial(loaded, tasks, h, choice.k, mode=choice.mode, centred=centred,
+               every_head=planned.every_head)
+        for h in tasks
+    ]  # fmt: skip
     out = {}
     for count in chunk_counts:
         at_count = PlannedRelease(planned.noise_multiplier, count, planned.draws)

@@ -41,7 +41,9 @@ from dpmtv_common.heads import HeadSet
 __all__ = [
     "ReinforceSettings",
     "SelectionMethod",
+    "AttributionTerms",
     "attribution_gains",
+    "attribution_terms",
     "public_activations",
     "select_heads_attribution",
     "select_heads_reinforce",
@@ -118,8 +120,40 @@ def attribution_gains(
     Summed over ``queries`` (zero-shot prompts, first answer token); one forward and backward
     pass a query. ``progress`` shows a bar of the queries scored.
     """
-    layout = loaded.adapter.head_shape(loaded.model).layout()
-    gain = torch.zeros(layout.num_layers, layout.num_heads)
+    terms = attribution_terms(
+        loaded, queries, batch_size=batch_size, instruction=instruction, progress=progress
+    )
+    return terms.gains(mean)
+
+
+@dataclass(frozen=True)
+class AttributionTerms:
+    """What the summed attribution gain of any reference needs: it is linear in the reference.
+
+    Σ_q (μ − z_q)·g_q = μ·G − c with G = Σ_q g_q ``(L, H, D)`` and c = Σ_q z_q·g_q ``(L, H)``,
+    for the queries' zero-shot activations z_q and gradients g_q of log p(answer).
+    """
+
+    gradient_sum: torch.Tensor
+    offset: torch.Tensor
+
+    def gains(self, reference: torch.Tensor) -> torch.Tensor:
+        """The summed gain ``(L, H)`` of overwriting each head with ``reference`` ``(L, H, D)``."""
+        return (reference.float() * self.gradient_sum).sum(dim=-1) - self.offset
+
+
+def attribution_terms(
+    loaded: LoadedModel,
+    queries: Sequence[Record],
+    *,
+    batch_size: int = 4,
+    instruction: str | None = None,
+    progress: bool = False,
+) -> AttributionTerms:
+    """The queries' :class:`AttributionTerms`: one forward and backward pass a query."""
+    shape = loaded.adapter.head_shape(loaded.model)
+    gradient_sum = torch.zeros(shape.num_layers, shape.num_heads, shape.head_dim)
+    offset = torch.zeros(shape.num_layers, shape.num_heads)
     with tqdm(total=len(queries), desc="attribution", unit="query", disable=not progress) as bar:
         for start in range(0, len(queries), batch_size):
             batch = queries[start : start + batch_size]
@@ -127,9 +161,10 @@ def attribution_gains(
             acts, grads = last_token_attribution(
                 loaded, prompts, [r.answer for r in batch], instruction=instruction
             )
-            gain += ((mean - acts) * grads).sum(dim=(0, -1))
+            gradient_sum += grads.sum(dim=0)
+            offset += (acts * grads).sum(dim=(0, -1))
             bar.update(len(batch))
-    return gain
+    return AttributionTerms(gradient_sum, offset)
 
 
 def top_heads(loaded: LoadedModel, gain: torch.Tensor, *, k: int) -> HeadSet:

@@ -34,7 +34,12 @@ from client.activations.extraction import zero_shot_prompt
 from client.data.records import Record, SiteDataset
 from client.evaluation.first_token import QuerySet
 from client.models import LoadedModel
-from client.public.selection import attribution_gains, public_activations, top_heads
+from client.public.selection import (
+    AttributionTerms,
+    attribution_terms,
+    public_activations,
+    top_heads,
+)
 from dpmtv_common.aliases import Float64Array
 from dpmtv_common.centre import ActivationCentre
 from dpmtv_common.errors import ConfigError
@@ -64,12 +69,27 @@ class PublicTask:
         activations: Last-token activations of its K-shot chunks, ``(m_t, L, H, D)``.
         queries: Its zero-shot queries, tokenised once (first answer token scored).
         gains: Attribution gain of each head ``(L, H)`` with the task's own mean.
+        terms: What the gains of any other reference need (None: only ``gains`` is known).
     """
 
     name: str
     activations: torch.Tensor
     queries: QuerySet
     gains: torch.Tensor
+    terms: AttributionTerms | None = None
+
+    def gains_against(self, reference: torch.Tensor) -> torch.Tensor:
+        """Attribution gain ``(L, H)`` of each head overwritten with ``reference`` ``(L, H, D)``.
+
+        Raises:
+            ConfigError: The task was built without its attribution terms.
+        """
+        if self.terms is None:
+            raise ConfigError(
+                f"public task {self.name!r} must carry its attribution terms to score heads "
+                "against another reference, got none (build it with public_task)."
+            )
+        return self.terms.gains(reference)
 
     @property
     def mean(self) -> torch.Tensor:
@@ -104,8 +124,8 @@ def public_task(
         loaded, chunks, batch_size=batch_size, instruction=dataset.instruction, progress=False
     )
     records: list[Record] = [chunk.query for chunk in chunks][:max_queries]
-    gains = attribution_gains(
-        loaded, acts.mean(0), records, batch_size=batch_size, instruction=dataset.instruction
+    terms = attribution_terms(
+        loaded, records, batch_size=batch_size, instruction=dataset.instruction
     )
     queries = QuerySet.build(
         loaded,
@@ -113,7 +133,7 @@ def public_task(
         [r.answer for r in records],
         instruction=dataset.instruction,
     )
-    return PublicTask(dataset.task, acts, queries, gains)
+    return PublicTask(dataset.task, acts, queries, terms.gains(acts.mean(0)), terms)
 
 
 def _others(tasks: Sequence[PublicTask], exclude: str | None) -> list[PublicTask]:

@@ -125,7 +125,7 @@ def test_ordinary_word_labels_pass_data_check_and_go_through_release_infer_evalu
     assert any(line.startswith("warning: at m = 8 chunks") for line in lines)
     # Act 2: select heads on it as public data, release, infer, evaluate
     heads = tmp_path / "heads.json"
-    args = ["--k", "2", "--shots", "2", "--queries", "2"]
+    args = ["--k", "2", "--shots", "2", "--queries", "2", "--for-order", "select-first"]
     assert main(["select-heads", *model, "--data", str(digits), "--out", str(heads), *args]) == 0
     release = main(
         [

@@ -14,9 +14,11 @@ from client.activations.hooks import registered_pre_hooks
 from client.activations.scoring import (
     ScoreMethod,
     answer_token_ids,
+    attribution_scores,
     chunk_head_votes,
     last_token_attribution,
     top_r_votes,
+    votes_among,
 )
 from client.data.records import Record
 from dpmtv_common.errors import ConfigError
@@ -57,6 +59,37 @@ def test_top_r_votes_breaks_ties_to_exactly_r_ones():
 
     # Assert
     np.testing.assert_array_equal(votes.sum(axis=1), 2)
+
+
+def test_votes_among_candidates_never_reach_the_other_slots():
+    # Arrange: the largest scores lie outside the candidates (a hybrid's headless slots)
+    scores = np.tile(np.arange(8.0)[::-1], (4, 1))
+    candidates = [3, 5, 6, 7]
+
+    # Act
+    votes = votes_among(scores, candidates, 2)
+
+    # Assert: r votes a chunk, on the best candidates only
+    np.testing.assert_array_equal(votes.sum(axis=1), 2)
+    assert not votes[:, [0, 1, 2, 4]].any()
+    np.testing.assert_array_equal(votes[:, [3, 5]], 1.0)
+
+
+def test_attribution_scores_are_the_first_order_gain_of_each_head():
+    # Arrange
+    generator = torch.Generator().manual_seed(0)
+    acts, grads, target = (torch.randn(3, LAYERS, HEADS, DIM, generator=generator) for _ in "agt")
+
+    # Act
+    scores = attribution_scores(acts, grads, target)
+
+    # Assert: (target − z)·g per head, by hand, flattened (layer, head)
+    assert scores.shape == (3, LAYERS * HEADS)
+    for b in range(3):
+        for layer in range(LAYERS):
+            for head in range(HEADS):
+                gain = float(((target - acts)[b, layer, head] * grads[b, layer, head]).sum())
+                assert scores[b, layer * HEADS + head] == pytest.approx(gain, rel=1e-5, abs=1e-5)
 
 
 def test_replacing_one_chunk_moves_every_head_vote_sum_by_at_most_one():

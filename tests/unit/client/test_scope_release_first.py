@@ -1,0 +1,115 @@
+"""Task-agnostic choices for a release-first plan: whole-layer C', picks from the noisy vector."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from client.public.scope import HeadsMode, PlannedRelease, choose_scope
+from client.public.selection import AttributionTerms
+from client.public.tasks import PublicTask, centred_clip_scale, domain_centre, rank_heads
+from dpmtv_common.errors import ConfigError
+from dpmtv_common.heads import HeadSet
+from dpmtv_common.privacy.testing import SeededNoise
+
+ONE_ARCH = pytest.mark.parametrize("tiny", ["llava"], indirect=True)
+LAYERS, HEADS, DIM = 2, 4, 16  # the tiny LLaVA's text model
+
+
+class _ShareOf:
+    """Accuracy = share of ``favourites`` among the patched heads (0.0 unpatched)."""
+
+    def __init__(self, favourites: set[tuple[int, int]]) -> None:
+        self.favourites = favourites
+
+    def accuracy(self, loaded, patch=None) -> float:
+        if patch is None:
+            return 0.0
+        return len(self.favourites & set(patch[0].heads)) / len(self.favourites)
+
+
+def _slots_gains(*slots: int) -> torch.Tensor:
+    gains = torch.zeros(LAYERS * HEADS)
+    for rank, slot in enumerate(slots):
+        gains[slot] = 10.0 - rank
+    return gains.reshape(LAYERS, HEADS)
+
+
+def _task(name: str, seed: int, *, stand_in: tuple[int, ...], attributed: tuple[int, ...]):
+    """A task whose own-mean gains rank ``stand_in`` first, but whose gradients reward
+    overwriting the ``attributed`` slots with anything near its (positive) activations."""
+    generator = torch.Generator().manual_seed(seed)
+    acts = torch.rand(40, LAYERS, HEADS, DIM, generator=generator) + 5.0
+    gradient_sum = torch.zeros(LAYERS * HEADS, DIM)
+    gradient_sum[list(attributed)] = 1.0
+    terms = AttributionTerms(gradient_sum.reshape(LAYERS, HEADS, DIM), torch.zeros(LAYERS, HEADS))
+    favourites = {(slot // HEADS, slot % HEADS) for slot in attributed}
+    return PublicTask(name, acts, _ShareOf(favourites), _slots_gains(*stand_in), terms)  # type: ignore[arg-type]
+
+
+def test_attribution_terms_give_the_summed_gain_of_any_reference():
+    # Arrange: three queries' zero-shot activations z and gradients g
+    generator = torch.Generator().manual_seed(0)
+    z, g = (torch.randn(3, LAYERS, HEADS, DIM, generator=generator) for _ in range(2))
+    terms = AttributionTerms(g.sum(0), (z * g).sum(dim=(0, -1)))
+    reference = torch.randn(LAYERS, HEADS, DIM, generator=generator)
+
+    # Act / Assert: Σ_q (r − z_q)·g_q, by hand
+    by_hand = ((reference - z) * g).sum(dim=(0, -1))
+    torch.testing.assert_close(terms.gains(reference), by_hand, atol=1e-5, rtol=1e-5)
+
+
+def test_a_task_without_its_terms_cannot_score_another_reference():
+    task = PublicTask("a", torch.zeros(2, LAYERS, HEADS, DIM), None, torch.zeros(LAYERS, HEADS))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="must carry its attribution terms"):
+        task.gains_against(torch.zeros(LAYERS, HEADS, DIM))
+
+
+@ONE_ARCH
+def test_a_release_first_private_choice_picks_heads_from_the_noisy_vector(loaded):
+    # Arrange: each task's own-mean gains (the select-first stand-in) point at slots its
+    # gradients do not reward; only scoring the noisy vector finds the rewarded ones
+    tasks = [
+        _task("a", 1, stand_in=(0, 1), attributed=(6, 7)),
+        _task("b", 2, stand_in=(0, 2), attributed=(5, 6)),
+        _task("c", 3, stand_in=(1, 2), attributed=(4, 7)),
+    ]
+    planned = {HeadsMode.PRIVATE: PlannedRelease(1.0, 100_000, draws=2, every_head=True)}
+    stand_in = {HeadsMode.PRIVATE: PlannedRelease(1.0, 100_000, draws=2)}
+
+    # Act
+    choice = choose_scope(
+        loaded, tasks, planned=planned, ks=[2], noise=SeededNoise(0), mode=HeadsMode.PRIVATE
+    )
+    select_first = choose_scope(
+        loaded, tasks, planned=stand_in, ks=[2], noise=SeededNoise(0), mode=HeadsMode.PRIVATE
+    )
+
+    # Assert: the rewarded heads every time; the stand-in finds none of them
+    assert [c.accuracy for c in choice.candidates_tried] == [1.0] * len(choice.candidates_tried)
+    assert max(c.accuracy for c in select_first.candidates_tried) == 0.0
+    assert choice.every_head
+    assert choice.candidates is None
+    assert choice.as_record()["release_order"] == "release-first"
+    assert select_first.as_record()["release_order"] == "select-first"
+
+
+@ONE_ARCH
+def test_a_release_first_clip_scale_is_that_of_whole_layers(loaded):
+    # Arrange: the rewarded heads lie in one layer; the Gaussian still covers both
+    tasks = [_task(n, i, stand_in=(0, 1), attributed=(0, 1)) for i, n in enumerate("abc")]
+    planned = {mode: PlannedRelease(1.0, 1000, draws=1, every_head=True) for mode in HeadsMode}
+    every = HeadSet.of([(layer, head) for layer in range(LAYERS) for head in range(HEADS)])
+
+    # Act
+    for mode in HeadsMode:
+        choice = choose_scope(
+            loaded, tasks, planned=planned, ks=[2], noise=SeededNoise(0), mode=mode
+        )
+
+        # Assert
+        centre = domain_centre(tasks)
+        assert choice.scale == pytest.approx(centred_clip_scale(tasks, every, centre))
+        assert choice.scale > centred_clip_scale(tasks, rank_heads(loaded, tasks, k=2), centre)
+        assert np.isclose(choice.clip_norm, choice.factor * choice.scale)
