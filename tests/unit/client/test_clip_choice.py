@@ -318,3 +318,31 @@ def test_planned_noise_of_a_plan_carries_the_plans_noise_multiplier(mode):
     if mode == "central":
         assert planned.noise_multiplier == pytest.approx(plan_calibration(plan).noise_multiplier)
     assert (planned.num_chunks, planned.layers_in_scope) == (200, 3)
+
+
+@ONE_ARCH
+def test_a_release_first_bound_is_scaled_and_clipped_over_whole_layers(loaded, chunks, monkeypatch):
+    # Arrange: the release keeps three heads but clips (and noises) every head of their layers
+    acts = _spread_acts()
+    every = HeadSet.of([(layer, head) for layer in range(2) for head in range(4)])
+    seen: list[np.ndarray] = []
+
+    def record(self, loaded, patch=None):
+        if patch is not None:
+            seen.append(np.asarray(patch[1]))
+        return 0.5
+
+    monkeypatch.setattr(QuerySet, "accuracy", record)
+
+    # Act
+    choice = choose_clip_norm(
+        loaded, acts, HEADS, [chunk.query for chunk in chunks], clipped_scope=every
+    )
+
+    # Assert: the median of whole layers, and the kept heads' rows of the whole-layer clip
+    assert choice.median == pytest.approx(suggested_clip_norm(acts, every))
+    assert choice.median > suggested_clip_norm(acts, HEADS)
+    whole = clipped_mean(acts, every, choice.clip_norm)
+    position = {head: i for i, head in enumerate(every.heads)}
+    np.testing.assert_allclose(seen[-1], whole[[position[h] for h in HEADS.heads]])
+    assert not np.allclose(seen[-1], clipped_mean(acts, HEADS, choice.clip_norm))
