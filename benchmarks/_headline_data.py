@@ -22,6 +22,7 @@ import torch
 
 from client.activations.chunking import make_chunks
 from client.activations.extraction import zero_shot_prompt
+from client.activations.scoring import attribution_scores, last_token_attribution, votes_among
 from client.data.records import Record, SiteDataset, load_dataset
 from client.data.synthetic import TRAINED_TASKS, write_task_datasets
 from client.evaluation.first_token import QuerySet
@@ -55,6 +56,7 @@ class SiteActs:
     activations: np.ndarray
     sums: LocalSums | None = None  # the production vote path, for private selection
     votes: VoteSum | None = None
+    terms: tuple[torch.Tensor, torch.Tensor] | None = None
     cache: dict[tuple, ActivationSum] = field(default_factory=dict)
 
     def activation(
@@ -71,6 +73,38 @@ class SiteActs:
             total = sum(clip_per_layer(r, row_layers=layers, clip_norm=clip_norm) for r in rows)
             self.cache[key] = ActivationSum(heads, np.asarray(total), len(rows))
         return self.cache[key]
+
+    def zero_shot_terms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each chunk's zero-shot activations and answer gradients ``(m_i, L, H, D)`` (once).
+
+        The production attribution pass (``last_token_attribution``), one chunk a pass as a
+        site's attribution scoring runs it; every release-first draw scores against these.
+        """
+        if self.terms is None:
+            if self.sums is None:
+                raise ValueError("this site was prepared without its chunks")
+            loaded = self.sums.loaded
+            passes = [
+                last_token_attribution(
+                    loaded, [zero_shot_prompt(c.query)], [c.query.answer], instruction=None
+                )
+                for c in self.sums.chunks
+            ]
+            self.terms = (torch.cat([a for a, _ in passes]), torch.cat([g for _, g in passes]))
+        return self.terms
+
+    def attribution_vote(self, reference: np.ndarray, top_r: int) -> VoteSum:
+        """Top-r votes by attribution against ``reference`` ``(L, H, D)``, summed over chunks.
+
+        The production scoring (``attribution_scores``, ``votes_among``) on the chunks'
+        zero-shot terms, every carried head a candidate.
+        """
+        acts, grads = self.zero_shot_terms()
+        target = torch.as_tensor(reference, dtype=torch.float32)
+        scores = attribution_scores(acts, grads, target.expand_as(acts))
+        layout = self.sums.loaded.adapter.head_shape(self.sums.loaded.model).layout()
+        votes = votes_among(scores, layout.candidates(), top_r)
+        return VoteSum(votes.sum(axis=0), len(acts))
 
     def vote(self) -> VoteSum:
         """The site's top-r shift votes by the production path (computed once)."""

@@ -118,17 +118,24 @@ class Consortium:
         return ActivationSum(heads, total.reshape(parts[0].total.shape), chunks, len(parts))
 
     def vote_sum(self, reference: np.ndarray | None) -> VoteSum:
-        """Σ of the sites' shift votes (central, select-first only)."""
-        if reference is not None or self.grids is not None:
-            raise ValueError("private rows here are central and select-first")
-        parts = [site.vote() for site in self.sites]
+        """Σ of the sites' votes (central only): shift votes, or attribution against ``reference``.
+
+        ``reference``: the noisy all-head vector of a release-first plan; each chunk then votes
+        for its top-r heads by attribution against it, as a site's ``LocalSums`` does.
+        """
+        if self.grids is not None:
+            raise ValueError("private rows here are central")
+        if reference is None:
+            parts = [site.vote() for site in self.sites]
+        else:
+            parts = [site.attribution_vote(reference, self.plan.score_top_r) for site in self.sites]
         return VoteSum(np.sum([p.total for p in parts], axis=0), sum(p.num_chunks for p in parts))
 
 
 def make_plan(
     loaded: LoadedModel, *, sites: int, chunks: int, clip: float, heads: HeadSet | None,
     mode: NoiseMode = NoiseMode.CENTRAL, centre: ActivationCentre | None = None,
-    candidates: HeadSet | None = None, k: int = 1,
+    candidates: HeadSet | None = None, k: int = 1, order: ReleaseOrder = ReleaseOrder.SELECT_FIRST,
 ) -> ReleasePlan:  # fmt: skip
     """A plan of public heads (``heads``), or private selection of k among ``candidates``."""
     private = heads is None
@@ -136,7 +143,7 @@ def make_plan(
         protocol_version=PROTOCOL_VERSION, release_id="headline", task="headline",
         model_fingerprint=loaded.fingerprint, epsilon=1.0, delta=1e-5, shots=4,
         clip_norm=clip, selection=SelectionMode.PRIVATE if private else SelectionMode.PUBLIC,
-        order=ReleaseOrder.SELECT_FIRST, num_selected_heads=k if private else len(heads),
+        order=order, num_selected_heads=k if private else len(heads),
         public_heads=None if private else heads.heads,
         candidate_heads=candidates.heads if candidates is not None else None,
         selection_share=0.3, score_top_r=k if private else len(heads),
@@ -205,8 +212,13 @@ def baselines(args, loaded: LoadedModel, data: TaskData, heads: HeadSet, centre)
     return out
 
 
-def planned_releases(args, loaded: LoadedModel, sites: int, chunks: int) -> dict:
-    """The planned release in each heads mode at ``sites`` (z from the plan, m = n x chunks)."""
+def planned_releases(
+    args, loaded: LoadedModel, sites: int, chunks: int, *, every_head: bool = False
+) -> dict:
+    """The planned release in each heads mode at ``sites`` (z from the plan, m = n x chunks).
+
+    ``every_head``: planned in release-first order (the Gaussian covers every head).
+    """
     k = MODELS[args.model][2]
     plans = {
         HeadsMode.PUBLIC: make_plan(
@@ -215,18 +227,24 @@ def planned_releases(args, loaded: LoadedModel, sites: int, chunks: int) -> dict
         HeadsMode.PRIVATE: make_plan(loaded, sites=sites, chunks=chunks, clip=1.0, heads=None, k=k),
     }
     return {
-        mode: PlannedRelease(plan_noise_multiplier(plan), sites * chunks, draws=args.choice_draws)
+        mode: PlannedRelease(
+            plan_noise_multiplier(plan),
+            sites * chunks,
+            draws=args.choice_draws,
+            every_head=every_head,
+        )
         for mode, plan in plans.items()
     }
 
 
 def choose(
     args, loaded: LoadedModel, data: TaskData, sites: int, *, centred: bool = True,
-    mode: HeadsMode | None = None,
+    mode: HeadsMode | None = None, every_head: bool = False,
 ) -> ScopeChoice:  # fmt: skip
     chunks = len(data.sites[0].activations)
+    planned = planned_releases(args, loaded, sites, chunks, every_head=every_head)
     choice = choose_scope(
-        loaded, data.public, planned=planned_releases(args, loaded, sites, chunks),
+        loaded, data.public, planned=planned,
         ks=MODELS[args.model][1], centred=centred, mode=mode,
         progress=lambda line: log(f"{data.name}: {sites} sites: {line}"),
     )  # fmt: skip
@@ -242,12 +260,17 @@ def choice_plan(
     loaded: LoadedModel, choice: ScopeChoice, *, sites: int, chunks: int,
     mode: NoiseMode = NoiseMode.CENTRAL, centred: bool = True,
 ) -> ReleasePlan:  # fmt: skip
-    """The plan a choice makes: its heads (public) or its candidates (private), its C'."""
+    """The plan a choice makes: its heads (public) or its candidates (private), its C'.
+
+    A choice made for a release-first plan (``choice.every_head``) makes one.
+    """
     private = choice.mode is HeadsMode.PRIVATE
+    order = ReleaseOrder.RELEASE_FIRST if choice.every_head else ReleaseOrder.SELECT_FIRST
     return make_plan(
         loaded, sites=sites, chunks=chunks, clip=choice.clip_norm,
         heads=None if private else choice.heads, mode=mode,
         centre=choice.centre if centred else None, candidates=choice.candidates, k=choice.k,
+        order=order,
     )  # fmt: skip
 
 

@@ -9,7 +9,9 @@ no example carries the task's answers), eps = 1, delta = 1e-5, ``--draws`` noise
 central and distributed (t = ceil(n/2); public heads only), at each ``--sites`` count; sites
 of ``--per-site`` examples, each holding ``--classes-per-site`` answers (the combinations in
 turn). Side by side, central: the heads mode the public transfer rule did not choose (every
-size); private selection among every head, not only the 2k public candidates
+size); private selection in release-first order, the product's default (every head noised,
+then each chunk votes by attribution against the noisy vector; ``--release-first-sites``);
+private selection among every head, not only the 2k public candidates
 (``--every-head-sites``); and at the largest size the public-heads release in MTV's own heads
 (oracle heads: a diagnostic of what the head choice costs).
 
@@ -49,6 +51,7 @@ from dpmtv_common.thread_policy import apply_thread_policy
 apply_thread_policy()  # before torch loads
 
 import numpy as np
+import torch
 from _headline_data import (
     TINY_PUBLIC,
     SiteActs,
@@ -88,6 +91,10 @@ def parse_args() -> argparse.Namespace:
         "--every-head-sites", type=int, nargs="*", default=[24, 48],
         help="sizes that also release with private selection among every head",
     )  # fmt: skip
+    parser.add_argument(
+        "--release-first-sites", type=int, nargs="*", default=[6, 12, 24, 48],
+        help="sizes that also release in release-first order (attribution votes)",
+    )  # fmt: skip
     parser.add_argument("--choice-draws", type=int, default=3, help="noise draws a tried (k, C')")
     parser.add_argument("--public-per-task", type=int, default=150)
     parser.add_argument("--seed", type=int, default=0)
@@ -104,6 +111,20 @@ class CachedVotes(SiteActs):
     """A site whose shift votes (private selection's input) are kept on disk between runs."""
 
     votes_path: Path | None = None
+    terms_path: Path | None = None
+
+    def zero_shot_terms(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """The chunks' attribution terms: from the disk if kept there, else computed and kept."""
+        if self.terms is None and self.terms_path is not None and self.terms_path.is_file():
+            saved = torch.load(self.terms_path)
+            self.terms = (saved["activations"], saved["gradients"])
+        if self.terms is None:
+            self.terms = super().zero_shot_terms()
+            if self.terms_path is not None:
+                torch.save(
+                    {"activations": self.terms[0], "gradients": self.terms[1]}, self.terms_path
+                )
+        return self.terms
 
     def vote(self) -> VoteSum:
         """The site's votes: from the disk if kept there, else computed once and kept."""
@@ -133,12 +154,13 @@ def prepare(args, loaded: LoadedModel, root: Path, task: str) -> TaskData:
     acts = []
     for index, records in enumerate(skewed):
         chunks = make_chunks(SiteDataset(tuple(records), task), shots=SHOTS, seed=1000 + index)
-        name = f"skew-{task}-{args.classes_per_site}-{args.per_site}-{args.seed}-{index}"
+        name = f"skew-{task}-{args.classes_per_site}-{args.per_site}-{args.seed}-{sites}-{index}"
         acts.append(
             CachedVotes(
                 site_activations(loaded, chunks.chunks, args.cache_dir, name),
                 LocalSums(loaded, chunks.chunks, vote_plan, progress=False),
                 votes_path=args.cache_dir and args.cache_dir / f"{name}-votes.npz",
+                terms_path=args.cache_dir and args.cache_dir / f"{name}-terms.pt",
             )
         )
         if (index + 1) % 6 == 0 or index + 1 == sites:
@@ -212,6 +234,19 @@ def other_mode_row(
     return row, choice
 
 
+def release_first_row(args, loaded: LoadedModel, data: TaskData, sites: int) -> dict:
+    """Private selection in release-first order (the product's default), central.
+
+    The Gaussian covers every head; each chunk then votes for its top-r heads by attribution
+    against the noisy vector (on its own answer), among every head; the k most voted are kept.
+    Its centre, k and C' are chosen for that order from the public tasks alone.
+    """
+    choice = choose(args, loaded, data, sites, mode=HeadsMode.PRIVATE, every_head=True)
+    label = f"{sites} sites, central, private heads, release-first (attribution votes)"
+    row = central_row(args, loaded, data, choice, sites, label, "release-first")
+    return row | {"noise_free": None, "unclipped": None}
+
+
 def every_head_row(
     args, loaded: LoadedModel, data: TaskData, choice: ScopeChoice, sites: int
 ) -> dict:
@@ -271,6 +306,8 @@ def run_task(args, loaded: LoadedModel, root: Path, task: str) -> dict:
         for row, choice in [(r, choices[sites]) for r in size] + [(side, other)]:
             row.update(without_noise(loaded, data, choice, sites))
         rows += [*size, side]
+        if sites in args.release_first_sites:
+            rows.append(release_first_row(args, loaded, data, sites))
         if sites in args.every_head_sites:
             private = choices[sites] if choices[sites].mode is HeadsMode.PRIVATE else other
             rows.append(every_head_row(args, loaded, data, private, sites))
