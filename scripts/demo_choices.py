@@ -106,6 +106,7 @@ def single_set_choice(
         "num-selected-heads": args.heads,
         "selection": "private",
         "candidate-heads": _heads_text(candidates),
+        "order": "select-first",  # C was chosen for the k selected heads, not whole layers
     }
     summary = (
         f"one labelled public set ({dataset.task!r}): uncentred, private selection among "
