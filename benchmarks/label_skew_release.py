@@ -25,8 +25,9 @@ itself (their mean, and 4-shot ICL from them).
 
 Writes ``docs/benchmarks/label-skew-release.md`` (and ``.json``)::
 
-    .venv/bin/python benchmarks/label_skew_release.py --cache-dir CACHE
-    # ~40 min on 2 cores; ~15 min again with the sites' activations and votes kept in CACHE
+    .venv/bin/python benchmarks/label_skew_release.py --sites 6 12 24 48 --cache-dir CACHE
+    # ~50 min on 2 cores; ~36 min again with the sites' activations, votes and
+    # attribution terms kept in CACHE
 """
 
 from __future__ import annotations
@@ -355,7 +356,11 @@ def render(results: dict) -> str:
         "own heads use validation answers); labelled rows assume public examples of the task "
         "itself. *Without noise* and *without noise or clipping* diagnose a public-heads "
         "row (not private, n/a for private selection, whose heads each draw picks): the same "
-        "sites' centred clipped mean with zero noise, and their plain mean, in the row's heads.",
+        "sites' centred clipped mean with zero noise, and their plain mean, in the row's heads. "
+        "Private rows are select-first (each chunk's shift votes, among the 2k public "
+        "candidates unless said otherwise) except those marked release-first: the product's "
+        "default order, every head noised once, then each chunk votes by attribution against "
+        "the noisy vector on its own answer, among every head, with C' chosen for whole layers.",
     ]
     for task in results["tasks"]:
         base = task["baselines"]

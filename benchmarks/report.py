@@ -396,7 +396,8 @@ def main() -> int:
         "[weak-site-candidates.md](benchmarks/weak-site-candidates.md) and, with sites holding "
         "a few classes each, [label-skew.md](benchmarks/label-skew.md) (non-private) and "
         "[label-skew-release.md](benchmarks/label-skew-release.md) (the DP release at up to "
-        "48 sites; where its head choice loses: "
+        "48 sites, where release-first private selection beats a site alone at 48; where "
+        "the other head choices lose: "
         "[label-skew-heads.md](benchmarks/label-skew-heads.md)); first-token accuracy "
         "against the answer a reader sees, with and without the public answer's end, on the "
         "pretrained demo's release, in [answer-span.md](benchmarks/answer-span.md).",
