@@ -11,6 +11,8 @@ non-private* mean in each head set, so only the head choice differs:
   found among them;
 * the top k by the sites' noise-free vote totals (the private selection's score, no noise),
   among the 2k candidates and among every head;
+* the top k by the sites' attribution votes against the pooled mean, among every head
+  (release-first's score, with the noise-free mean in place of the released vector);
 
 and the private release itself (public candidates) at the planned selection share and at
 larger shares (``--shares``), ``--draws`` noise draws each. Reads the sites' activations and
@@ -37,6 +39,7 @@ from dpmtv_common.thread_policy import apply_thread_policy
 
 apply_thread_policy()  # before torch loads
 
+import numpy as np
 from headline import choice_plan, choose, release_draws
 from label_skew_release import prepare, rows_of
 
@@ -87,6 +90,16 @@ def main() -> int:
             ranked = sorted(pool, key=lambda h: float(votes[h[0], h[1]]), reverse=True)
             return HeadSet.of(sorted(ranked[: args.k]))
 
+        def by_attribution() -> HeadSet:
+            # Release-first's score without its noise: each chunk's top-k heads by attribution
+            # of the pooled mean on its own answer (the production scoring), summed over sites.
+            reference = data.pooled_mean.numpy()
+            totals = sum(site.attribution_vote(reference, args.k).total for site in data.sites)
+            ranked = np.argsort(-np.asarray(totals), kind="stable")[: args.k]
+            return HeadSet.of(
+                sorted((int(i) // shape.num_heads, int(i) % shape.num_heads) for i in ranked)
+            )
+
         every = [
             (layer, head) for layer in range(shape.num_layers) for head in range(shape.num_heads)
         ]
@@ -100,8 +113,9 @@ def main() -> int:
             "MTV's heads among the 2k candidates": HeadSet.of(
                 sorted(set(own.heads) & set(top_2k.heads))
             ),
-            "noise-free votes, top k of the candidates": by_votes(list(top_2k.heads)),
-            "noise-free votes, top k of every head": by_votes(every),
+            "noise-free shift votes, top k of the candidates": by_votes(list(top_2k.heads)),
+            "noise-free shift votes, top k of every head": by_votes(every),
+            "attribution votes against the pooled mean, top k of every head": by_attribution(),
         }
         rows = []
         for label, heads in sets.items():
