@@ -242,7 +242,7 @@ class _Trial:
         scores = []
         for _ in range(planned.draws):
             values = noise.add_gaussian(mean, noise_std=std) + back
-            heads = self.heads or self._picked(loaded, values)
+            heads = self._picked(loaded, values) if self.heads is None else self.heads
             scores.append(self.held.queries.accuracy(loaded, (heads, self._rows(values, heads))))
         return statistics.mean(scores)
 
@@ -335,7 +335,9 @@ def choose_scope(
 
 def _centre_alone(loaded: LoadedModel, tasks: Sequence[PublicTask], trial: _Trial) -> float:
     """Held-out accuracy of the centre alone in the trial's heads (the public-only floor)."""
-    heads = trial.heads or rank_heads(loaded, tasks, k=trial.k, exclude=trial.held.name)
+    heads = trial.heads
+    if heads is None:  # picked per draw: the public ranking's top k stands in
+        heads = rank_heads(loaded, tasks, k=trial.k, exclude=trial.held.name)
     return trial.held.queries.accuracy(loaded, (heads, trial.centre.rows(heads)))
 
 

@@ -8,7 +8,13 @@ import torch
 
 from client.public.scope import HeadsMode, PlannedRelease, choose_scope
 from client.public.selection import AttributionTerms
-from client.public.tasks import PublicTask, centred_clip_scale, domain_centre, rank_heads
+from client.public.tasks import (
+    PublicTask,
+    centred_clip_scale,
+    centred_mean,
+    domain_centre,
+    rank_heads,
+)
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.testing import SeededNoise
@@ -113,3 +119,53 @@ def test_a_release_first_clip_scale_is_that_of_whole_layers(loaded):
         assert choice.scale == pytest.approx(centred_clip_scale(tasks, every, centre))
         assert choice.scale > centred_clip_scale(tasks, rank_heads(loaded, tasks, k=2), centre)
         assert np.isclose(choice.clip_norm, choice.factor * choice.scale)
+
+
+Patched = tuple[str, HeadSet, np.ndarray]
+
+
+class _Recording:
+    """Accuracy 0.5 always; every patch scored is kept, by task."""
+
+    def __init__(self, name: str, log: list[Patched]) -> None:
+        self.name, self.log = name, log
+
+    def accuracy(self, loaded, patch=None) -> float:
+        if patch is not None:
+            self.log.append((self.name, patch[0], np.asarray(patch[1])))
+        return 0.5
+
+
+@ONE_ARCH
+def test_a_release_first_public_trial_clips_whole_layers_then_keeps_its_heads(loaded):
+    # Arrange: three tasks of different offsets (the bound binds where a task lies far from
+    # the others' centre); a release so large that its noise is negligible
+    log: list[Patched] = []
+    tasks = []
+    for i, name in enumerate("abc"):
+        task = _task(name, i, stand_in=(0, 5), attributed=(0, 5))
+        tasks.append(PublicTask(name, task.activations * (1 + i), _Recording(name, log),  # type: ignore[arg-type]
+                                task.gains, task.terms))  # fmt: skip
+    planned = {HeadsMode.PUBLIC: PlannedRelease(1.0, 10**9, draws=1, every_head=True)}
+    every = HeadSet.of([(layer, head) for layer in range(LAYERS) for head in range(HEADS)])
+
+    # Act
+    choose_scope(loaded, tasks, planned=planned, ks=[2], factors=[1.0], mode=HeadsMode.PUBLIC,
+                 noise=SeededNoise(0))  # fmt: skip
+
+    # Assert: each held-out release (the last patch of each task: the transfer and the
+    # centre-alone floor are scored first) is the whole-layer clip's rows, centre added
+    by_name = {task.name: task for task in tasks}
+    assert sorted(name for name, _, _ in log[-3:]) == ["a", "b", "c"]
+    clipped_otherwise = 0
+    for name, heads, values in log[-3:]:
+        others = [t for t in tasks if t.name != name]
+        centre = domain_centre(tasks, exclude=name)
+        clip = centred_clip_scale(others, every, centre)
+        whole = centred_mean(by_name[name].activations, every, centre, clip)
+        position = {head: i for i, head in enumerate(every.heads)}
+        rows = whole[[position[h] for h in heads.heads]] + centre.rows(heads)
+        np.testing.assert_allclose(values, rows, atol=1e-6)
+        own_heads_clip = centred_mean(by_name[name].activations, heads, centre, clip)
+        clipped_otherwise += not np.allclose(values, own_heads_clip + centre.rows(heads))
+    assert clipped_otherwise >= 1  # where the bound binds, the kept heads' own clip differs
