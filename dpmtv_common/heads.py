@@ -81,6 +81,11 @@ class HeadSet:
         """The layer of each row, as an int64 array of length ``len(self)``."""
         return np.array([layer for layer, _ in self.heads], dtype=np.int64)
 
+    def rows_of(self, subset: HeadSet) -> list[int]:
+        """The row of each head of ``subset`` among this set's rows (raises KeyError if absent)."""
+        row = {head: index for index, head in enumerate(self.heads)}
+        return [row[head] for head in subset.heads]
+
     def to_array(self) -> Int64Array:
         """The pairs as an int64 array of shape ``(len(self), 2)``."""
         return np.array(self.heads, dtype=np.int64).reshape(len(self.heads), 2)

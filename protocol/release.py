@@ -181,11 +181,6 @@ def _require_chunks(summed: ActivationSum) -> ActivationSum:
     return summed
 
 
-def _rows(heads: HeadSet, subset: HeadSet) -> list[int]:
-    index = {head: row for row, head in enumerate(heads.heads)}
-    return [index[head] for head in subset.heads]
-
-
 def _candidates(plan: ReleasePlan, layout: HeadLayout) -> list[int]:
     """Dense slots selection picks among: the plan's candidate set, else every carried head.
 
@@ -494,7 +489,7 @@ def _release_first(
     if plan.selection is SelectionMode.PRIVATE:
         # Votes are scored against the noisy vector, so selection reads no raw activation.
         released = mode.select(sums.vote_sum(layout.dense_rows(noisy_all)))
-    return _Released(summed, released, noisy_all[_rows(all_heads, released)])
+    return _Released(summed, released, noisy_all[all_heads.rows_of(released)])
 
 
 def run_release(

@@ -239,14 +239,9 @@ class _ClippedScope:
     kept: HeadSet
     clipped: HeadSet
 
-    def kept_rows(self, values: np.ndarray) -> np.ndarray:
-        """The kept heads' rows of ``values`` (one row per head of the clipped scope)."""
-        position = {head: i for i, head in enumerate(self.clipped.heads)}
-        return values[[position[head] for head in self.kept.heads]]
-
     def kept_mean(self, activations: torch.Tensor, clip_norm: float) -> np.ndarray:
         """The clipped mean over the clipped scope, on the kept heads."""
-        return self.kept_rows(clipped_mean(activations, self.clipped, clip_norm))
+        return clipped_mean(activations, self.clipped, clip_norm)[self.clipped.rows_of(self.kept)]
 
 
 def _best_under_noise(

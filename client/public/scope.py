@@ -61,7 +61,7 @@ from client.public.tasks import (
 from dpmtv_common.aliases import Float64Array
 from dpmtv_common.centre import ActivationCentre
 from dpmtv_common.errors import ConfigError
-from dpmtv_common.heads import HeadSet
+from dpmtv_common.heads import HeadLayout, HeadSet
 from dpmtv_common.privacy.noise import NoiseSource, secure_noise
 
 __all__ = [
@@ -243,18 +243,14 @@ class _Trial:
         for _ in range(planned.draws):
             values = noise.add_gaussian(mean, noise_std=std) + back
             heads = self._picked(loaded, values) if self.heads is None else self.heads
-            scores.append(self.held.queries.accuracy(loaded, (heads, self._rows(values, heads))))
+            rows = values[self.noised.rows_of(heads)]
+            scores.append(self.held.queries.accuracy(loaded, (heads, rows)))
         return statistics.mean(scores)
 
-    def _rows(self, values: Float64Array, heads: HeadSet) -> Float64Array:
-        position = {head: i for i, head in enumerate(self.noised.heads)}
-        return values[[position[head] for head in heads.heads]]
-
     def _picked(self, loaded: LoadedModel, values: Float64Array) -> HeadSet:
-        dense = torch.zeros(self.held.activations.shape[1:], dtype=torch.float64)
-        index = torch.as_tensor(self.noised.to_array())
-        dense[index[:, 0], index[:, 1]] = torch.as_tensor(values)
-        return top_heads(loaded, self.held.gains_against(dense), k=self.k)
+        # Every carried head was noised (release-first): place the rows as the release does.
+        dense = _layout(loaded).dense_rows(values)
+        return top_heads(loaded, self.held.gains_against(torch.as_tensor(dense)), k=self.k)
 
 
 def _trial(
@@ -274,8 +270,12 @@ def _trial(
     return _Trial(held, heads, noised, k, centre, centred_clip_scale(others, noised, centre))
 
 
+def _layout(loaded: LoadedModel) -> HeadLayout:
+    return loaded.adapter.head_shape(loaded.model).layout()
+
+
 def _carried(loaded: LoadedModel) -> HeadSet:
-    return loaded.adapter.head_shape(loaded.model).layout().all_heads()
+    return _layout(loaded).all_heads()
 
 
 def choose_scope(
