@@ -57,6 +57,7 @@ class SiteActs:
     sums: LocalSums | None = None  # the production vote path, for private selection
     votes: VoteSum | None = None
     terms: tuple[torch.Tensor, torch.Tensor] | None = None
+    terms_path: Path | None = None  # where the attribution terms are kept between runs
     cache: dict[tuple, ActivationSum] = field(default_factory=dict)
 
     def activation(
@@ -79,19 +80,30 @@ class SiteActs:
 
         The production attribution pass (``last_token_attribution``), one chunk a pass as a
         site's attribution scoring runs it; every release-first draw scores against these.
+        Read from ``terms_path`` when kept there, else computed (and kept there).
         """
+        if self.terms is None and self.terms_path is not None and self.terms_path.is_file():
+            saved = torch.load(self.terms_path)
+            self.terms = (saved["activations"], saved["gradients"])
         if self.terms is None:
-            if self.sums is None:
-                raise ValueError("this site was prepared without its chunks")
-            loaded = self.sums.loaded
-            passes = [
-                last_token_attribution(
-                    loaded, [zero_shot_prompt(c.query)], [c.query.answer], instruction=None
+            self.terms = self._attribution_passes()
+            if self.terms_path is not None:
+                torch.save(
+                    {"activations": self.terms[0], "gradients": self.terms[1]}, self.terms_path
                 )
-                for c in self.sums.chunks
-            ]
-            self.terms = (torch.cat([a for a, _ in passes]), torch.cat([g for _, g in passes]))
         return self.terms
+
+    def _attribution_passes(self) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.sums is None:
+            raise ValueError("this site was prepared without its chunks")
+        loaded = self.sums.loaded
+        passes = [
+            last_token_attribution(
+                loaded, [zero_shot_prompt(c.query)], [c.query.answer], instruction=None
+            )
+            for c in self.sums.chunks
+        ]
+        return torch.cat([a for a, _ in passes]), torch.cat([g for _, g in passes])
 
     def attribution_vote(self, reference: np.ndarray, top_r: int) -> VoteSum:
         """Top-r votes by attribution against ``reference`` ``(L, H, D)``, summed over chunks.
@@ -157,8 +169,9 @@ def prepare_task(
 ) -> TaskData:
     """Write and run everything public and private for ``task`` (module docstring).
 
-    ``cache``: a folder keeping each site's activations between runs (same data, same model:
-    the data are seeded, so a rerun with other rows skips the sites' forward passes).
+    ``cache``: a folder keeping each site's activations (and, once computed, its chunks'
+    attribution terms) between runs (same data, same model: the data are seeded, so a rerun
+    with other rows skips the sites' forward passes).
     """
     write_task_datasets(
         root / task, task=task, sites=sites, per_site=per_site, public=TINY_PUBLIC,
@@ -171,11 +184,13 @@ def prepare_task(
     for index in range(sites):
         dataset = load_dataset(root / task / f"site-{index}")
         chunks = make_chunks(dataset, shots=shots, seed=1000 + index).chunks
-        acts = site_activations(loaded, chunks, cache, f"{task}-{per_site}-{seed}-{index}")
+        name = f"{task}-{per_site}-{seed}-{index}"
+        acts = site_activations(loaded, chunks, cache, name)
         sums = None
         if plan_for_votes is not None:
             sums = LocalSums(loaded, chunks, plan_for_votes, progress=False)
-        caches.append(SiteActs(acts, sums))
+        terms = None if cache is None else cache / f"{loaded.fingerprint[-16:]}-{name}-terms.pt"
+        caches.append(SiteActs(acts, sums, terms_path=terms))
         records.append(list(dataset.records))
         if (index + 1) % 5 == 0 or index + 1 == sites:
             log(f"{task}: {index + 1} of {sites} sites extracted")

@@ -56,11 +56,20 @@ def _variant(row: dict) -> str:
     return "chosen"
 
 
-def _chosen(task: dict, sites: int, mode: str) -> dict | None:
+def _chosen(task: dict, sites: int, mode: str, variant: str = "chosen") -> dict | None:
     for row in task["rows"]:
-        if row["sites"] == sites and row["mode"] == mode and _variant(row) == "chosen":
+        if row["sites"] == sites and row["mode"] == mode and _variant(row) == variant:
             return row
     return None
+
+
+# The summary's lines a task: the public choices' release in each noise mode, and private
+# selection in release-first order (the product's default order) where it was run.
+_SUMMARY_LINES = (
+    ("central", "chosen", "central"),
+    ("distributed", "chosen", "distributed t = n/2"),
+    ("central", "release-first", "central, private heads, release-first"),
+)
 
 
 def _sites(headlines: dict[str, dict[str, Any]]) -> list[int]:
@@ -94,11 +103,10 @@ def headline_table(headlines: dict[str, dict[str, Any]]) -> list[str]:
         for task in results["tasks"]:
             base = task["baselines"]
             key, best = best_baseline(base)
-            for mode in ("central", "distributed"):
-                rows = [_chosen(task, s, mode) for s in sizes]
+            for mode, variant, label in _SUMMARY_LINES:
+                rows = [_chosen(task, s, mode, variant) for s in sizes]
                 if not any(rows):
                     continue
-                label = mode if mode == "central" else "distributed t = n/2"
                 lines.append(
                     f"| {model} | {task['task']} | {base['zero_shot']:.2f} | "
                     f"{base['public_only_task_agnostic']:.2f} | {base['site_alone_icl']:.2f} | "
@@ -117,7 +125,9 @@ def side_table(headlines: dict[str, dict[str, Any]]) -> list[str]:
     ]
     for model, results in headlines.items():
         for task in results["tasks"]:
-            side = [r for r in task["rows"] if _variant(r) not in ("chosen", "sweep")]
+            side = [
+                r for r in task["rows"] if _variant(r) not in ("chosen", "sweep", "release-first")
+            ]
             if not side:
                 continue
             sites = side[0]["sites"]

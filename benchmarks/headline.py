@@ -26,7 +26,10 @@ training showed):
 Side by side at 10 sites, central: the same release without the centre (raw activations, C
 chosen the same way), and private selection (Gumbel top-k among the 2k public heads, centred);
 with ``--clip-sweep``, the chosen release at other multiples of the public C' scale (labelled a
-diagnostic: which is best is read off test answers).
+diagnostic: which is best is read off test answers). With ``--release-first-sites``, central at
+those sizes: private selection in release-first order, the product's default (every head
+noised once; each chunk then votes for its top-r heads by attribution against the noisy
+vector; the k most voted kept), its centre, k and C' chosen for that order on the public tasks.
 
 Writes ``docs/benchmarks/headline-MODEL.md`` and ``.json``::
 
@@ -334,6 +337,22 @@ def side_rows(args, loaded, data: TaskData, choice: ScopeChoice, sites: int) -> 
     return rows
 
 
+def release_first_row(args, loaded, data: TaskData, sites: int) -> dict:
+    """Private selection in release-first order (the product's default), central.
+
+    The Gaussian covers every head; each chunk then votes for its top-r heads by attribution
+    against the noisy vector (on its own answer), among every head; the k most voted are kept.
+    Its centre, k and C' are chosen for that order from the public tasks alone.
+    """
+    choice = choose(args, loaded, data, sites, mode=HeadsMode.PRIVATE, every_head=True)
+    plan = choice_plan(loaded, choice, sites=sites, chunks=len(data.sites[0].activations))
+    label = f"{sites} sites, central, private heads, release-first (attribution votes)"
+    return dp_row(
+        args, loaded, data, label, plan, choice.centre, sites, choice=choice,
+        variant="release-first",
+    )  # fmt: skip
+
+
 def sweep_rows(args, loaded, data: TaskData, choice: ScopeChoice, sites: int) -> list[dict]:
     """At one size, central, the chosen heads and centre: C' at each ``--clip-sweep`` factor.
 
@@ -369,6 +388,8 @@ def run_task(args, loaded: LoadedModel, root: Path, task: str) -> dict:
     for sites in args.curve_sites:
         size, choices[sites] = size_rows(args, loaded, data, sites)
         rows += size
+        if sites in args.release_first_sites:
+            rows.append(release_first_row(args, loaded, data, sites))
     side = args.side_sites if args.side_sites in choices else max(choices)
     rows += side_rows(args, loaded, data, choices[side], side)
     rows += sweep_rows(args, loaded, data, choices[side], side)
@@ -398,6 +419,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--tasks", nargs="+", default=["colour", "shape", "count", "position"])
     parser.add_argument("--curve-sites", type=int, nargs="+", default=[3, 10, 30])
     parser.add_argument("--side-sites", type=int, default=10, help="size of the side-by-side rows")
+    parser.add_argument(
+        "--release-first-sites", type=int, nargs="*", default=[],
+        help="also release, central, with private selection in release-first order (the "
+        "product's default: every head noised, then attribution votes) at these sizes",
+    )  # fmt: skip
     parser.add_argument("--per-site", type=int, default=100)
     parser.add_argument("--shots", type=int, default=4)
     parser.add_argument("--draws", type=int, default=20)

@@ -52,7 +52,6 @@ from dpmtv_common.thread_policy import apply_thread_policy
 apply_thread_policy()  # before torch loads
 
 import numpy as np
-import torch
 from _headline_data import (
     TINY_PUBLIC,
     SiteActs,
@@ -63,6 +62,7 @@ from _headline_data import (
     site_activations,
 )
 from headline import MODELS, baselines, choice_plan, choose, dp_row, log, make_plan, size_rows
+from headline import release_first_row as headline_release_first_row
 from label_skew import skewed_sites
 
 from client.activations.chunking import make_chunks
@@ -112,20 +112,6 @@ class CachedVotes(SiteActs):
     """A site whose shift votes (private selection's input) are kept on disk between runs."""
 
     votes_path: Path | None = None
-    terms_path: Path | None = None
-
-    def zero_shot_terms(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The chunks' attribution terms: from the disk if kept there, else computed and kept."""
-        if self.terms is None and self.terms_path is not None and self.terms_path.is_file():
-            saved = torch.load(self.terms_path)
-            self.terms = (saved["activations"], saved["gradients"])
-        if self.terms is None:
-            self.terms = super().zero_shot_terms()
-            if self.terms_path is not None:
-                torch.save(
-                    {"activations": self.terms[0], "gradients": self.terms[1]}, self.terms_path
-                )
-        return self.terms
 
     def vote(self) -> VoteSum:
         """The site's votes: from the disk if kept there, else computed once and kept."""
@@ -236,16 +222,10 @@ def other_mode_row(
 
 
 def release_first_row(args, loaded: LoadedModel, data: TaskData, sites: int) -> dict:
-    """Private selection in release-first order (the product's default), central.
-
-    The Gaussian covers every head; each chunk then votes for its top-r heads by attribution
-    against the noisy vector (on its own answer), among every head; the k most voted are kept.
-    Its centre, k and C' are chosen for that order from the public tasks alone.
-    """
-    choice = choose(args, loaded, data, sites, mode=HeadsMode.PRIVATE, every_head=True)
-    label = f"{sites} sites, central, private heads, release-first (attribution votes)"
-    row = central_row(args, loaded, data, choice, sites, label, "release-first")
-    return row | {"noise_free": None, "unclipped": None}
+    """headline.py's release-first private row (no noise-free diagnostics: draws pick heads)."""
+    return headline_release_first_row(args, loaded, data, sites) | {
+        "noise_free": None, "unclipped": None,
+    }  # fmt: skip
 
 
 def every_head_row(
