@@ -70,8 +70,9 @@ from client.models.pretrained import default_pretrained_model_dir
 from client.release.site import Site
 from client.service.batching import Batcher
 from client.service.http_server import HttpEndpoint, HttpSettings
+from client.service.preparation import RowRequest
 from client.service.releases import ReleaseCatalogue
-from client.service.rows import RowPatch, prepare_row
+from client.service.rows import RowPatch
 from client.settings import SiteSettings
 from dpmtv_common.artifact import ReleaseDescription, write_artifact
 from dpmtv_common.crypto import SigningKey
@@ -203,6 +204,7 @@ class PlainServer:
         self.active = clients
         self.worker_seconds = 0.0
         self.prepared: list[float] = []  # seconds a prompt, in its batch
+        self.calls = 0  # preparation calls (one a batch)
         self._waiting: list[tuple[Prompt, threading.Event]] = []
         self._ready = threading.Condition()
         self._thread = threading.Thread(target=self._run, daemon=True)
@@ -234,6 +236,7 @@ class PlainServer:
             loaded = self.loaded
             inputs = loaded.adapter.build_batch_inputs(loaded.processor, [p for p, _ in batch])
             self.prepared += [(time.perf_counter() - started) / len(batch)] * len(batch)
+            self.calls += 1
             with torch.no_grad():
                 loaded.model.generate(  # type: ignore[operator]
                     **inputs, max_new_tokens=self.tokens, do_sample=False,
@@ -249,7 +252,8 @@ def _plain(site: Site, clock: ForwardClock, clients: int, n: int, args: Any) -> 
     server = PlainServer(site.model(), clients, args.rows, args.max_tokens)
     latencies, elapsed = closed_loop(clients, n, args.seconds, server.one, server.left)
     profile = _profile(clock, before, elapsed, server.worker_seconds, len(latencies))
-    return _timed(latencies, elapsed) | profile | {"prepare": statistics.median(server.prepared)}
+    prepared = _preparation(sum(server.prepared), len(server.prepared), server.calls)
+    return _timed(latencies, elapsed) | profile | prepared
 
 
 class _Done:
@@ -280,28 +284,31 @@ def _batcher(
         batch_invariant=invariant,
     )  # fmt: skip
     batcher.start()
-    prepared: list[float] = []
 
     def one(index: int) -> None:
-        batcher.expect()  # as the endpoint announces a row it is preparing
-        started = time.perf_counter()
-        row = prepare_row(
+        batcher.expect()  # as the endpoint announces a request it is parsing
+        request = RowRequest(
             loaded, _prompt(index), instruction=None, patch=patch,
             max_new_tokens=args.max_tokens, temperature=0.0, seed=0,
         )  # fmt: skip
-        prepared.append(time.perf_counter() - started)
         sink = _Done()
-        batcher.submit(row, sink, expected=True)
+        batcher.submit(request, sink, expected=True).result()  # the worker prepares it
         sink.event.wait()
 
-    before = clock.snapshot()
+    before, stats = clock.snapshot(), batcher.stats
     try:
         latencies, elapsed = closed_loop(clients, n, args.seconds, one)
     finally:
         batcher.stop()
-    worker = batcher.stats.worker_seconds
-    cell = _timed(latencies, elapsed) | _profile(clock, before, elapsed, worker, len(latencies))
-    return cell | {"prepare": statistics.median(prepared)}
+    cell = _timed(latencies, elapsed) | _profile(
+        clock, before, elapsed, stats.worker_seconds, len(latencies)
+    )
+    return cell | _preparation(stats.prepare_seconds, stats.prepared, stats.prepare_calls)
+
+
+def _preparation(seconds: float, prepared: int, calls: int) -> Cell:
+    """Seconds of preparation a request, and requests a preparation call (the worker's)."""
+    return {"prepare": seconds / max(1, prepared), "prepared_together": prepared / max(1, calls)}
 
 
 def _http(site: Site, root: Path, clock: ForwardClock, clients: int, n: int, args: Any) -> Cell:
@@ -316,7 +323,9 @@ def _http(site: Site, root: Path, clock: ForwardClock, clients: int, n: int, arg
     try:
         with httpx.Client(timeout=600) as client:  # untimed: the release is verified on first use
             ask(client, job, 0)
-        before, worked = clock.snapshot(), endpoint.batcher.stats.worker_seconds
+        stats = endpoint.batcher.stats
+        before, worked = clock.snapshot(), stats.worker_seconds
+        prep = (stats.prepare_seconds, stats.prepared, stats.prepare_calls)
         done = subprocess.run(  # noqa: S603 (our own script, no input of anyone's)
             [sys.executable, str(REPO / "benchmarks" / "_serving_clients.py")],
             input=json.dumps(job), capture_output=True, text=True, check=True,
@@ -328,7 +337,11 @@ def _http(site: Site, root: Path, clock: ForwardClock, clients: int, n: int, arg
     elapsed = result["elapsed"]
     answered = len(result["latencies"])
     profile = _profile(clock, before, elapsed, worker, answered)
-    return _timed(result["latencies"], elapsed) | profile | {"client_cpu": result["cpu"] / answered}
+    prepared = _preparation(
+        stats.prepare_seconds - prep[0], stats.prepared - prep[1], stats.prepare_calls - prep[2]
+    )
+    cell = _timed(result["latencies"], elapsed) | profile | prepared
+    return cell | {"client_cpu": result["cpu"] / answered}
 
 
 # --- forward passes alone ---------------------------------------------------------------------
@@ -508,16 +521,23 @@ def _causes(measured: dict[str, Any]) -> list[str]:
         "32 clients (ms): "
         + "; ".join(f"{path} {ms}" for path, ms in model_ms.items())
         + ". With as many passes a request and rows a step as plain's (table), a served "
-        "request costs the model more only where its passes ran slower: beside the requests' "
-        "preparation and HTTP work, which share the worker's interpreter lock and the cores.",
-        "- Preparing a request (render and tokenise its prompt, process its image) costs "
-        + ", ".join(
-            f"{1000 * _med(results[(path, c)], 'prepare'):.1f} ms in `{path}` at {c}"
-            for path in ("plain", "batcher")
-            for c in (1, 8)
+        "request costs the model more only where its passes ran slower: beside the work of "
+        "the clients' threads (in-process) or the endpoint's (parsing, decoding images), which "
+        "share the worker's interpreter lock and the cores.",
+        "- Preparing a request (render and tokenise its prompt, process its image), ms a "
+        "request and in brackets requests prepared in one round, at 1 / 8 / 32 clients: "
+        + "; ".join(
+            f"{path} "
+            + " / ".join(
+                f"{1000 * _med(results[(path, c)], 'prepare'):.2f} "
+                f"({_med(results[(path, c)], 'prepared_together'):.1f})"
+                for c in CLIENTS
+            )
+            for path in ("plain", "batcher", "http")
         )
-        + " clients: a served request is prepared alone, in its own thread (the endpoint's "
-        "worker threads over HTTP), plain's in one call for its batch, in its worker.",
+        + ". Each path prepares in its worker, between passes: plain a batch in one processor "
+        "call, the batcher every request waiting when it looks (in one call for those that "
+        "tokenise alike).",
         "- The HTTP layer's own cost (HTTP parsing, JSON, base64 images, the event loop and "
         "its worker threads, all sharing one interpreter lock with the batcher; the clients in "
         "a process of their own on the same cores): http against the in-process batcher "
@@ -557,9 +577,10 @@ def _report(measured: dict[str, dict[str, Any]], args: Any) -> str:
         "costs less). `rows a step`: mean rows of a decoding step; `passes "
         "a request`: forward passes (prefills and steps) over requests answered. Of the "
         "wall time: `forward` in the model's forward passes (timed by hooks on the model), "
-        "`loop` in the decoding loop around them (plain: the rest of `generate()`; served: "
-        "the batcher's joins, cache cuts, masks and token choices), `idle` with nothing to "
-        "run (rows in preparation or in transit).",
+        "`loop` in the worker around them (plain: preparing its batch and the rest of "
+        "`generate()`; served: preparing the waiting requests, the batcher's joins, cache "
+        "cuts, masks and token choices), `idle` with nothing to run (requests being parsed "
+        "or in transit).",
     ]
     for model, data in measured.items():
         _, over_http = _goal(data["results"], "http")

@@ -1,10 +1,13 @@
 """Batched generation across requests: a bounded queue and one worker that schedules rows.
 
 How this connects: the HTTP endpoint (:mod:`client.service.http_api`) turns each chat request
-into one :class:`~client.service.rows.Row` (its prompt's tensors, the release's patch or none,
-its sampling settings) and hands it to :class:`Batcher` with a sink that receives the row's
-tokens. One worker thread runs the rows under the service's model lock (the lock every other
-use of the model takes, so no release's hooks ever see a served row) in one of three modes:
+into one :class:`~client.service.preparation.RowRequest` (its parsed prompt, the release's
+patch or none, its sampling settings) and hands it to :class:`Batcher` with a sink that
+receives the row's tokens. One worker thread prepares the requests waiting in its queue
+together (:func:`~client.service.preparation.prepare_rows`: one processor call for those that
+tokenise alike, each cut back into its own :class:`~client.service.rows.Row`), then runs the
+rows under the service's model lock (the lock every other use of the model takes, so no
+release's hooks ever see a served row) in one of three modes:
 
 - ``continuous`` (the default where the family allows it): rows join the running batch at the
   next decoding step and leave when they finish (:mod:`client.service.decoding`), up to
@@ -35,11 +38,14 @@ import collections
 import logging
 import threading
 import time
+from concurrent.futures import Future
+from dataclasses import dataclass
 from typing import Literal
 
 from client.models import LoadedModel
 from client.service.decoding import BatchStats, ContinuousBatch, steps_continuously
 from client.service.passes import run_pass
+from client.service.preparation import RowRequest, prepare_rows
 from client.service.rows import Row, RowSink, Ticket
 from dpmtv_common.errors import ConfigError, ServiceError
 
@@ -52,6 +58,16 @@ Mode = Literal["continuous", "passes", "invariant"]
 
 class OverloadedError(ServiceError):
     """The queue of waiting rows is full: the caller should retry later."""
+
+
+@dataclass
+class _Pending:
+    """A request waiting for the worker to prepare it."""
+
+    request: RowRequest
+    sink: RowSink
+    prepared: Future[Row]
+    queued: float
 
 
 class Batcher:
@@ -102,6 +118,7 @@ class Batcher:
         self.stats = BatchStats()
         self._model_lock = model_lock
         self._queue: collections.deque[Ticket] = collections.deque()
+        self._pending: list[_Pending] = []  # requests not yet prepared, in arrival order
         self._ready = threading.Condition()
         self._stopped = False
         self._expected = 0  # rows announced by expect() and not yet submitted
@@ -112,8 +129,8 @@ class Batcher:
 
     @property
     def depth(self) -> int:
-        """Rows waiting now."""
-        return len(self._queue)
+        """Rows waiting now (prepared or not)."""
+        return len(self._queue) + len(self._pending)
 
     def start(self) -> None:
         """Start the worker thread."""
@@ -123,11 +140,14 @@ class Batcher:
         """Fail the rows still waiting, let the running ones finish, and stop the worker."""
         with self._ready:
             self._stopped = True
-            waiting = list(self._queue)
+            waiting, pending = list(self._queue), self._pending
             self._queue.clear()
+            self._pending = []
             self._ready.notify_all()
         for ticket in waiting:
             ticket.sink.fail(ServiceError("the service is stopping; the row was not run."))
+        for item in pending:
+            item.prepared.set_exception(_stopping())
         if self._thread.is_alive():
             self._thread.join(timeout)
 
@@ -142,29 +162,83 @@ class Batcher:
             self._expected = max(0, self._expected - 1)
             self._ready.notify_all()
 
-    def submit(self, row: Row, sink: RowSink, *, expected: bool = False) -> None:
-        """Queue ``row``; its tokens go to ``sink`` from the worker thread.
+    def submit(
+        self, item: Row | RowRequest, sink: RowSink, *, expected: bool = False
+    ) -> Future[Row]:
+        """Queue a prepared row, or a request the worker prepares with those waiting beside it.
+
+        The row's tokens go to ``sink`` from the worker thread. A request whose preparation
+        fails (a prompt too long for the model, images its processor refuses) is not queued:
+        its future raises that error and its sink is never called, so the caller answers it
+        as a bad request, as if it had prepared it itself.
 
         Args:
-            row: The prepared row.
+            item: The prepared row, or the request to prepare.
             sink: Receives its tokens.
             expected: The row was announced with :meth:`expect` (counted off either way).
+
+        Returns:
+            The row: done at once for a row; for a request, once the worker has prepared it
+            (the future cannot be cancelled: the row may already be running).
 
         Raises:
             OverloadedError: ``max_queue`` rows already wait, or the batcher is stopped.
         """
+        prepared: Future[Row] = Future()
+        prepared.set_running_or_notify_cancel()
         with self._ready:
             if expected:
                 self._expected = max(0, self._expected - 1)
                 self._ready.notify_all()
             if self._stopped:
                 raise OverloadedError("the service is stopping: it takes no new rows.")
-            if len(self._queue) >= self.max_queue:
+            if self.depth >= self.max_queue:
                 raise OverloadedError(
                     f"queued rows must stay below {self.max_queue}, got a full queue; retry later."
                 )
-            self._queue.append(Ticket(row, sink, time.monotonic()))
+            if isinstance(item, Row):
+                self._queue.append(Ticket(item, sink, time.monotonic()))
+            else:
+                self._pending.append(_Pending(item, sink, prepared, time.monotonic()))
             self._ready.notify()
+        if isinstance(item, Row):
+            prepared.set_result(item)
+        return prepared
+
+    def _prepare_pending(self) -> None:
+        """Prepare every request waiting, together; queue their rows, answer their futures."""
+        with self._ready:
+            pending, self._pending = self._pending, []
+        if not pending:
+            return
+        started = time.monotonic()
+        try:
+            results = prepare_rows([item.request for item in pending])
+        except Exception as exc:  # a defect, not a request's fault: fail these, keep serving
+            _log.warning("preparing %d requests failed: %s", len(pending), exc)
+            results = [exc] * len(pending)
+        seconds = time.monotonic() - started
+        self.stats.prepared += len(pending)
+        self.stats.prepare_calls += 1
+        self.stats.prepare_seconds += seconds
+        self.stats.worker_seconds += seconds
+        with self._ready:
+            stopped = self._stopped
+            if not stopped:
+                rows = zip(pending, results, strict=True)
+                self._queue.extend(
+                    Ticket(row, item.sink, item.queued)
+                    for item, row in rows
+                    if isinstance(row, Row)
+                )
+                self._queue = collections.deque(sorted(self._queue, key=lambda t: t.queued))
+        for item, result in zip(pending, results, strict=True):
+            if isinstance(result, Row) and not stopped:
+                item.prepared.set_result(result)
+            else:
+                item.prepared.set_exception(
+                    result if isinstance(result, Exception) else _stopping()
+                )
 
     def _take(self, running: int = 0, steps_left: int = 0) -> list[Ticket] | None:
         """The rows to start now (oldest first, up to ``rows - running``); None: stop.
@@ -178,6 +252,8 @@ class Batcher:
         """
         with self._ready:
             while not self._stopped:
+                if self._pending:  # the worker prepares them first
+                    return []
                 room = self.rows - running
                 mates = self._mates() if room > 0 else []
                 if running:
@@ -219,7 +295,10 @@ class Batcher:
         if self.mode == "continuous":
             self._run_continuous()
             return
-        while (tickets := self._take()) is not None:
+        while True:
+            self._prepare_pending()
+            if (tickets := self._take()) is None:
+                return
             if not tickets:
                 continue
             started = time.monotonic()
@@ -235,8 +314,11 @@ class Batcher:
 
     def _run_continuous(self) -> None:
         batch = ContinuousBatch(self.loaded, self._model_lock, self.stats)
-        while (tickets := self._take(batch.size, batch.steps_left)) is not None:
-            started = time.monotonic()
+        while True:
+            self._prepare_pending()
+            if (tickets := self._take(batch.size, batch.steps_left)) is None:
+                return
+            started, ran = time.monotonic(), bool(tickets) or batch.size > 0
             try:
                 if tickets:
                     batch.join(tickets)  # each row joins, or is failed
@@ -245,6 +327,10 @@ class Batcher:
                 _log.warning("a decoding step failed for %d rows: %s", batch.size, exc)
                 self.stats.failures += 1
                 batch.fail_all(exc)
-            if batch.size == 0:
+            if ran and batch.size == 0:
                 self._ended = (started, time.monotonic())
             self.stats.worker_seconds += time.monotonic() - started
+
+
+def _stopping() -> ServiceError:
+    return ServiceError("the service is stopping; the request was not run.")

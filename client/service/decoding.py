@@ -79,8 +79,12 @@ class BatchStats:
         tokens_generated: Tokens sent to the rows' sinks.
         failures: Failed passes.
         busy_seconds: Time in forward passes.
-        worker_seconds: Time the worker spent generating: forward passes and the scheduling
-            around them (cache joins and cuts, masks, choosing tokens, sending them).
+        worker_seconds: Time the worker spent working: preparing requests, forward passes
+            and the scheduling around them (cache joins and cuts, masks, choosing tokens,
+            sending them).
+        prepared: Requests the worker prepared (tokenised, images processed).
+        prepare_calls: Preparation rounds (every request waiting then, prepared together).
+        prepare_seconds: Time the worker spent preparing requests.
         running: Rows running now.
     """
 
@@ -93,6 +97,9 @@ class BatchStats:
     failures: int = 0
     busy_seconds: float = 0.0
     worker_seconds: float = 0.0
+    prepared: int = 0
+    prepare_calls: int = 0
+    prepare_seconds: float = 0.0
     running: int = 0
 
     def count_pass(self, rows: int, seconds: float, *, prefill: bool) -> None:

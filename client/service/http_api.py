@@ -36,6 +36,7 @@ import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
 
@@ -58,8 +59,9 @@ from client.service.chat_format import (
     prompt_from_chat,
 )
 from client.service.inference import MAX_REQUEST_BYTES
+from client.service.preparation import RowRequest
 from client.service.releases import ReleaseCatalogue, UnknownModelError
-from client.service.rows import Row, prepare_row
+from client.service.rows import Row
 from dpmtv_common.errors import ConfigError, DataError
 
 __all__ = ["ChatApi", "build_app"]
@@ -183,8 +185,14 @@ class ChatApi:
             return False
         return hmac.compare_digest(given.strip().encode(), self.token)
 
-    def admit(self, body: bytes, loop: asyncio.AbstractEventLoop) -> tuple[ChatRequest, Row, _Sink]:
-        """Parse and check a request, prepare its row and queue it (in a worker thread).
+    def admit(
+        self, body: bytes, loop: asyncio.AbstractEventLoop
+    ) -> tuple[ChatRequest, Future[Row], _Sink]:
+        """Parse and check a request and queue it for the batcher to prepare (in a worker thread).
+
+        Returns:
+            The request, its row once prepared (raising what refused it, if anything did:
+            then its sink is never called), and its sink.
 
         Raises:
             ConfigError, DataError: The request is malformed or out of bounds.
@@ -193,23 +201,28 @@ class ChatApi:
         """
         try:
             chat = chat_request_from_json(body)
-            row = self.prepare(chat, parse_chat(chat))
+            request = self.row_request(chat, parse_chat(chat))
         except BaseException:
             self.batcher.cancel_expected()
             raise
         sink = _Sink(loop, self.admitted.release, streaming=chat.stream)
-        self.batcher.submit(row, sink, expected=True)
-        return chat, row, sink
+        prepared = self.batcher.submit(request, sink, expected=True)
+        prepared.add_done_callback(self._release_if_refused)
+        return chat, prepared, sink
 
-    def prepare(self, chat: ChatRequest, parsed: ParsedChat) -> Row:
-        """Verify the release, decode the images, tokenise (in a worker thread)."""
+    def _release_if_refused(self, prepared: Future[Row]) -> None:
+        """Give back the request's place if the batcher refused it: its sink is never called."""
+        if prepared.exception() is not None:
+            self.admitted.release()
+
+    def row_request(self, chat: ChatRequest, parsed: ParsedChat) -> RowRequest:
+        """Verify the release and decode the images (in a worker thread); the batcher tokenises."""
         patch, crops = self.catalogue.patch(
             chat.model, PatchPolicy(chat.policy), instruction=parsed.instruction
         )
-        loaded = self._capped(crops)
         temperature = chat.temperature or 0.0
-        return prepare_row(
-            loaded,
+        return RowRequest(
+            self._capped(crops),
             prompt_from_chat(parsed),
             instruction=parsed.instruction,
             patch=patch,
@@ -321,11 +334,14 @@ def build_app(api: ChatApi) -> Starlette:
             )
         loop = asyncio.get_running_loop()
         api.batcher.expect()  # a pass about to start waits for this row (briefly)
-        try:  # one trip to a worker thread: parse, check, decode, tokenise, queue
-            chat_request, row, sink = await run_in_threadpool(api.admit, body, loop)
+        try:  # one trip to a worker thread: parse, check, decode, queue
+            chat_request, prepared, sink = await run_in_threadpool(api.admit, body, loop)
         except BaseException:
             api.admitted.release()
             raise
+        # The batcher tokenises it with the requests beside it. One it refuses (too long for
+        # the model) is answered here as a bad request, before any byte of a response.
+        row = await asyncio.wrap_future(prepared)
         completion = _Completion(api, chat_request, row, sink, started)
         if chat_request.stream:
             return StreamingResponse(completion.events(), media_type="text/event-stream")

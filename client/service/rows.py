@@ -56,6 +56,7 @@ __all__ = [
     "eos_ids",
     "needs_patch",
     "prepare_row",
+    "row_of",
     "row_generators",
     "row_patches",
     "stack_rows",
@@ -177,6 +178,26 @@ def prepare_row(
     inputs = {key: value for key, value in built.items() if isinstance(value, torch.Tensor)}
     if len(inputs) != len(built):
         raise ConfigError("processor outputs must all be tensors to be batched.")
+    return row_of(
+        loaded, inputs, patch=patch, max_new_tokens=max_new_tokens, temperature=temperature,
+        seed=seed,
+    )  # fmt: skip
+
+
+def row_of(
+    loaded: LoadedModel,
+    inputs: _Inputs,
+    *,
+    patch: RowPatch | None,
+    max_new_tokens: int,
+    temperature: float,
+    seed: int,
+) -> Row:
+    """The row of one prompt's own tensors (a batch of one), checked to fit the model.
+
+    Raises:
+        ConfigError: The prompt plus ``max_new_tokens`` exceeds the model's context.
+    """
     prompt_tokens = int(inputs["input_ids"].shape[1])
     check_prompt_length(loaded.model, prompt_tokens + max_new_tokens)
     return Row(

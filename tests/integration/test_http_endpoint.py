@@ -321,6 +321,23 @@ def test_requests_the_model_cannot_answer_are_400(endpoint: Endpoint) -> None:
         )
 
 
+def test_a_prompt_longer_than_the_models_context_is_400_and_gives_its_place_back(
+    endpoint: Endpoint,
+) -> None:
+    # Arrange: ~6,000 tokens of instruction for a 2,048-token model; more refused requests
+    # than the service has places (6), each streamed or not
+    client = endpoint.client()
+    system = {"role": "system", "content": "word " * 1500}
+    # Act / Assert: each is refused before any byte of an answer (the batcher tokenises it)
+    for stream in [False, True] * 4:
+        with pytest.raises(openai.BadRequestError, match="context"):
+            client.chat.completions.create(
+                model=PLAIN, messages=[system, user("What colour?", data_uri())], max_tokens=4,
+                stream=stream,
+            )  # fmt: skip
+    assert ask(client, PLAIN) != "\x00"  # every refused request gave its place back
+
+
 def test_a_body_too_large_is_413(endpoint: Endpoint) -> None:
     reply = httpx.post(
         f"{endpoint.url}/v1/chat/completions",
