@@ -327,7 +327,7 @@ def test_a_prompt_longer_than_the_models_context_is_400_and_gives_its_place_back
     # Arrange: ~6,000 tokens of instruction for a 2,048-token model; more refused requests
     # than the service has places (6), each streamed or not
     client = endpoint.client()
-    system = {"role": "system", "content": "word " * 1500}
+    system: Any = {"role": "system", "content": "word " * 1500}
     # Act / Assert: each is refused before any byte of an answer (the batcher tokenises it)
     for stream in [False, True] * 4:
         with pytest.raises(openai.BadRequestError, match="context"):

@@ -67,7 +67,7 @@ def processor_calls(loaded: LoadedModel) -> Iterator[list[int]]:
     adapter_type = type(loaded.adapter)
     original = adapter_type.build_batch_inputs
 
-    def counted(self, processor, prompts, **kwargs):  # type: ignore[no-untyped-def]
+    def counted(self, processor, prompts, **kwargs):
         calls.append(len(prompts))
         return original(self, processor, prompts, **kwargs)
 
@@ -134,7 +134,7 @@ def test_a_joint_call_that_fails_falls_back_to_one_call_a_request(loaded, monkey
     adapter_type = type(loaded.adapter)
     original = adapter_type.build_batch_inputs
 
-    def alone_only(self, processor, prompts, **kwargs):  # type: ignore[no-untyped-def]
+    def alone_only(self, processor, prompts, **kwargs):
         if len(prompts) > 1:
             raise ValueError("no batches here")
         return original(self, processor, prompts, **kwargs)
