@@ -18,7 +18,7 @@ from PIL import Image, ImageDraw
 
 from client.cli import main
 from client.data.synthetic import QUESTION, all_scenes, draw_scene
-from client.models import Example, LoadedModel, load_model
+from client.models import Example, LoadedModel, Prompt, load_model
 from client.models.pretrained import (
     DECODER,
     PRETRAINED_PARTS_DIR,
@@ -218,3 +218,25 @@ def test_served_greedy_answers_equal_plain_generate_whatever_joins_around_them(l
         plain = output[0, item.prompt_tokens :].tolist()
         assert answer == (plain[: plain.index(eos)] if eos in plain else plain)
     assert len({row.prompt_tokens for row in rows}) >= 3
+
+
+def test_requests_prepared_together_are_each_prepared_alone(loaded):
+    # The batcher tokenises waiting requests in one call with this model's own tokenizer (a
+    # real vocabulary, left padding): each row must carry exactly its prompt's tensors alone.
+    from client.service.preparation import RowRequest, prepare_rows
+
+    rng = make_rng(6)
+    scenes = all_scenes("test")
+    requests = []
+    for index, question in enumerate([QUESTION, "Where is it?", "Say what shape this is."]):
+        demo = scenes[index + 3]
+        demos = [Example(draw_scene(demo, rng), QUESTION, demo.colour)] * (index % 2)
+        prompt = Prompt.of(demos, Example(draw_scene(scenes[index], rng), question))
+        requests.append(RowRequest(loaded, prompt, None, None, 4, 0.0, 0))
+    prepared = prepare_rows(requests)
+    for row, request in zip(prepared, requests, strict=True):
+        alone = request.alone()
+        assert isinstance(row, type(alone))
+        assert row.inputs.keys() == alone.inputs.keys()
+        assert all(torch.equal(row.inputs[k], v) for k, v in alone.inputs.items())
+        assert row.prompt_tokens == alone.prompt_tokens
