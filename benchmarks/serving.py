@@ -509,6 +509,8 @@ def _causes(measured: dict[str, Any]) -> list[str]:
     http = {c: _median_ratio(results[("http", c)], results[("batcher", c)], "throughput")
             for c in CLIENTS}  # fmt: skip
     added = 1000 * (_med(results[("http", 1)], "p50") - _med(results[("batcher", 1)], "p50"))
+    extra = {c: _med(results[("http", c)], "cpu") - _med(results[("batcher", c)], "cpu")
+             for c in CLIENTS}  # fmt: skip
     invariant = {c: _median_ratio(results[("invariant", c)], results[("plain", c)], "throughput")
                  for c in INVARIANT_CLIENTS}  # fmt: skip
     return [
@@ -542,7 +544,15 @@ def _causes(measured: dict[str, Any]) -> list[str]:
         "its worker threads, all sharing one interpreter lock with the batcher; the clients in "
         "a process of their own on the same cores): http against the in-process batcher "
         + ", ".join(f"{r:.2f} at {c}" for c, r in http.items())
-        + f" clients; at one client it adds {added:.0f} ms to a request's p50.",
+        + f" clients; at one client it adds {added:.0f} ms to a request's p50. CPU a request "
+        "at 1 / 8 / 32 clients (ms): the endpoint's process over the in-process batcher's "
+        + " / ".join(f"{1000 * extra[c]:+.1f}" for c in CLIENTS)
+        + ", the HTTP clients' own process "
+        + " / ".join(f"{1000 * _med(results[('http', c)], 'client_cpu'):.1f}" for c in CLIENTS)
+        + ", beside the model's forward time a request of "
+        + " / ".join(f"{_model_ms(results[('batcher', c)]):.0f}" for c in CLIENTS)
+        + ": where the HTTP work nears the model's, it shares the cores and the interpreter "
+        "lock with it.",
         "- Batch-invariant answers (each row alone): "
         + ", ".join(f"{r:.2f}x plain's throughput at {c}" for c, r in invariant.items())
         + " clients.",
