@@ -192,6 +192,18 @@ class ReleaseOrder(StrEnum):
     SELECT_FIRST = "select-first"
     RELEASE_FIRST = "release-first"
 
+    @classmethod
+    def default_for(cls, selection: SelectionMode) -> ReleaseOrder:
+        """The order a release runs in when none is named: release-first for private selection.
+
+        Release-first scores the private picks against the noisy vector itself (design §9).
+        With public or all heads nothing is selected after the release: release-first would
+        only spread the one Gaussian over every carried layer instead of the released heads'
+        (sensitivity 2·C·√L over more layers, and C then bounds whole layers), a strictly
+        noisier release of the same heads, so those select first.
+        """
+        return cls.RELEASE_FIRST if selection is SelectionMode.PRIVATE else cls.SELECT_FIRST
+
 
 class NoiseMode(StrEnum):
     """Who adds the Gaussian noise to the secure sum."""

@@ -77,6 +77,7 @@ def build_plan(run: RunConfig, centre: ActivationCentre | None = None) -> Releas
             "site's sum on SecAgg+'s integer grid."
         )
     k = len(public) if public is not None else run.num_selected_heads
+    selection = SelectionMode(run.selection)
     return ReleasePlan(
         protocol_version=PROTOCOL_VERSION,
         release_id=run.resolved_release_id(),
@@ -86,8 +87,8 @@ def build_plan(run: RunConfig, centre: ActivationCentre | None = None) -> Releas
         delta=run.delta,
         shots=run.shots,
         clip_norm=run.clip_norm,
-        selection=SelectionMode(run.selection),
-        order=ReleaseOrder(run.order),
+        selection=selection,
+        order=ReleaseOrder(run.order) if run.order else ReleaseOrder.default_for(selection),
         num_selected_heads=k,
         public_heads=public.heads if public is not None else None,
         candidate_heads=candidates.heads if (candidates := run.candidates()) else None,

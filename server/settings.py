@@ -43,7 +43,9 @@ class RunConfig(BaseModel):
     shots: int = 4
     clip_norm: float
     selection: str = "private"
-    order: str = "release-first"
+    # "" = the default for the selection (protocol.ReleaseOrder.default_for): release-first for
+    # private selection, select-first for public or all heads.
+    order: str = ""
     num_selected_heads: int = 8
     public_heads: str = ""
     candidate_heads: str = ""  # private selection's public candidate set, "layer:head,..."

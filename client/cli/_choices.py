@@ -14,6 +14,7 @@ __all__ = [
     "MIN_MODEL_GAIN",
     "EVALUATION_MODES",
     "PATCH_POLICIES",
+    "ORDER_HELP",
     "RELEASE_ORDERS",
     "SCORE_METHODS",
     "SELECTION_METHODS",
@@ -34,6 +35,11 @@ SELECTION_MODES = ("public", "private", "all")
 """``protocol.SelectionMode``."""
 RELEASE_ORDERS = ("select-first", "release-first")
 """``protocol.ReleaseOrder``."""
+ORDER_HELP = (
+    "release-first or select-first (default: release-first for private selection, the best in "
+    "docs/benchmarks.md; select-first for public or all heads, which release-first would only "
+    "noise over every layer)"
+)
 ATTENTION_CHOICES = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 """``client.models.ATTENTION_IMPLEMENTATIONS``."""
 

@@ -13,7 +13,12 @@ from typing import TYPE_CHECKING, Any
 
 from pydantic import ValidationError
 
-from client.cli._choices import DEFAULT_SELECTION_SHARE, RELEASE_ORDERS, SELECTION_MODES
+from client.cli._choices import (
+    DEFAULT_SELECTION_SHARE,
+    ORDER_HELP,
+    RELEASE_ORDERS,
+    SELECTION_MODES,
+)
 from client.cli._common import (
     add_image_crops_option,
     add_model_options,
@@ -85,7 +90,7 @@ def register(sub: Any) -> None:
     parser.add_argument("--shots", type=positive_int, default=4, help="K demonstrations a chunk")
     parser.add_argument("--clip-norm", type=positive_float, help="per-layer L2 bound C (public)")
     parser.add_argument("--selection", choices=SELECTION_MODES, default="private")
-    parser.add_argument("--order", choices=RELEASE_ORDERS, default="release-first")
+    parser.add_argument("--order", choices=RELEASE_ORDERS, help=ORDER_HELP)
     parser.add_argument("--heads", type=positive_int, default=8, help="k (private selection)")
     parser.add_argument("--public-heads", type=Path, help="head list from select-heads")
     parser.add_argument("--selection-share", type=open_unit_float, default=DEFAULT_SELECTION_SHARE)

@@ -6,7 +6,12 @@ import argparse
 from pathlib import Path
 from typing import Any
 
-from client.cli._choices import DEFAULT_SELECTION_SHARE, RELEASE_ORDERS, SELECTION_MODES
+from client.cli._choices import (
+    DEFAULT_SELECTION_SHARE,
+    ORDER_HELP,
+    RELEASE_ORDERS,
+    SELECTION_MODES,
+)
 from client.cli._common import (
     add_image_crops_option,
     add_model_options,
@@ -52,7 +57,7 @@ def register(sub: Any) -> None:
     signal.add_argument("--epsilon", type=positive_float, default=1.0, help="(default 1)")
     signal.add_argument("--delta", type=open_unit_float, default=1e-5, help="(default 1e-5)")
     signal.add_argument("--selection", choices=SELECTION_MODES, default="private")
-    signal.add_argument("--order", choices=RELEASE_ORDERS, default="release-first")
+    signal.add_argument("--order", choices=RELEASE_ORDERS, help=ORDER_HELP)
     signal.add_argument("--heads", type=positive_int, default=8, help="k heads (default 8)")
     check.set_defaults(handler=run_check)
 
@@ -96,7 +101,7 @@ def _signal_lines(args: argparse.Namespace, num_chunks: int, loaded: Any, unit: 
         shots=args.shots,
         clip_norm=1.0,  # cancels out of the prediction
         selection=selection,
-        order=ReleaseOrder(args.order),
+        order=ReleaseOrder(args.order) if args.order else ReleaseOrder.default_for(selection),
         num_selected_heads=min(args.heads, len(shape.all_heads())),
         public_heads=public,
         selection_share=DEFAULT_SELECTION_SHARE,

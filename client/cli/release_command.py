@@ -18,6 +18,7 @@ from pydantic import ValidationError
 
 from client.cli._choices import (
     DEFAULT_SELECTION_SHARE,
+    ORDER_HELP,
     RELEASE_ORDERS,
     SCORE_METHODS,
     SELECTION_MODES,
@@ -39,7 +40,7 @@ from dpmtv_common.errors import ConfigError
 if TYPE_CHECKING:
     from client.models import HeadShape
     from dpmtv_common.heads import HeadLayout
-    from protocol import ReleasePlan
+    from protocol import ReleaseOrder, ReleasePlan
 
 __all__ = ["register"]
 
@@ -91,12 +92,7 @@ def register(sub: Any) -> None:
         "never from the private data",
     )
     parser.add_argument("--selection", choices=SELECTION_MODES, default="private")
-    parser.add_argument(
-        "--order",
-        choices=RELEASE_ORDERS,
-        default="release-first",
-        help="release-first (default; best in docs/benchmarks.md) or select-first",
-    )
+    parser.add_argument("--order", choices=RELEASE_ORDERS, help=ORDER_HELP)
     parser.add_argument(
         "--heads", type=positive_int, default=8, help="k heads to select privately (default 8)"
     )
@@ -187,7 +183,7 @@ def _plan(
 ) -> ReleasePlan:
     """The plan of these options, for the data's own privacy unit (what the chunks protect)."""
     # Imported here: protocol imports Flower (half a second), which keygen and --help skip.
-    from protocol import PROTOCOL_VERSION, PrivacyUnit, ReleaseOrder, ReleasePlan, SelectionMode
+    from protocol import PROTOCOL_VERSION, PrivacyUnit, ReleasePlan, SelectionMode
 
     public_heads = None
     extras: dict[str, Any] = {}
@@ -208,7 +204,8 @@ def _plan(
         _check_heads_file_crops(candidate_extras, args.max_image_crops)
         extras = extras or candidate_extras
     _check_heads_file_centre(extras, centre)
-    _check_heads_file_order(extras, args.order)
+    order = resolved_order(args)
+    _check_heads_file_order(extras, order.value, clip_given=args.clip_norm is not None)
     k = len(public_heads) if public_heads else args.heads
     try:
         return ReleasePlan(
@@ -221,7 +218,7 @@ def _plan(
             shots=args.shots,
             clip_norm=_clip_norm(args, extras),
             selection=SelectionMode(args.selection),
-            order=ReleaseOrder(args.order),
+            order=order,
             num_selected_heads=k,
             public_heads=public_heads,
             candidate_heads=candidate_heads,
@@ -237,6 +234,15 @@ def _plan(
         )
     except ValidationError as exc:
         raise ConfigError(validation_line(exc, options=_PLAN_OPTIONS)) from exc
+
+
+def resolved_order(args: argparse.Namespace) -> ReleaseOrder:
+    """``--order``, or the default for ``--selection`` (``ReleaseOrder.default_for``)."""
+    from protocol import ReleaseOrder, SelectionMode
+
+    if args.order is not None:
+        return ReleaseOrder(args.order)
+    return ReleaseOrder.default_for(SelectionMode(args.selection))
 
 
 def _check_heads_file_crops(extras: dict[str, Any], max_image_crops: int | None) -> None:
@@ -269,18 +275,20 @@ def _check_heads_file_centre(extras: dict[str, Any], centre: ActivationCentre | 
         )
 
 
-def _check_heads_file_order(extras: dict[str, Any], order: str) -> None:
-    """Heads (and C') chosen for one release order are used in that order.
+def _check_heads_file_order(extras: dict[str, Any], order: str, *, clip_given: bool) -> None:
+    """A C' taken from a heads file is used in the release order it was chosen for.
 
     A release-first Gaussian covers every head, a select-first one the released heads only:
     a C' chosen for one scope clips the other far from its norms (too much signal lost, or
-    too much noise), so the mismatch is refused before anything is spent.
+    too much noise), so the mismatch is refused before anything is spent. A release that
+    names its own ``--clip-norm`` takes only the heads from the file, which suit either order.
     """
     recorded = extras.get("release_order")
-    if recorded is not None and recorded != order:
+    if recorded is not None and recorded != order and not clip_given:
         raise ConfigError(
             f"--order must be {recorded!r}, the order the heads file's C' was chosen for, got "
-            f"{order!r}: pass --order {recorded} or rerun select-heads with --for-order {order}."
+            f"{order!r}: pass --order {recorded}, rerun select-heads with --for-order {order}, "
+            "or choose --clip-norm for this order yourself (from public data)."
         )
 
 

@@ -55,8 +55,10 @@ def public_task_folders(args: argparse.Namespace) -> list[Path]:
 def _planned(args: argparse.Namespace) -> dict[HeadsMode, PlannedRelease]:
     """The planned central release in each heads mode (public heads spend no ε on picks).
 
-    In release-first order (``--for-order``) the Gaussian covers every carried head in
-    either mode: ``client.public.scope`` then scales C' and the noise to whole layers.
+    In release-first order the Gaussian covers every carried head: ``client.public.scope``
+    then scales C' and the noise to whole layers. Each mode is planned in ``--for-order``, or
+    by default in the order ``release`` will run it (``ReleaseOrder.default_for``): public
+    heads select-first, private selection release-first.
     """
     from client.public.scope import HeadsMode, PlannedRelease
     from dpmtv_common.privacy import ReleaseCalibration
@@ -67,10 +69,11 @@ def _planned(args: argparse.Namespace) -> dict[HeadsMode, PlannedRelease]:
             selection_share=DEFAULT_SELECTION_SHARE,
         ).noise_multiplier  # fmt: skip
 
-    every_head = args.for_order == "release-first"
+    public_first = args.for_order == "release-first"  # given; else public heads select first
+    private_first = args.for_order != "select-first"  # given; else private release-first
     return {
-        HeadsMode.PUBLIC: PlannedRelease(z(0), args.for_chunks, every_head=every_head),
-        HeadsMode.PRIVATE: PlannedRelease(z(args.k), args.for_chunks, every_head=every_head),
+        HeadsMode.PUBLIC: PlannedRelease(z(0), args.for_chunks, every_head=public_first),
+        HeadsMode.PRIVATE: PlannedRelease(z(args.k), args.for_chunks, every_head=private_first),
     }
 
 
@@ -131,7 +134,8 @@ def _release_options(args: argparse.Namespace, choice: ScopeChoice, centre_file:
     """The ``release`` options of this choice: its order, heads, C' and centre."""
     from client.public.scope import HeadsMode
 
-    common = f"--order {args.for_order} --centre {centre_file}"
+    order = "release-first" if choice.every_head else "select-first"
+    common = f"--order {order} --centre {centre_file}"
     if choice.mode is HeadsMode.PUBLIC:
         return f"--selection public --public-heads {args.out} {common}"
     if choice.candidates is None:  # release-first: picked among every head, C' given here

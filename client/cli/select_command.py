@@ -94,11 +94,11 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--for-order",
         choices=RELEASE_ORDERS,
-        default="release-first",
-        help="order of the release the heads file is for (default release-first, as release's; "
-        "release refuses the file with another --order): a release-first Gaussian covers every "
-        "head, so C bounds whole layers, and with --public-task private picks are scored "
-        "against the noisy vector",
+        help="order of the release the heads file is for (release refuses the file with another "
+        "--order); default: the order release runs each heads mode in, select-first for public "
+        "heads (with --data: the file is a public head list) and release-first for private "
+        "selection. A release-first Gaussian covers every head, so C bounds whole layers, and "
+        "with --public-task private picks are scored against the noisy vector",
     )
     parser.add_argument("--seed", type=non_negative_int, default=0)
     add_image_crops_option(parser, purpose="as the release will (written to the heads file)")
@@ -186,8 +186,10 @@ def run(args: argparse.Namespace) -> int:
         heads = select_heads_attribution(
             loaded, mean, queries, k=args.k, instruction=dataset.instruction, progress=True
         )
-    # A release-first Gaussian covers every carried head: C then bounds whole layers.
-    clipped = layout.all_heads() if args.for_order == "release-first" else heads
+    # A release-first Gaussian covers every carried head: C then bounds whole layers. By
+    # default the list is for public heads, which release select-first.
+    order = args.for_order or "select-first"
+    clipped = layout.all_heads() if order == "release-first" else heads
     planned = None
     if args.for_epsilon is not None:
         planned = PlannedNoise(
@@ -208,7 +210,7 @@ def run(args: argparse.Namespace) -> int:
         heads,
         clip_norm_suggestion=choice.clip_norm,
         **choice.as_record(),
-        release_order=args.for_order,
+        release_order=order,
         method=args.method,
         model_fingerprint=loaded.fingerprint,
         public_chunks=len(chunks.chunks),
@@ -216,7 +218,7 @@ def run(args: argparse.Namespace) -> int:
         max_image_crops=args.max_image_crops,  # release checks it: heads fit their cap only
     )
     print(f"{len(heads)} heads over {heads.num_layers_in_scope} layers -> {args.out}")
-    print(f"chosen for a {args.for_order} release: pass release --order {args.for_order}")
+    print(f"chosen for a {order} release: pass release --order {order}")
     _print_clip_choice(choice)
     return 0
 

@@ -250,7 +250,7 @@ def test_a_model_that_can_say_the_labels_runs_the_whole_path(workspace, tmp_path
     release = main(
         [
             "release", *model, "--data", str(ws.private), "--shots", "2", "--epsilon", "0.5",
-            "--selection", "public", "--order", "release-first",
+            "--selection", "public",
             "--public-heads", str(heads_file), "--out", str(artifact), "--ledger", str(ledger),
             "--signing-key", str(ws.signing_key), "--release-id", "lesions-1", "--quiet",
         ]

@@ -207,13 +207,14 @@ def test_site_commands_select_release_infer_evaluate_and_show_the_ledger(workspa
     assert 0.4 < number_after("epsilon=", printed) <= 0.5 * (1 + 1e-6)
     assert str(private_artifact) in printed
 
-    # Act: a public, release-first release with the selected heads (C from the heads file)
+    # Act: a public release with the selected heads (C from the heads file), in the order
+    # the file was chosen for: public heads' default, select-first
+    assert selected["release_order"] == "select-first"
     code = main(
         [
             "release", *ws.model_args(), *common, *keys,
             "--out", str(public_artifact), "--release-id", "public-1",
-            "--selection", "public", "--order", "release-first",
-            "--public-heads", str(heads_file),
+            "--selection", "public", "--public-heads", str(heads_file),
         ]
     )  # fmt: skip
     printed = capsys.readouterr().out
@@ -229,6 +230,7 @@ def test_site_commands_select_release_infer_evaluate_and_show_the_ledger(workspa
     )
     assert [list(h) for h in released.heads.heads] == selected["heads"]
     assert released.manifest.num_chunks == 10
+    assert released.manifest.plan["order"] == "select-first"  # only the 3 heads were noised
 
     # Act: answer one query with the private artifact
     trust = ["--trusted-key", str(ws.public_key), "--max-new-tokens", "4"]

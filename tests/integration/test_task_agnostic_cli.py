@@ -85,9 +85,10 @@ def test_select_heads_writes_a_centred_choice_that_names_its_setting(selected):
     assert record["clip_norm_suggestion"] > 0
     assert "setting: task-agnostic" in printed
     assert f"--centre {record['centre_file']}" in printed
-    # chosen for the release command's default order, and said so
-    assert record["release_order"] == "release-first"
-    assert "--order release-first" in printed
+    # chosen for the order the release command runs the chosen heads mode in, and said so
+    default = "select-first" if record["heads_mode"] == "public" else "release-first"
+    assert record["release_order"] == default
+    assert f"--order {default}" in printed
 
 
 @pytest.mark.parametrize(
@@ -153,13 +154,15 @@ def test_release_uses_the_centre_its_heads_were_chosen_with_or_refuses(
     assert "--centre must be given" in capsys.readouterr().err
     assert main(_release(world, "other-centre", "--centre", str(other))) == 2
     assert "--centre must be the centre the heads file was chosen with" in capsys.readouterr().err
-    centre = ("--centre", record["centre_file"])
-    assert main(_release(world, "other-order", *centre, "--order", "select-first")) == 2
-    assert "--order must be 'release-first'" in capsys.readouterr().err
+    recorded = record["release_order"]
+    other = "select-first" if recorded == "release-first" else "release-first"
+    centre = ("--centre", record["centre_file"], "--order", recorded)
+    assert main(_release(world, "other-order", *centre[:2], "--order", other)) == 2
+    assert f"--order must be {recorded!r}" in capsys.readouterr().err
     assert not (world / "ledger.sqlite").exists()
 
     # Act: with it, the artifact's signed plan pins it
-    assert main(_release(world, "centred", "--centre", record["centre_file"])) == 0
+    assert main(_release(world, "centred", *centre)) == 0
     artifact = load_artifact(
         world / "centred",
         trusted_keys=TrustedKeys.from_files([world / "keys" / "site.pub"]),

@@ -75,3 +75,21 @@ def test_candidate_heads_ride_in_the_plan_the_coordinator_builds():
     assert plan.candidate_heads == ((0, 1), (1, 0), (2, 3), (4, 4))
     with pytest.raises(ValueError, match="at least num_selected_heads"):
         build_plan(RunConfig.from_context({**two, "candidate-heads": "0:1"}))
+
+
+@pytest.mark.parametrize(
+    ("config", "expected"),
+    [
+        ({"selection": "private"}, "release-first"),
+        ({"selection": "public", "public-heads": "0:1,2:3"}, "select-first"),
+        ({"selection": "all"}, "select-first"),
+        ({"selection": "public", "public-heads": "0:1", "order": "release-first"}, "release-first"),
+        ({"selection": "private", "order": "select-first"}, "select-first"),
+    ],
+)
+def test_an_unnamed_order_is_the_selections_default_and_a_named_one_is_kept(config, expected):
+    # Public heads select first by default: release-first would noise every layer for them.
+    from server.coordinator import build_plan
+
+    run = RunConfig.from_context({**VALID, "model-fingerprint": "sha256:" + "ab" * 32, **config})
+    assert build_plan(run).order.value == expected
