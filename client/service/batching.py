@@ -244,7 +244,8 @@ class Batcher:
         """The rows to start now (oldest first, up to ``rows - running``); None: stop.
 
         See the module docstring for when. With rows running this never blocks (they step
-        meanwhile); with none, it blocks until rows can start.
+        meanwhile); with none, it blocks until rows can start. While requests wait to be
+        prepared it returns none at once: the worker prepares them first.
 
         Args:
             running: Rows running now.
