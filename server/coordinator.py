@@ -78,6 +78,12 @@ def build_plan(run: RunConfig, centre: ActivationCentre | None = None) -> Releas
         )
     k = len(public) if public is not None else run.num_selected_heads
     selection = SelectionMode(run.selection)
+    if selection is SelectionMode.PUBLIC and run.order == ReleaseOrder.RELEASE_FIRST:
+        _log.warning(
+            "order = release-first with public heads noises every layer, though nothing is "
+            "selected after the release; select-first (the default: leave order out) releases "
+            "the same heads with less noise."
+        )
     return ReleasePlan(
         protocol_version=PROTOCOL_VERSION,
         release_id=run.resolved_release_id(),

@@ -112,5 +112,4 @@ def _signal_lines(args: argparse.Namespace, num_chunks: int, loaded: Any, unit: 
         created="1970-01-01T00:00:00+00:00",
     )
     report = signal_report(plan, num_chunks=num_chunks, shape=shape)
-    warning = [f"warning: {report.warning}"] if report.warning else []
-    return [*report.lines, *warning]
+    return [*report.lines, *(f"warning: {warning}" for warning in report.warnings)]

@@ -334,8 +334,8 @@ def _check_signal(
             f"{args.min_signal_to_noise:g} > {predicted:.3g} (m = {num_chunks}); nothing was "
             f"spent. {report.warning or ''}".strip()
         )
-    if report.warning:
-        print(f"warning: {report.warning}", file=sys.stderr)
+    for warning in report.warnings:
+        print(f"warning: {warning}", file=sys.stderr)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -93,3 +93,15 @@ def test_an_unnamed_order_is_the_selections_default_and_a_named_one_is_kept(conf
 
     run = RunConfig.from_context({**VALID, "model-fingerprint": "sha256:" + "ab" * 32, **config})
     assert build_plan(run).order.value == expected
+
+
+def test_public_heads_named_release_first_are_warned_in_the_coordinators_log(caplog):
+    from server.coordinator import build_plan
+
+    base = {**VALID, "model-fingerprint": "sha256:" + "ab" * 32, "selection": "public",
+            "public-heads": "0:1"}  # fmt: skip
+    with caplog.at_level("WARNING", logger="server.coordinator"):
+        build_plan(RunConfig.from_context(base))
+        assert not caplog.records
+        build_plan(RunConfig.from_context({**base, "order": "release-first"}))
+    assert "release-first with public heads noises every layer" in caplog.text
