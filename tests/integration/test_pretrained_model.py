@@ -149,7 +149,9 @@ def test_ordinary_word_labels_pass_data_check_and_go_through_release_infer_evalu
     assert "warning: at m = 8 chunks" in released.err
     assert "released 2 heads" in released.out
     assert (infer, evaluate) == (0, 0)
-    assert answer.strip()
+    # one answer line for the one query; at m = 8 the release is mostly noise (warned above),
+    # so the answer itself may be empty (the model may end at once), and is not asserted
+    assert answer.count("\n") == 1
     assert "over 24 queries" in capsys.readouterr().out
 
 
