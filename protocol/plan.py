@@ -204,6 +204,11 @@ class ReleaseOrder(StrEnum):
         """
         return cls.RELEASE_FIRST if selection is SelectionMode.PRIVATE else cls.SELECT_FIRST
 
+    @classmethod
+    def named_or_default(cls, named: str | None, selection: SelectionMode) -> ReleaseOrder:
+        """The order ``named`` (a wire spelling), or the selection's default when none is."""
+        return cls(named) if named else cls.default_for(selection)
+
 
 class NoiseMode(StrEnum):
     """Who adds the Gaussian noise to the secure sum."""

@@ -94,7 +94,7 @@ def build_plan(run: RunConfig, centre: ActivationCentre | None = None) -> Releas
         shots=run.shots,
         clip_norm=run.clip_norm,
         selection=selection,
-        order=ReleaseOrder(run.order) if run.order else ReleaseOrder.default_for(selection),
+        order=ReleaseOrder.named_or_default(run.order, selection),
         num_selected_heads=k,
         public_heads=public.heads if public is not None else None,
         candidate_heads=candidates.heads if (candidates := run.candidates()) else None,

@@ -101,7 +101,7 @@ def _signal_lines(args: argparse.Namespace, num_chunks: int, loaded: Any, unit: 
         shots=args.shots,
         clip_norm=1.0,  # cancels out of the prediction
         selection=selection,
-        order=ReleaseOrder(args.order) if args.order else ReleaseOrder.default_for(selection),
+        order=ReleaseOrder.named_or_default(args.order, selection),
         num_selected_heads=min(args.heads, len(shape.all_heads())),
         public_heads=public,
         selection_share=DEFAULT_SELECTION_SHARE,

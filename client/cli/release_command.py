@@ -240,9 +240,7 @@ def resolved_order(args: argparse.Namespace) -> ReleaseOrder:
     """``--order``, or the default for ``--selection`` (``ReleaseOrder.default_for``)."""
     from protocol import ReleaseOrder, SelectionMode
 
-    if args.order is not None:
-        return ReleaseOrder(args.order)
-    return ReleaseOrder.default_for(SelectionMode(args.selection))
+    return ReleaseOrder.named_or_default(args.order, SelectionMode(args.selection))
 
 
 def _check_heads_file_crops(extras: dict[str, Any], max_image_crops: int | None) -> None:

@@ -62,6 +62,7 @@ def _planned(args: argparse.Namespace) -> dict[HeadsMode, PlannedRelease]:
     """
     from client.public.scope import HeadsMode, PlannedRelease
     from dpmtv_common.privacy import ReleaseCalibration
+    from protocol import ReleaseOrder, SelectionMode
 
     def z(picks: int) -> float:
         return ReleaseCalibration.for_budget(
@@ -69,11 +70,17 @@ def _planned(args: argparse.Namespace) -> dict[HeadsMode, PlannedRelease]:
             selection_share=DEFAULT_SELECTION_SHARE,
         ).noise_multiplier  # fmt: skip
 
-    public_first = args.for_order == "release-first"  # given; else public heads select first
-    private_first = args.for_order != "select-first"  # given; else private release-first
+    def every_head(selection: SelectionMode) -> bool:
+        order = ReleaseOrder.named_or_default(args.for_order, selection)
+        return order is ReleaseOrder.RELEASE_FIRST
+
     return {
-        HeadsMode.PUBLIC: PlannedRelease(z(0), args.for_chunks, every_head=public_first),
-        HeadsMode.PRIVATE: PlannedRelease(z(args.k), args.for_chunks, every_head=private_first),
+        HeadsMode.PUBLIC: PlannedRelease(
+            z(0), args.for_chunks, every_head=every_head(SelectionMode.PUBLIC)
+        ),
+        HeadsMode.PRIVATE: PlannedRelease(
+            z(args.k), args.for_chunks, every_head=every_head(SelectionMode.PRIVATE)
+        ),
     }
 
 

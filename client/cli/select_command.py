@@ -155,6 +155,7 @@ def run(args: argparse.Namespace) -> int:
         select_heads_attribution,
         select_heads_reinforce,
     )
+    from protocol import ReleaseOrder, SelectionMode
 
     check_site_model(settings)  # an unusable model is refused before any data is read
     dataset = load_dataset(public)
@@ -187,8 +188,8 @@ def run(args: argparse.Namespace) -> int:
             loaded, mean, queries, k=args.k, instruction=dataset.instruction, progress=True
         )
     # A release-first Gaussian covers every carried head: C then bounds whole layers. By
-    # default the list is for public heads, which release select-first.
-    order = args.for_order or "select-first"
+    # default the list is for public heads, released in their default order.
+    order = ReleaseOrder.named_or_default(args.for_order, SelectionMode.PUBLIC).value
     clipped = layout.all_heads() if order == "release-first" else heads
     planned = None
     if args.for_epsilon is not None:

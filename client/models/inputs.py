@@ -19,9 +19,9 @@ _Inputs = dict[str, torch.Tensor]
 
 
 def token_keys(inputs: _Inputs) -> list[str]:
-    """The per-token inputs of one prompt (``(1, seq)``, like ``input_ids``)."""
-    length = inputs["input_ids"].shape[1]
-    return [k for k, v in inputs.items() if v.ndim == 2 and v.shape == (1, length)]
+    """The per-token inputs (``(batch, seq)``, like ``input_ids``; a prompt alone: batch 1)."""
+    shape = inputs["input_ids"].shape
+    return [k for k, v in inputs.items() if v.ndim == 2 and v.shape == shape]
 
 
 def left_padded_stack(rows: Sequence[_Inputs], length: int, pad_id: int) -> _Inputs:

@@ -30,7 +30,8 @@ from dataclasses import dataclass
 import torch
 
 from client.models import LoadedModel, Prompt
-from client.service.rows import Row, RowPatch, prepare_row, row_of
+from client.models.inputs import token_keys
+from client.service.rows import Row, RowPatch, prepare_row, row_of, tensor_inputs
 
 __all__ = ["RowRequest", "prepare_rows"]
 
@@ -112,10 +113,8 @@ def _joint_parts(group: list[RowRequest]) -> list[_Inputs] | None:
         )
     except Exception:  # each request is then prepared alone: its own error is its own
         return None
-    inputs = {key: value for key, value in built.items() if isinstance(value, torch.Tensor)}
-    if len(inputs) != len(built):
-        return None
-    return split_batch(inputs, len(group))
+    inputs = tensor_inputs(built)
+    return None if inputs is None else split_batch(inputs, len(group))
 
 
 def split_batch(inputs: _Inputs, count: int) -> list[_Inputs] | None:
@@ -131,7 +130,7 @@ def split_batch(inputs: _Inputs, count: int) -> list[_Inputs] | None:
     for row, length in zip(mask, lengths, strict=True):  # left padding: zeros, then ones
         if length == 0 or not bool(row[width - length :].all()):
             return None
-    tokens = {key for key, value in inputs.items() if value.shape == ids.shape}
+    tokens = set(token_keys(inputs))
     if any(inputs[key].shape[0] % count for key in inputs.keys() - tokens):
         return None
     parts: list[_Inputs] = []

@@ -28,7 +28,7 @@ batch-mates' draws. ``temperature == 0`` is greedy.
 
 from __future__ import annotations
 
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from enum import Enum
@@ -60,6 +60,7 @@ __all__ = [
     "row_generators",
     "row_patches",
     "stack_rows",
+    "tensor_inputs",
 ]
 
 _Inputs = dict[str, torch.Tensor]
@@ -175,13 +176,19 @@ def prepare_row(
             processor returns something other than tensors.
     """
     built = loaded.adapter.build_batch_inputs(loaded.processor, [prompt], instruction=instruction)
-    inputs = {key: value for key, value in built.items() if isinstance(value, torch.Tensor)}
-    if len(inputs) != len(built):
+    inputs = tensor_inputs(built)
+    if inputs is None:
         raise ConfigError("processor outputs must all be tensors to be batched.")
     return row_of(
         loaded, inputs, patch=patch, max_new_tokens=max_new_tokens, temperature=temperature,
         seed=seed,
     )  # fmt: skip
+
+
+def tensor_inputs(built: Mapping[str, Any]) -> _Inputs | None:
+    """The processor's outputs, if every one is a tensor (rows are stacked tensor by tensor)."""
+    inputs = {key: value for key, value in built.items() if isinstance(value, torch.Tensor)}
+    return inputs if len(inputs) == len(built) else None
 
 
 def row_of(
