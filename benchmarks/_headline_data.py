@@ -184,7 +184,7 @@ def prepare_task(
     for index in range(sites):
         dataset = load_dataset(root / task / f"site-{index}")
         chunks = make_chunks(dataset, shots=shots, seed=1000 + index).chunks
-        name = f"{task}-{per_site}-{seed}-{index}"
+        name = f"{task}-{per_site}-{seed}-k{shots}-{index}"  # K changes every chunk
         acts = site_activations(loaded, chunks, cache, name)
         sums = None
         if plan_for_votes is not None:

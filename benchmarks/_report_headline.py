@@ -78,13 +78,14 @@ def _sites(headlines: dict[str, dict[str, Any]]) -> list[int]:
     )
 
 
-def _cell(task: dict, row: dict | None) -> str:
+def _cell(task: dict, row: dict | None, *, tagged: bool = False) -> str:
     if row is None:
         return ""
     best = best_baseline(task["baselines"])[1]
     mark = "" if row["accuracy"] > best else " ≤ best"
+    tag = f"{option_tag(row)}: " if tagged else ""
     return (
-        f"**{_pct(ratio(row['accuracy'], task['baselines']))}** "
+        f"{tag}**{_pct(ratio(row['accuracy'], task['baselines']))}** "
         f"({row['accuracy']:.2f} ± {row['sd']:.2f}{mark})"
     )
 
@@ -111,34 +112,64 @@ def headline_table(headlines: dict[str, dict[str, Any]]) -> list[str]:
                     f"| {model} | {task['task']} | {base['zero_shot']:.2f} | "
                     f"{base['public_only_task_agnostic']:.2f} | {base['site_alone_icl']:.2f} | "
                     f"{best:.2f} ({BASELINE_NAMES[key]}) | {base['mtv_own_selection']:.2f} | "
-                    f"{label} | " + " | ".join(_cell(task, r) for r in rows) + " |"
+                    f"{label} | "
+                    + " | ".join(_cell(task, r, tagged=variant == "chosen") for r in rows)
+                    + " |"
                 )
     return lines
 
 
+OPTIONS = (
+    ("public", "select-first", "public heads"),
+    ("private", "select-first", "private selection, select-first"),
+    ("private", "release-first", "private selection, release-first"),
+)
+
+
+def option_of(row: dict) -> tuple[str, str]:
+    """(selection, order) of a row; older JSON, without ``order``, is read from its label."""
+    order = row.get("order") or ("release-first" if "release-first" in row["label"] else
+                                 "select-first")  # fmt: skip
+    return str(row["selection"]), str(order)
+
+
+def option_tag(row: dict) -> str:
+    """A chosen row's option, short: public / private s-f / private r-f."""
+    selection, order = option_of(row)
+    return "public" if selection == "public" else f"private {order[0]}-f"
+
+
 def side_table(headlines: dict[str, dict[str, Any]]) -> list[str]:
-    """At the side-by-side size, central: the chosen release beside what each choice changes."""
+    """At the side-by-side size, central: each option's own release and the chosen one bare.
+
+    The chosen option is marked; the last column is it without the centre.
+    """
     lines = [
-        "| model | task | sites | chosen (centred) | same choices without the centre | the other "
-        "heads mode |",
-        "|---|---|---:|---:|---:|---:|",
+        "| model | task | sites | "
+        + " | ".join(label for _, _, label in OPTIONS)
+        + " | the chosen option without the centre |",
+        "|---|---|---:|" + "---:|" * (len(OPTIONS) + 1),
     ]
     for model, results in headlines.items():
         for task in results["tasks"]:
-            side = [
-                r for r in task["rows"] if _variant(r) not in ("chosen", "sweep", "release-first")
-            ]
-            if not side:
+            raw = [r for r in task["rows"] if _variant(r) == "no centre"]
+            if not raw:
                 continue
-            sites = side[0]["sites"]
-            cells = [_chosen(task, sites, "central")]
-            for variant in ("no centre", "other heads mode"):
-                cells.append(next((r for r in side if _variant(r) == variant), None))
+            sites = raw[0]["sites"]
+            central = [
+                r for r in task["rows"]
+                if r["sites"] == sites and r["mode"] == "central" and _variant(r) != "sweep"
+                and _variant(r) != "no centre"
+            ]  # fmt: skip
+            cells = []
+            for selection, order, _ in OPTIONS:
+                row = next((r for r in central if option_of(r) == (selection, order)), None)
+                mark = " (chosen)" if row is not None and _variant(row) == "chosen" else ""
+                cells.append(_cell(task, row) + mark)
             lines.append(
-                f"| {model} | {task['task']} | {sites} | "
-                + " | ".join(_cell(task, r) for r in cells)
-                + " |"
-            )
+                f"| {model} | {task['task']} | {sites} | " + " | ".join(cells)
+                + f" | {_cell(task, raw[0])} |"
+            )  # fmt: skip
     return lines
 
 

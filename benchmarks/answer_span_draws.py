@@ -80,7 +80,7 @@ def run_task(args: argparse.Namespace, loaded: LoadedModel, root: Path, task: st
         plan_for_votes=make_plan(loaded, sites=2, chunks=chunks, clip=1.0, heads=None, k=16),
     )  # fmt: skip
     public = [load_dataset(root / f"public-{other}" / "public") for other in public_family(task)]
-    choice = choose(args, loaded, data, args.sites)
+    choice = choose(args, loaded, data, args.sites, every_head=False)
     plan = choice_plan(loaded, choice, sites=args.sites, chunks=chunks)
     ends: dict[tuple, torch.Tensor] = {}
 

@@ -84,6 +84,7 @@ from protocol import (
     ReleasePlan,
     SelectionMode,
     VoteSum,
+    plan_gumbel_scale,
     plan_noise_multiplier,
     run_release,
 )
@@ -215,37 +216,40 @@ def baselines(args, loaded: LoadedModel, data: TaskData, heads: HeadSet, centre)
     return out
 
 
-def planned_releases(
-    args, loaded: LoadedModel, sites: int, chunks: int, *, every_head: bool = False
-) -> dict:
-    """The planned release in each heads mode at ``sites`` (z from the plan, m = n x chunks).
+def planned_options(
+    args, loaded: LoadedModel, sites: int, chunks: int, *, every_head: bool | None = None
+) -> list[tuple[HeadsMode, PlannedRelease]]:
+    """The releases the choice compares at ``sites`` (z and β from the plan, m = n x chunks).
 
-    ``every_head``: planned in release-first order (the Gaussian covers every head).
+    ``every_head`` None: ``select-heads``' default, public heads select-first and private
+    selection in both orders; True / False: both heads modes in that order only.
     """
     k = MODELS[args.model][2]
-    plans = {
-        HeadsMode.PUBLIC: make_plan(
-            loaded, sites=sites, chunks=chunks, clip=1.0, heads=HeadSet.of([(0, 0)])
-        ),
-        HeadsMode.PRIVATE: make_plan(loaded, sites=sites, chunks=chunks, clip=1.0, heads=None, k=k),
-    }
-    return {
-        mode: PlannedRelease(
-            plan_noise_multiplier(plan),
-            sites * chunks,
-            draws=args.choice_draws,
-            every_head=every_head,
-        )
-        for mode, plan in plans.items()
-    }
+
+    def planned(mode: HeadsMode, release_first: bool) -> PlannedRelease:
+        heads = HeadSet.of([(0, 0)]) if mode is HeadsMode.PUBLIC else None
+        plan = make_plan(loaded, sites=sites, chunks=chunks, clip=1.0, heads=heads, k=k)
+        return PlannedRelease(
+            plan_noise_multiplier(plan), sites * chunks, draws=args.choice_draws,
+            every_head=release_first, gumbel_scale=plan_gumbel_scale(plan),
+        )  # fmt: skip
+
+    if every_head is not None:
+        return [(mode, planned(mode, every_head)) for mode in HeadsMode]
+    return [
+        (HeadsMode.PUBLIC, planned(HeadsMode.PUBLIC, False)),
+        (HeadsMode.PRIVATE, planned(HeadsMode.PRIVATE, False)),
+        (HeadsMode.PRIVATE, planned(HeadsMode.PRIVATE, True)),
+    ]
 
 
 def choose(
     args, loaded: LoadedModel, data: TaskData, sites: int, *, centred: bool = True,
-    mode: HeadsMode | None = None, every_head: bool = False,
+    mode: HeadsMode | None = None, every_head: bool | None = None,
 ) -> ScopeChoice:  # fmt: skip
+    """The public choices at ``sites``: among ``planned_options`` (of ``mode`` when given)."""
     chunks = len(data.sites[0].activations)
-    planned = planned_releases(args, loaded, sites, chunks, every_head=every_head)
+    planned = planned_options(args, loaded, sites, chunks, every_head=every_head)
     choice = choose_scope(
         loaded, data.public, planned=planned,
         ks=MODELS[args.model][1], centred=centred, mode=mode,
@@ -253,8 +257,9 @@ def choose(
     )  # fmt: skip
     log(
         f"{data.name}: {sites} sites ({'centred' if centred else 'raw'}): {choice.mode.value} "
-        f"heads (transfer {choice.transfer:.2f}), k = {choice.k}, C' = {choice.factor:g} x "
-        f"{choice.scale:.3g}"
+        f"heads, {choice.order} (held-out {choice.held_out:.2f}; "
+        + ", ".join(f"{name} {acc:.2f}" for name, acc in choice.options_tried)
+        + f"), k = {choice.k}, C' = {choice.factor:g} x {choice.scale:.3g}"
     )
     return choice
 
@@ -283,7 +288,8 @@ def dp_row(
     """One DP row over ``args.draws`` noise draws, labelled for the report.
 
     ``variant``: "chosen" (the public choices' release), or what a side row changes:
-    "no centre", "other heads mode", "sweep".
+    "no centre", "another option", "release-first", "sweep". ``held_out``: the choice's
+    prediction on held-out public tasks, beside what the private task measures.
     """
     scores = release_draws(loaded, data, plan, centre, sites, args.draws)
     log(f"  {label}: {statistics.mean(scores):.2f} +- {statistics.pstdev(scores):.2f}")
@@ -294,13 +300,24 @@ def dp_row(
         "selection": plan.selection.value, "centred": centre is not None,
         "k": plan.num_selected_heads, "C": plan.clip_norm, "factor": choice.factor,
         "accuracy": statistics.mean(scores), "sd": statistics.pstdev(scores),
-        "draws": scores,
+        "draws": scores, "order": choice.order, "held_out": choice.held_out,
+        "options_held_out": dict(choice.options_tried),
     }  # fmt: skip
 
 
-def size_rows(args, loaded, data: TaskData, sites: int) -> tuple[list[dict], ScopeChoice]:
-    """The chosen release at one size, central and distributed (t = ceil(n/2))."""
-    choice = choose(args, loaded, data, sites)
+def _option_label(choice: ScopeChoice) -> str:
+    order = ", release-first" if choice.every_head else ""
+    return f"{choice.mode.value} heads{order}"
+
+
+def size_rows(
+    args, loaded, data: TaskData, sites: int, *, every_head: bool | None = None
+) -> tuple[list[dict], ScopeChoice]:
+    """The chosen release at one size, central and distributed (t = ceil(n/2)).
+
+    ``every_head``: choose among the options of that order only (``planned_options``).
+    """
+    choice = choose(args, loaded, data, sites, every_head=every_head)
     chunks = len(data.sites[0].activations)
     modes = [NoiseMode.CENTRAL]
     if choice.mode is HeadsMode.PUBLIC:  # distributed private selection: not in this benchmark
@@ -311,7 +328,7 @@ def size_rows(args, loaded, data: TaskData, sites: int) -> tuple[list[dict], Sco
         label = f"{sites} sites, {mode.value}" + (
             f" t={plan.min_honest}" if mode is NoiseMode.DISTRIBUTED else ""
         )
-        label += f", {choice.mode.value} heads"
+        label += f", {_option_label(choice)}"
         rows.append(
             dp_row(args, loaded, data, label, plan, choice.centre, sites, choice=choice,
                    variant="chosen")
@@ -320,20 +337,34 @@ def size_rows(args, loaded, data: TaskData, sites: int) -> tuple[list[dict], Sco
 
 
 def side_rows(args, loaded, data: TaskData, choice: ScopeChoice, sites: int) -> list[dict]:
-    """At one size, central: without the centre, and with the other heads mode."""
+    """At one size, central: the chosen release without the centre."""
     chunks = len(data.sites[0].activations)
-    raw = choose(args, loaded, data, sites, centred=False, mode=choice.mode)
+    raw = choose(args, loaded, data, sites, centred=False, mode=choice.mode,
+                 every_head=choice.every_head)  # fmt: skip
     plan = choice_plan(loaded, raw, sites=sites, chunks=chunks, centred=False)
-    label = f"{sites} sites, no centre, {raw.mode.value} heads"
-    rows = [dp_row(args, loaded, data, label, plan, None, sites, choice=raw, variant="no centre")]
-    other_mode = HeadsMode.PRIVATE if choice.mode is HeadsMode.PUBLIC else HeadsMode.PUBLIC
-    other = choose(args, loaded, data, sites, mode=other_mode)
-    plan = choice_plan(loaded, other, sites=sites, chunks=chunks)
-    label = f"{sites} sites, {other.mode.value} heads (the other mode)"
-    rows.append(
-        dp_row(args, loaded, data, label, plan, other.centre, sites, choice=other,
-               variant="other heads mode")
-    )  # fmt: skip
+    label = f"{sites} sites, no centre, {_option_label(raw)}"
+    return [dp_row(args, loaded, data, label, plan, None, sites, choice=raw, variant="no centre")]
+
+
+def option_rows(args, loaded, data: TaskData, choice: ScopeChoice, sites: int) -> list[dict]:
+    """At one size, central: every option the public choice did not pick, each chosen alone.
+
+    What the rule's pick is worth: each option's own k and C' from the public tasks, its
+    held-out prediction beside its test accuracy.
+    """
+    chunks = len(data.sites[0].activations)
+    rows = []
+    for mode, every_head in ((HeadsMode.PUBLIC, False), (HeadsMode.PRIVATE, False),
+                             (HeadsMode.PRIVATE, True)):  # fmt: skip
+        if (mode, every_head) == (choice.mode, choice.every_head):
+            continue
+        other = choose(args, loaded, data, sites, mode=mode, every_head=every_head)
+        plan = choice_plan(loaded, other, sites=sites, chunks=chunks)
+        label = f"{sites} sites, central, {_option_label(other)} (another option)"
+        rows.append(
+            dp_row(args, loaded, data, label, plan, other.centre, sites, choice=other,
+                   variant="another option")
+        )  # fmt: skip
     return rows
 
 
@@ -388,10 +419,12 @@ def run_task(args, loaded: LoadedModel, root: Path, task: str) -> dict:
     for sites in args.curve_sites:
         size, choices[sites] = size_rows(args, loaded, data, sites)
         rows += size
-        if sites in args.release_first_sites:
-            rows.append(release_first_row(args, loaded, data, sites))
+        if sites in args.every_option_sites:
+            rows += option_rows(args, loaded, data, choices[sites], sites)
     side = args.side_sites if args.side_sites in choices else max(choices)
     rows += side_rows(args, loaded, data, choices[side], side)
+    if side not in args.every_option_sites:
+        rows += option_rows(args, loaded, data, choices[side], side)
     rows += sweep_rows(args, loaded, data, choices[side], side)
     reference = choices[side]
     base = baselines(args, loaded, data, reference.heads, reference.centre)
@@ -420,9 +453,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--curve-sites", type=int, nargs="+", default=[3, 10, 30])
     parser.add_argument("--side-sites", type=int, default=10, help="size of the side-by-side rows")
     parser.add_argument(
-        "--release-first-sites", type=int, nargs="*", default=[],
-        help="also release, central, with private selection in release-first order (the "
-        "product's default: every head noised, then attribution votes) at these sizes",
+        "--every-option-sites", type=int, nargs="*", default=[],
+        help="also release, central, every option the public choice did not pick (public "
+        "heads; private selection select-first; private selection release-first) at these "
+        "sizes (always at --side-sites)",
     )  # fmt: skip
     parser.add_argument("--per-site", type=int, default=100)
     parser.add_argument("--shots", type=int, default=4)

@@ -122,7 +122,7 @@ def main() -> int:
             accuracy = data.test.accuracy(loaded, rows_of(data.pooled_mean, heads))
             shared = len(set(heads.heads) & set(own.heads))
             rows.append(f"| {label} | {len(heads)} | {shared} | {accuracy:.2f} |")
-        choice = choose(args, loaded, data, sites, mode=HeadsMode.PRIVATE)
+        choice = choose(args, loaded, data, sites, mode=HeadsMode.PRIVATE, every_head=False)
         base = choice_plan(loaded, choice, sites=sites, chunks=len(data.sites[0].activations))
         releases = []
         for share in args.shares:

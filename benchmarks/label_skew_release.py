@@ -215,7 +215,7 @@ def other_mode_row(
 ) -> tuple[dict, ScopeChoice]:
     """The heads mode the transfer rule did not choose, central, at one size (side by side)."""
     other = HeadsMode.PRIVATE if chosen.mode is HeadsMode.PUBLIC else HeadsMode.PUBLIC
-    choice = choose(args, loaded, data, sites, mode=other)
+    choice = choose(args, loaded, data, sites, mode=other, every_head=False)
     label = f"{sites} sites, central, {other.value} heads (the other mode)"
     row = central_row(args, loaded, data, choice, sites, label, "other heads mode")
     return row, choice
@@ -282,7 +282,7 @@ def run_task(args, loaded: LoadedModel, root: Path, task: str) -> dict:
     data = prepare(args, loaded, root, task)
     rows, choices = [], {}
     for sites in sorted(args.sites):
-        size, choices[sites] = size_rows(args, loaded, data, sites)
+        size, choices[sites] = size_rows(args, loaded, data, sites, every_head=False)
         side, other = other_mode_row(args, loaded, data, choices[sites], sites)
         for row, choice in [(r, choices[sites]) for r in size] + [(side, other)]:
             row.update(without_noise(loaded, data, choice, sites))

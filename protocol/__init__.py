@@ -6,7 +6,7 @@ This package imports neither torch nor transformers, nor the ``client``/``server
 
 from __future__ import annotations
 
-from protocol.calibration import plan_calibration
+from protocol.calibration import plan_calibration, plan_gumbel_scale
 from protocol.codec import (
     MESSAGE_RECORD_KEY,
     array_from_record,
@@ -231,6 +231,7 @@ __all__ = [
     "message_to_record",
     "nonce_commitment",
     "plan_calibration",
+    "plan_gumbel_scale",
     "plan_distributed_calibration",
     "plan_distributed_event",
     "plan_epsilon_bound",

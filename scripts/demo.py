@@ -61,7 +61,7 @@ from dpmtv_common.errors import DataError
 from dpmtv_common.fingerprint import fingerprint_model_dir
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.noise import require_cryptographic, secure_noise
-from protocol import plan_noise_multiplier
+from protocol import plan_gumbel_scale, plan_noise_multiplier
 from server.coordinator import build_plan, run_coordinated_release
 from server.settings import CoordinatorSettings, RunConfig
 from server.simulation import InProcessGrid, make_server_context
@@ -218,7 +218,10 @@ def planned_releases(args: argparse.Namespace, model: Path) -> dict[HeadsMode, P
     ):
         base = run_config(args, model) | config
         plan = build_plan(RunConfig.from_context(base))
-        out[mode] = PlannedRelease(plan_noise_multiplier(plan), sum(site_chunks(args)))
+        out[mode] = PlannedRelease(
+            plan_noise_multiplier(plan), sum(site_chunks(args)),
+            gumbel_scale=plan_gumbel_scale(plan),
+        )  # fmt: skip
     return out
 
 

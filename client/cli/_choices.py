@@ -36,9 +36,11 @@ SELECTION_MODES = ("public", "private", "all")
 RELEASE_ORDERS = ("select-first", "release-first")
 """``protocol.ReleaseOrder``."""
 ORDER_HELP = (
-    "release-first or select-first (default: release-first for private selection, the best in "
-    "docs/benchmarks.md; select-first for public or all heads, which release-first would only "
-    "noise over every layer)"
+    "release-first or select-first (default: the order a heads file from select-heads was "
+    "chosen for; else release-first for private selection, which wins on large pools only "
+    "(docs/benchmarks.md: select-heads --public-task compares both on public data), and "
+    "select-first for public or all heads, which release-first would only noise over every "
+    "layer)"
 )
 ATTENTION_CHOICES = ("eager", "sdpa", "flash_attention_2", "flash_attention_3")
 """``client.models.ATTENTION_IMPLEMENTATIONS``."""

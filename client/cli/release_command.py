@@ -204,7 +204,7 @@ def _plan(
         _check_heads_file_crops(candidate_extras, args.max_image_crops)
         extras = extras or candidate_extras
     _check_heads_file_centre(extras, centre)
-    order = resolved_order(args)
+    order = _order_of(args, extras)
     _check_heads_file_order(extras, order.value, clip_given=args.clip_norm is not None)
     k = len(public_heads) if public_heads else args.heads
     try:
@@ -241,6 +241,20 @@ def resolved_order(args: argparse.Namespace) -> ReleaseOrder:
     from protocol import ReleaseOrder, SelectionMode
 
     return ReleaseOrder.named_or_default(args.order, SelectionMode(args.selection))
+
+
+def _order_of(args: argparse.Namespace, extras: dict[str, Any]) -> ReleaseOrder:
+    """``--order``; else the order the heads file's choices were made for; else the default.
+
+    ``select-heads --public-task`` picks the order on public data and records it: a release
+    given its file runs in that order unless told otherwise.
+    """
+    from protocol import ReleaseOrder
+
+    recorded = extras.get("release_order")
+    if args.order is None and recorded in RELEASE_ORDERS:
+        return ReleaseOrder(recorded)
+    return resolved_order(args)
 
 
 def _check_heads_file_crops(extras: dict[str, Any], max_image_crops: int | None) -> None:

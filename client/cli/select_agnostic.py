@@ -52,36 +52,38 @@ def public_task_folders(args: argparse.Namespace) -> list[Path]:
     return given
 
 
-def _planned(args: argparse.Namespace) -> dict[HeadsMode, PlannedRelease]:
-    """The planned central release in each heads mode (public heads spend no ε on picks).
+def _planned(args: argparse.Namespace) -> list[tuple[HeadsMode, PlannedRelease]]:
+    """The planned central releases to compare (public heads spend no ε on picks).
 
-    In release-first order the Gaussian covers every carried head: ``client.public.scope``
-    then scales C' and the noise to whole layers. Each mode is planned in ``--for-order``, or
-    by default in the order ``release`` will run it (``ReleaseOrder.default_for``): public
-    heads select-first, private selection release-first.
+    Without ``--for-order``: public heads select-first (release-first only adds noise to the
+    same heads), and private selection in both orders, each simulated as it would run
+    (``client.public.scope``); the best on held-out public tasks is suggested. With it: each
+    heads mode in that order. In release-first order the Gaussian covers every carried head,
+    so C' and the noise scale to whole layers.
     """
     from client.public.scope import HeadsMode, PlannedRelease
     from dpmtv_common.privacy import ReleaseCalibration
-    from protocol import ReleaseOrder, SelectionMode
 
-    def z(picks: int) -> float:
-        return ReleaseCalibration.for_budget(
+    def planned(mode: HeadsMode, every_head: bool) -> PlannedRelease:
+        picks = args.k if mode is HeadsMode.PRIVATE else 0
+        calibration = ReleaseCalibration.for_budget(
             epsilon=args.for_epsilon, delta=args.for_delta, private_picks=picks,
             selection_share=DEFAULT_SELECTION_SHARE,
-        ).noise_multiplier  # fmt: skip
+        )  # fmt: skip
+        scale = calibration.gumbel().gumbel_scale if picks else None
+        return PlannedRelease(
+            calibration.noise_multiplier, args.for_chunks, every_head=every_head,
+            gumbel_scale=scale,
+        )  # fmt: skip
 
-    def every_head(selection: SelectionMode) -> bool:
-        order = ReleaseOrder.named_or_default(args.for_order, selection)
-        return order is ReleaseOrder.RELEASE_FIRST
-
-    return {
-        HeadsMode.PUBLIC: PlannedRelease(
-            z(0), args.for_chunks, every_head=every_head(SelectionMode.PUBLIC)
-        ),
-        HeadsMode.PRIVATE: PlannedRelease(
-            z(args.k), args.for_chunks, every_head=every_head(SelectionMode.PRIVATE)
-        ),
-    }
+    if args.for_order is not None:
+        every_head = args.for_order == "release-first"
+        return [(mode, planned(mode, every_head)) for mode in HeadsMode]
+    return [
+        (HeadsMode.PUBLIC, planned(HeadsMode.PUBLIC, False)),
+        (HeadsMode.PRIVATE, planned(HeadsMode.PRIVATE, False)),
+        (HeadsMode.PRIVATE, planned(HeadsMode.PRIVATE, True)),
+    ]
 
 
 def _model_gains(loaded: LoadedModel, tasks: list[PublicTask], k: int) -> dict[str, float]:
@@ -127,8 +129,13 @@ def _say_model(gains: dict[str, float]) -> None:
 
 def _say_choice(choice: ScopeChoice, expected: dict[int, float]) -> None:
     print(
-        f"heads: {choice.mode.value} (transfer across public tasks {choice.transfer:.2f}); "
-        f"k = {choice.k}; C' = {choice.factor:g} x {choice.scale:.4g} = {choice.clip_norm:.4g}"
+        "held-out public accuracy of each option at its best k and C': "
+        + ", ".join(f"{name} {acc:.2f}" for name, acc in choice.options_tried)
+    )
+    print(
+        f"chosen: {choice.mode.value} heads, {choice.order} (transfer across public tasks "
+        f"{choice.transfer:.2f}); k = {choice.k}; C' = {choice.factor:g} x {choice.scale:.4g} = "
+        f"{choice.clip_norm:.4g}"
     )
     print(f"held-out public accuracy of the centre alone: {choice.public_only:.2f}")
     print(
@@ -181,8 +188,9 @@ def run_task_agnostic(args: argparse.Namespace) -> int:
     choice = choose_scope(loaded, tasks, planned=planned, ks=ks, keep=args.clip_keep,
                           progress=lambda line: print(line, flush=True))  # fmt: skip
     counts = [args.for_chunks * f for f in (1, 3, 10)]
+    chosen = next(p for m, p in planned if m is choice.mode and p.order == choice.order)
     expected = held_out_accuracy_by_chunks(
-        loaded, tasks, choice, planned=planned[choice.mode], chunk_counts=counts
+        loaded, tasks, choice, planned=chosen, chunk_counts=counts
     )
     gains = _model_gains(loaded, tasks, args.k)
     choice.centre.save(centre_file)

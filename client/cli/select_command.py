@@ -95,10 +95,10 @@ def register(sub: Any) -> None:
         "--for-order",
         choices=RELEASE_ORDERS,
         help="order of the release the heads file is for (release refuses the file with another "
-        "--order); default: the order release runs each heads mode in, select-first for public "
-        "heads (with --data: the file is a public head list) and release-first for private "
-        "selection. A release-first Gaussian covers every head, so C bounds whole layers, and "
-        "with --public-task private picks are scored against the noisy vector",
+        "--order). Default with --public-task: public heads select-first and private selection "
+        "in both orders, each simulated on held-out public tasks as it would run, the best "
+        "suggested; with --data (a public head list): select-first. A release-first Gaussian "
+        "covers every head, so C bounds whole layers",
     )
     parser.add_argument("--seed", type=non_negative_int, default=0)
     add_image_crops_option(parser, purpose="as the release will (written to the heads file)")

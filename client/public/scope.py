@@ -4,32 +4,31 @@ Every public task in turn plays the private one (leave one task out): what a rel
 would do is simulated from public data and public plan numbers only, and the choices that did
 best on the held-out tasks are suggested for the real, private task.
 
-1. **Public heads or private selection.** Do heads ranked on the *other* tasks carry the
-   held-out one? Its own unclipped mean is patched into the k heads the others rank first and
-   into the k heads its own gains rank first; the share of the own-heads gain over zero-shot
-   that the others' heads keep, averaged over held-out tasks, is the *transfer*. At or above
-   ``min_transfer`` (0.8) the public heads are suggested (no budget on selection); below it,
-   private selection among the 2k heads all public tasks rank first (``candidate_heads``),
-   where the private data picks the task's own heads. The transfer is a weak predictor of
-   which mode releases more: in the headline benchmarks it points to the better mode in about
-   half the model-task pairs, each way (docs/benchmarks.md); ``mode`` overrides it.
-2. **k and C'.** For each k and factor f, the held-out task's chunks are centred on the other
-   tasks' centre, clipped per layer at C' = f x s (s: the others' median centred layer norm),
-   averaged, given the planned release's Gaussian (std 2·z·C'·√L / m, z of the planned
-   plan in that selection mode) and the centre back, patched into the heads (public mode: the
-   others' top k; private mode: the held-out task's own top k, what an accurate private pick
-   finds — an optimistic stand-in, stated in the record) and scored on the held-out queries.
-   The best k is kept, and within it the smallest f keeping ``keep`` of the best gain over
-   the centre alone (a smaller C' adds less noise).
+1. **Options.** Each planned option — public heads, or private selection, in a release
+   order — is simulated as the release would run it. Public heads are the k heads the
+   *other* tasks rank first. Private selection picks the held-out task's heads from its own
+   chunks' votes under the planned Gumbel noise (:mod:`client.public.picks`): select-first,
+   by shift votes among the 2k heads the others rank first (the ``candidate_heads`` the
+   release is given); release-first, by attribution votes against each simulated noisy
+   vector, among every carried head. The option whose chosen (k, C') does best on the
+   held-out tasks is suggested (public heads on a tie). The *transfer* — the share of each
+   held-out task's own-heads gain, its unclipped mean patched, that the others' top k keep
+   — is reported beside it; it no longer decides (in the headline benchmarks it pointed to
+   the better mode in about half the model-task pairs, each way).
+2. **k and C'.** For each option, k and factor f, the held-out task's chunks are centred on
+   the other tasks' centre, clipped per layer at C' = f x s (s: the others' median centred
+   layer norm over the scope C' bounds: the public heads, the candidates, or every carried
+   head), averaged, given the planned release's Gaussian (std 2·z·C'·√L / m, z of the
+   planned option) over the scope it covers, and the centre back, patched into the heads
+   and scored on the held-out queries. The best k is kept, and within it the smallest f
+   keeping ``keep`` of the best gain over the centre alone (a smaller C' adds less noise).
 
    **In release-first order** (``PlannedRelease.every_head``) the Gaussian covers every
    carried head whatever is kept: s is then the median centred norm of whole layers, each
-   chunk is clipped over whole layers, the noise spans every carried layer, and in private
-   mode the k heads are picked from each simulated noisy vector by the held-out task's
-   attribution gains against it, among every head (as the sites' votes score the released
-   vector), instead of the optimistic stand-in. Those gains are computed on the held-out
-   queries that score the release (optimistic, as the sites' votes score their own
-   examples); no candidate set is suggested.
+   chunk is clipped over whole layers and the noise spans every carried layer. Its votes
+   are scored on the held-out task's first chunks' queries, which also score the release
+   (as the sites' votes score their own examples; the private task's test queries are
+   other examples, so this is mildly optimistic for both private orders alike).
 3. **What more chunks buy** (:func:`held_out_accuracy_by_chunks`): the chosen scope scored the
    same way at other chunk counts, so a consortium sees before spending whether its m is
    enough, and how many more sites or examples would help.
@@ -40,16 +39,17 @@ The simulated noise comes from ``dpmtv_common.privacy.noise`` and never leaves t
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import statistics
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
 import torch
 
 from client.models import LoadedModel
-from client.public.selection import top_heads
+from client.public.picks import attribution_votes, noisy_pick, shift_votes
 from client.public.tasks import (
     MIN_PUBLIC_TASKS,
     PublicTask,
@@ -98,12 +98,18 @@ class PlannedRelease:
             vector is released whole, and the kept heads are picked after), so C' bounds
             whole layers and the noise spans every carried layer; else it covers the
             released heads only (select-first).
+        gumbel_scale: β of the planned private selection's Gumbel top-k (its calibration's
+            ``gumbel().gumbel_scale``); None for public heads, which pick nothing privately.
+        top_r: Heads each chunk votes for (the plan's ``score_top_r``); None: as many as
+            the heads kept, the release's default.
     """
 
     noise_multiplier: float
     num_chunks: int
     draws: int = 3
     every_head: bool = False
+    gumbel_scale: float | None = None
+    top_r: int | None = None
 
     def __post_init__(self) -> None:
         if not self.noise_multiplier > 0 or self.num_chunks < 1 or self.draws < 1:
@@ -111,6 +117,15 @@ class PlannedRelease:
                 "a planned release needs noise_multiplier > 0, num_chunks >= 1 and draws >= 1, "
                 f"got {self.noise_multiplier!r}, {self.num_chunks!r}, {self.draws!r}."
             )
+        if self.gumbel_scale is not None and not self.gumbel_scale > 0:
+            raise ConfigError(f"gumbel_scale must be > 0 or None, got {self.gumbel_scale!r}.")
+        if self.top_r is not None and self.top_r < 1:
+            raise ConfigError(f"top_r must be >= 1 or None, got {self.top_r!r}.")
+
+    @property
+    def order(self) -> str:
+        """The release order planned: ``release-first`` or ``select-first``."""
+        return "release-first" if self.every_head else "select-first"
 
     def mean_std(self, clip_norm: float, layers_in_scope: int) -> float:
         """Std a coordinate of the released mean carries: 2·z·C'·√L / m."""
@@ -140,13 +155,17 @@ class ScopeChoice:
             else None (release-first private selection picks among every head).
         clip_norm: C' = factor x scale.
         factor: The chosen factor.
-        scale: The public median centred layer norm over the Gaussian's scope (factor 1):
-            ``heads``, or every carried head when ``every_head``.
+        scale: The public median centred layer norm over the scope C' bounds (factor 1):
+            ``heads``, the ``candidates`` (select-first private selection: the picks are
+            among them), or every carried head when ``every_head``.
         centre: The centre over all public tasks (zeros for a plain release).
-        transfer: The share of the held-out own-heads gain the others' heads keep.
+        transfer: The share of the held-out own-heads gain the others' heads keep (shown:
+            the options' held-out accuracies decide).
         public_only: Held-out accuracy of the centre alone in the others' heads.
-        candidates_tried: Every (k, f) tried in the chosen mode.
+        candidates_tried: Every (k, f) tried in the chosen option.
         every_head: Chosen for a release-first plan (``PlannedRelease.every_head``).
+        held_out: Mean held-out accuracy of the chosen (k, f).
+        options_tried: Each option simulated ("MODE heads, ORDER") and its ``held_out``.
     """
 
     mode: HeadsMode
@@ -160,18 +179,25 @@ class ScopeChoice:
     public_only: float
     candidates_tried: tuple[ScopeCandidate, ...]
     every_head: bool = False
+    held_out: float = 0.0
+    options_tried: tuple[tuple[str, float], ...] = ()
 
     @property
     def k(self) -> int:
         """Heads the release carries."""
         return len(self.heads)
 
+    @property
+    def order(self) -> str:
+        """The release order this choice was made for."""
+        return "release-first" if self.every_head else "select-first"
+
     def as_record(self) -> dict[str, object]:
         """JSON-ready evidence for a heads file."""
         return {
             "scope_rule": "leave one public task out under the planned noise",
             "heads_mode": self.mode.value,
-            "release_order": "release-first" if self.every_head else "select-first",
+            "release_order": self.order,
             "heads_transfer": self.transfer,
             "centred_clip_factor": self.factor,
             "centred_clip_scale": self.scale,
@@ -179,6 +205,8 @@ class ScopeChoice:
             "held_out_accuracy": {
                 f"k={c.heads} f={c.factor:g}": c.accuracy for c in self.candidates_tried
             },
+            "held_out_chosen": self.held_out,
+            "held_out_by_option": dict(self.options_tried),
         }
 
 
@@ -219,55 +247,99 @@ def _check(tasks: Sequence[PublicTask], ks: Sequence[int], factors: Sequence[flo
 class _Trial:
     """Everything one held-out task's simulated releases share.
 
-    ``noised``: the Gaussian's scope (``heads``, or every carried head in release-first
-    order). ``heads`` None: release-first private selection, whose k heads are picked from
-    each noisy vector by the held-out task's attribution gains against it (as the sites'
-    votes score the noisy vector), among every head.
+    ``heads``: the public heads released, or None for private selection, whose k heads are
+    picked each draw as the release would (:mod:`client.public.picks`). ``noised``: the
+    Gaussian's scope, fixed (``heads``, or every carried head in release-first order), or
+    None when it is the heads picked first (select-first private selection).
+    ``candidates``: the dense slots a private pick chooses among. ``scale``: the others'
+    median centred layer norm over the scope C' will bound (the candidates' layers when the
+    scope is picked per draw).
     """
 
     held: PublicTask
     heads: HeadSet | None
-    noised: HeadSet
+    noised: HeadSet | None
     k: int
     centre: ActivationCentre
     scale: float
+    layout: HeadLayout
+    candidates: tuple[int, ...] = ()
 
     def accuracy(
         self, loaded: LoadedModel, factor: float, planned: PlannedRelease, noise: NoiseSource
     ) -> float:
         clip_norm = factor * self.scale
-        mean = centred_mean(self.held.activations, self.noised, self.centre, clip_norm)
-        std = planned.mean_std(clip_norm, self.noised.num_layers_in_scope)
-        back = self.centre.rows(self.noised)
+        fixed = None if self.noised is None else self._noisy_scope(self.noised, clip_norm, planned)
         scores = []
         for _ in range(planned.draws):
-            values = noise.add_gaussian(mean, noise_std=std) + back
-            heads = self._picked(loaded, values) if self.heads is None else self.heads
-            rows = values[self.noised.rows_of(heads)]
+            if fixed is None:  # select-first private selection: pick, then noise the picks
+                heads = self._picked_first(planned, noise)
+                mean, std, back = self._noisy_scope(heads, clip_norm, planned)
+                rows = noise.add_gaussian(mean, noise_std=std) + back
+            else:
+                mean, std, back = fixed
+                values = noise.add_gaussian(mean, noise_std=std) + back
+                heads = self.heads or self._picked_after(values, planned, noise)
+                rows = values[self.noised.rows_of(heads)]  # type: ignore[union-attr]
             scores.append(self.held.queries.accuracy(loaded, (heads, rows)))
         return statistics.mean(scores)
 
-    def _picked(self, loaded: LoadedModel, values: Float64Array) -> HeadSet:
+    def _noisy_scope(
+        self, scope: HeadSet, clip_norm: float, planned: PlannedRelease
+    ) -> tuple[Float64Array, float, Float64Array]:
+        """The clipped centred mean over ``scope``, its Gaussian's std, and the centre rows."""
+        mean = centred_mean(self.held.activations, scope, self.centre, clip_norm)
+        std = planned.mean_std(clip_norm, scope.num_layers_in_scope)
+        return mean, std, self.centre.rows(scope)
+
+    def _pick(self, votes: Float64Array, planned: PlannedRelease, noise: NoiseSource) -> HeadSet:
+        return noisy_pick(
+            votes, self.layout, candidates=self.candidates, k=self.k,
+            num_chunks=planned.num_chunks, gumbel_scale=_gumbel_scale(planned), noise=noise,
+        )  # fmt: skip
+
+    def _picked_first(self, planned: PlannedRelease, noise: NoiseSource) -> HeadSet:
+        votes = shift_votes(self.held, self.layout, top_r=planned.top_r or self.k)
+        return self._pick(votes, planned, noise)
+
+    def _picked_after(
+        self, values: Float64Array, planned: PlannedRelease, noise: NoiseSource
+    ) -> HeadSet:
         # Every carried head was noised (release-first): place the rows as the release does.
-        dense = _layout(loaded).dense_rows(values)
-        return top_heads(loaded, self.held.gains_against(torch.as_tensor(dense)), k=self.k)
+        reference = torch.as_tensor(self.layout.dense_rows(values))
+        votes = attribution_votes(self.held, reference, self.layout, top_r=planned.top_r or self.k)
+        return self._pick(votes, planned, noise)
+
+
+def _gumbel_scale(planned: PlannedRelease) -> float:
+    if planned.gumbel_scale is None:
+        raise ConfigError(
+            "a planned private selection needs its Gumbel scale (PlannedRelease.gumbel_scale, "
+            "from the planned calibration), got None."
+        )
+    return planned.gumbel_scale
 
 
 def _trial(
     loaded: LoadedModel, tasks: Sequence[PublicTask], held: PublicTask, k: int, *,
     mode: HeadsMode, centred: bool, every_head: bool,
 ) -> _Trial:  # fmt: skip
+    layout = _layout(loaded)
     centre = domain_centre(tasks, exclude=held.name, centred=centred)
-    heads: HeadSet | None
+    others = [task for task in tasks if task.name != held.name]
     if mode is HeadsMode.PUBLIC:
         heads = rank_heads(loaded, tasks, k=k, exclude=held.name)
-    elif every_head:
-        heads = None  # picked from each noisy vector (class docstring)
-    else:  # an accurate private pick finds the task's own heads (optimistic; module doc)
-        heads = rank_heads(loaded, [held], k=k)
-    noised = _carried(loaded) if every_head or heads is None else heads
-    others = [task for task in tasks if task.name != held.name]
-    return _Trial(held, heads, noised, k, centre, centred_clip_scale(others, noised, centre))
+        noised = layout.all_heads() if every_head else heads
+        return _Trial(held, heads, noised, k, centre, centred_clip_scale(others, noised, centre),
+                      layout)  # fmt: skip
+    if every_head:  # picked among every carried head from each noisy vector
+        noised = layout.all_heads()
+        scale = centred_clip_scale(others, noised, centre)
+        return _Trial(held, None, noised, k, centre, scale, layout, tuple(layout.candidates()))
+    # Select-first: among the 2k heads the others rank first, the candidate set a release uses.
+    pool = rank_heads(loaded, tasks, k=min(2 * k, len(layout.candidates())), exclude=held.name)
+    scale = centred_clip_scale(others, pool, centre)
+    return _Trial(held, None, None, k, centre, scale, layout, tuple(layout.dense_indices(pool)))
 
 
 def _layout(loaded: LoadedModel) -> HeadLayout:
@@ -278,58 +350,95 @@ def _carried(loaded: LoadedModel) -> HeadSet:
     return _layout(loaded).all_heads()
 
 
+ReleaseOption = tuple[HeadsMode, PlannedRelease]
+"""A heads mode and the release planned for it (its order, z, m and Gumbel scale)."""
+
+
+def _options(
+    planned: Mapping[HeadsMode, PlannedRelease] | Sequence[ReleaseOption], mode: HeadsMode | None
+) -> list[ReleaseOption]:
+    given = list(planned.items()) if isinstance(planned, Mapping) else list(planned)
+    kept = [(m, p) for m, p in given if mode is None or m is mode]
+    if not kept:
+        wanted = "a release" if mode is None else f"the {mode.value!r} release"
+        raise ConfigError(
+            f"planned must hold {wanted}, got {[f'{m.value} {p.order}' for m, p in given]}."
+        )
+    return kept
+
+
 def choose_scope(
     loaded: LoadedModel,
     tasks: Sequence[PublicTask],
     *,
-    planned: dict[HeadsMode, PlannedRelease],
+    planned: Mapping[HeadsMode, PlannedRelease] | Sequence[ReleaseOption],
     ks: Sequence[int],
     factors: Sequence[float] = CENTRED_CLIP_FACTORS,
     keep: float = 0.9,
-    min_transfer: float = 0.8,
     mode: HeadsMode | None = None,
     centred: bool = True,
     noise: NoiseSource | None = None,
     progress: Callable[[str], None] | None = None,
 ) -> ScopeChoice:
-    """Leave-one-task-out choice of the heads mode, k and C' (module docstring).
+    """Leave-one-task-out choice of the heads mode, release order, k and C' (module docstring).
+
+    Every planned option (a heads mode in one release order) is simulated on the held-out
+    public tasks; the option whose chosen (k, C') scores best is suggested, public heads on a
+    tie (they spend nothing on picks and need no candidate votes).
 
     Args:
-        planned: The planned release in each heads mode (its z differs: private selection
-            spends part of ε on the picks).
-        mode: Force a heads mode instead of the transfer rule.
+        planned: The planned release of each option: a mapping of one release per heads mode,
+            or (mode, release) pairs, e.g. private selection in both orders. Their z differ:
+            private selection spends part of ε on the picks.
+        mode: Only the options of this heads mode.
         centred: False makes the same choice for a plain release (zero centre).
 
     Raises:
-        ConfigError: Fewer than two public tasks, two with one name, no k or factor, or no
-            planned release for the chosen mode.
+        ConfigError: Fewer than two public tasks, two with one name, no k or factor, no
+            planned option of ``mode``, or a private option without its Gumbel scale.
     """
     _check(tasks, ks, factors)
+    options = _options(planned, mode)
     transfer = heads_transfer(loaded, tasks, k=max(ks))
-    chosen = mode or (HeadsMode.PUBLIC if transfer >= min_transfer else HeadsMode.PRIVATE)
-    if chosen not in planned:
-        raise ConfigError(f"planned must hold the {chosen.value!r} release, got {list(planned)}.")
     if progress is not None:
-        progress(f"heads transfer across public tasks {transfer:.2f}: {chosen.value} heads")
+        progress(f"heads transfer across public tasks {transfer:.2f}")
     source = noise if noise is not None else secure_noise()
+    choices = []
+    for option_mode, option in options:
+        if option_mode is HeadsMode.PRIVATE:
+            _gumbel_scale(option)  # fail before any simulation runs
+        name = f"{option_mode.value} heads, {option.order}"
+        say = None if progress is None else (lambda line, n=name: progress(f"{n}: {line}"))
+        choices.append(
+            _choose_in(loaded, tasks, option_mode, option, ks=ks, factors=factors, keep=keep,
+                       transfer=transfer, centred=centred, noise=source, progress=say)
+        )  # fmt: skip
+    best = max(choices, key=lambda c: (c.held_out, c.mode is HeadsMode.PUBLIC))
+    tried = tuple((f"{c.mode.value} heads, {c.order}", c.held_out) for c in choices)
+    return dataclasses.replace(best, options_tried=tried)
+
+
+def _choose_in(
+    loaded: LoadedModel, tasks: Sequence[PublicTask], mode: HeadsMode, planned: PlannedRelease,
+    *, ks: Sequence[int], factors: Sequence[float], keep: float, transfer: float,
+    centred: bool, noise: NoiseSource, progress: Callable[[str], None] | None,
+) -> ScopeChoice:  # fmt: skip
+    """One option's k and C', by its held-out public accuracy."""
     tried, floors = [], []
     for k in sorted(ks):
-        every_head = planned[chosen].every_head
         trials = [
-            _trial(loaded, tasks, h, k, mode=chosen, centred=centred, every_head=every_head)
+            _trial(loaded, tasks, h, k, mode=mode, centred=centred, every_head=planned.every_head)
             for h in tasks
         ]
         floors.append(statistics.mean(_centre_alone(loaded, tasks, t) for t in trials))
         for factor in sorted(factors):
-            scores = {
-                t.held.name: t.accuracy(loaded, factor, planned[chosen], source) for t in trials
-            }
+            scores = {t.held.name: t.accuracy(loaded, factor, planned, noise) for t in trials}
             tried.append(ScopeCandidate(k, factor, statistics.mean(scores.values()), scores))
             if progress is not None:
                 progress(f"k = {k}, C' = {factor:g} x scale: held-out {tried[-1].accuracy:.2f}")
     return _suggest(
-        loaded, tasks, tried, min(floors), keep, chosen, transfer, centred,
-        every_head=planned[chosen].every_head,
+        loaded, tasks, tried, min(floors), keep, mode, transfer, centred,
+        every_head=planned.every_head,
     )  # fmt: skip
 
 
@@ -359,7 +468,9 @@ def _suggest(
         carried = len(_carried(loaded))
         candidates = rank_heads(loaded, tasks, k=min(2 * chosen.heads, carried))
     centre = domain_centre(tasks, centred=centred)
-    scale = centred_clip_scale(tasks, _carried(loaded) if every_head else heads, centre)
+    # C' bounds the scope the trials scaled it to: every head, the candidates, or the heads.
+    scope = _carried(loaded) if every_head else candidates or heads
+    scale = centred_clip_scale(tasks, scope, centre)
     return ScopeChoice(
         mode=mode,
         heads=heads,
@@ -372,6 +483,7 @@ def _suggest(
         public_only=floor,
         candidates_tried=tuple(tried),
         every_head=every_head,
+        held_out=chosen.accuracy,
     )
 
 
@@ -398,7 +510,7 @@ def held_out_accuracy_by_chunks(
     ]  # fmt: skip
     out = {}
     for count in chunk_counts:
-        at_count = PlannedRelease(planned.noise_multiplier, count, planned.draws)
+        at_count = dataclasses.replace(planned, num_chunks=count)
         out[count] = statistics.mean(
             t.accuracy(loaded, choice.factor, at_count, source) for t in trials
         )

@@ -16,7 +16,7 @@ from the public set's chunks:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -42,9 +42,11 @@ __all__ = [
     "ReinforceSettings",
     "SelectionMethod",
     "AttributionTerms",
+    "QueryTerms",
     "attribution_gains",
     "attribution_terms",
     "public_activations",
+    "query_terms",
     "select_heads_attribution",
     "select_heads_reinforce",
     "suggested_clip_norm",
@@ -142,6 +144,25 @@ class AttributionTerms:
         return (reference.float() * self.gradient_sum).sum(dim=-1) - self.offset
 
 
+def _attribution_passes(
+    loaded: LoadedModel,
+    queries: Sequence[Record],
+    *,
+    batch_size: int,
+    instruction: str | None,
+    progress: bool,
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Each batch's zero-shot activations and gradients ``(B, L, H, D)``, in query order."""
+    with tqdm(total=len(queries), desc="attribution", unit="query", disable=not progress) as bar:
+        for start in range(0, len(queries), batch_size):
+            batch = queries[start : start + batch_size]
+            prompts = [zero_shot_prompt(r) for r in batch]
+            yield last_token_attribution(
+                loaded, prompts, [r.answer for r in batch], instruction=instruction
+            )
+            bar.update(len(batch))
+
+
 def attribution_terms(
     loaded: LoadedModel,
     queries: Sequence[Record],
@@ -154,17 +175,56 @@ def attribution_terms(
     shape = loaded.adapter.head_shape(loaded.model)
     gradient_sum = torch.zeros(shape.num_layers, shape.num_heads, shape.head_dim)
     offset = torch.zeros(shape.num_layers, shape.num_heads)
-    with tqdm(total=len(queries), desc="attribution", unit="query", disable=not progress) as bar:
-        for start in range(0, len(queries), batch_size):
-            batch = queries[start : start + batch_size]
-            prompts = [zero_shot_prompt(r) for r in batch]
-            acts, grads = last_token_attribution(
-                loaded, prompts, [r.answer for r in batch], instruction=instruction
-            )
-            gradient_sum += grads.sum(dim=0)
-            offset += (acts * grads).sum(dim=(0, -1))
-            bar.update(len(batch))
+    passes = _attribution_passes(
+        loaded, queries, batch_size=batch_size, instruction=instruction, progress=progress
+    )
+    for acts, grads in passes:
+        gradient_sum += grads.sum(dim=0)
+        offset += (acts * grads).sum(dim=(0, -1))
     return AttributionTerms(gradient_sum, offset)
+
+
+@dataclass(frozen=True)
+class QueryTerms:
+    """Each query's own attribution terms: what a simulated vote of each chunk needs.
+
+    ``activations`` z_q and ``gradients`` g_q ``(Q, L, H, D)``: the zero-shot last-token
+    head outputs of each query and the gradients of log p(its first answer token) there.
+    """
+
+    activations: torch.Tensor
+    gradients: torch.Tensor
+
+    def __len__(self) -> int:
+        return len(self.activations)
+
+    def gains(self, reference: torch.Tensor) -> torch.Tensor:
+        """Each query's gain ``(Q, L, H)`` of overwriting each head with ``reference``."""
+        return ((reference.float()[None] - self.activations) * self.gradients).sum(dim=-1)
+
+    def summed(self) -> AttributionTerms:
+        """The queries' summed :class:`AttributionTerms`."""
+        offset = (self.activations * self.gradients).sum(dim=(0, -1))
+        return AttributionTerms(self.gradients.sum(dim=0), offset)
+
+
+def query_terms(
+    loaded: LoadedModel,
+    queries: Sequence[Record],
+    *,
+    batch_size: int = 4,
+    instruction: str | None = None,
+) -> QueryTerms:
+    """Every query's :class:`QueryTerms` (one forward and backward pass a query, kept apart)."""
+    passes = list(
+        _attribution_passes(
+            loaded, queries, batch_size=batch_size, instruction=instruction, progress=False
+        )
+    )
+    if not passes:
+        raise ConfigError("query_terms needs at least one query, got none.")
+    acts, grads = zip(*passes, strict=True)
+    return QueryTerms(torch.cat(acts).float(), torch.cat(grads).float())
 
 
 def top_heads(loaded: LoadedModel, gain: torch.Tensor, *, k: int) -> HeadSet:

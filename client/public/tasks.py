@@ -36,8 +36,9 @@ from client.evaluation.first_token import QuerySet
 from client.models import LoadedModel
 from client.public.selection import (
     AttributionTerms,
-    attribution_terms,
+    QueryTerms,
     public_activations,
+    query_terms,
     top_heads,
 )
 from dpmtv_common.aliases import Float64Array
@@ -70,6 +71,9 @@ class PublicTask:
         queries: Its zero-shot queries, tokenised once (first answer token scored).
         gains: Attribution gain of each head ``(L, H)`` with the task's own mean.
         terms: What the gains of any other reference need (None: only ``gains`` is known).
+        chunk_terms: The first chunks' own query terms, one a query, in chunk order (query q
+            is chunk q's query): what simulated private selection votes with (None: not
+            simulated).
     """
 
     name: str
@@ -77,6 +81,7 @@ class PublicTask:
     queries: QuerySet
     gains: torch.Tensor
     terms: AttributionTerms | None = None
+    chunk_terms: QueryTerms | None = None
 
     def gains_against(self, reference: torch.Tensor) -> torch.Tensor:
         """Attribution gain ``(L, H)`` of each head overwritten with ``reference`` ``(L, H, D)``.
@@ -109,7 +114,8 @@ def public_task(
 ) -> PublicTask:
     """Cut ``dataset`` into chunks, run them once, score head gains on its queries.
 
-    Queries are the chunks' own query records (public, labelled), ``max_queries`` at most.
+    Queries are the chunks' own query records (public, labelled), ``max_queries`` at most;
+    their attribution terms are kept one a query (``PublicTask.chunk_terms``).
 
     Raises:
         ConfigError: The dataset holds no chunk of ``shots + 1`` examples.
@@ -124,16 +130,15 @@ def public_task(
         loaded, chunks, batch_size=batch_size, instruction=dataset.instruction, progress=False
     )
     records: list[Record] = [chunk.query for chunk in chunks][:max_queries]
-    terms = attribution_terms(
-        loaded, records, batch_size=batch_size, instruction=dataset.instruction
-    )
+    per_query = query_terms(loaded, records, batch_size=batch_size, instruction=dataset.instruction)
     queries = QuerySet.build(
         loaded,
         [zero_shot_prompt(r) for r in records],
         [r.answer for r in records],
         instruction=dataset.instruction,
     )
-    return PublicTask(dataset.task, acts, queries, terms.gains(acts.mean(0)), terms)
+    terms = per_query.summed()
+    return PublicTask(dataset.task, acts, queries, terms.gains(acts.mean(0)), terms, per_query)
 
 
 def _others(tasks: Sequence[PublicTask], exclude: str | None) -> list[PublicTask]:

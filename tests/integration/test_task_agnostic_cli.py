@@ -81,14 +81,19 @@ def test_select_heads_writes_a_centred_choice_that_names_its_setting(selected):
     assert record["setting"] == "task-agnostic"
     assert record["public_tasks"] == ["shape", "count", "position"]
     assert record["heads_mode"] in ("public", "private")
+    assert set(record["held_out_by_option"]) == {
+        "public heads, select-first", "private heads, select-first",
+        "private heads, release-first",
+    }  # fmt: skip
+    assert record["held_out_chosen"] == max(record["held_out_by_option"].values())
     assert set(record["held_out_by_chunks"]) == {"60", "180", "600"}
     assert record["clip_norm_suggestion"] > 0
     assert "setting: task-agnostic" in printed
     assert f"--centre {record['centre_file']}" in printed
-    # chosen for the order the release command runs the chosen heads mode in, and said so
-    default = "select-first" if record["heads_mode"] == "public" else "release-first"
-    assert record["release_order"] == default
-    assert f"--order {default}" in printed
+    # the order of the option chosen, recorded and said
+    assert record["release_order"] in ("select-first", "release-first")
+    assert f"--order {record['release_order']}" in printed
+    assert "held-out public accuracy of each option" in printed
 
 
 @pytest.mark.parametrize(
@@ -161,11 +166,13 @@ def test_release_uses_the_centre_its_heads_were_chosen_with_or_refuses(
     assert f"--order must be {recorded!r}" in capsys.readouterr().err
     assert not (world / "ledger.sqlite").exists()
 
-    # Act: with it, the artifact's signed plan pins it
-    assert main(_release(world, "centred", *centre)) == 0
+    # Act: with it, and no --order, the artifact's signed plan pins the centre, in the
+    # order the heads file was chosen for
+    assert main(_release(world, "centred", *centre[:2])) == 0
     artifact = load_artifact(
         world / "centred",
         trusted_keys=TrustedKeys.from_files([world / "keys" / "site.pub"]),
         expected_model_fingerprint=fingerprint_model_dir(world / "model"),
     )
     assert artifact.manifest.plan["centre_sha256"] == record["centre_sha256"]
+    assert artifact.manifest.plan["order"] == recorded

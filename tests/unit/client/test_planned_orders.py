@@ -6,7 +6,7 @@ import argparse
 
 import pytest
 
-from client.cli.release_command import _check_heads_file_order
+from client.cli.release_command import _check_heads_file_order, _order_of
 from client.cli.select_agnostic import _planned
 from client.public.scope import HeadsMode
 from dpmtv_common.errors import ConfigError
@@ -17,21 +17,27 @@ def _args(for_order: str | None) -> argparse.Namespace:
                               for_chunks=200)  # fmt: skip
 
 
+PUBLIC, PRIVATE = HeadsMode.PUBLIC, HeadsMode.PRIVATE
+
+
 @pytest.mark.parametrize(
-    ("for_order", "public_every_head", "private_every_head"),
+    ("for_order", "options"),
     [
-        (None, False, True),  # each mode in the order release runs it by default
-        ("select-first", False, False),
-        ("release-first", True, True),
+        # public heads select-first (release-first only noises more), private in both orders
+        (None, [(PUBLIC, False), (PRIVATE, False), (PRIVATE, True)]),
+        ("select-first", [(PUBLIC, False), (PRIVATE, False)]),
+        ("release-first", [(PUBLIC, True), (PRIVATE, True)]),
     ],
 )
-def test_each_heads_mode_is_planned_in_its_release_order(
-    for_order, public_every_head, private_every_head
-):
+def test_the_options_compared_are_planned_in_their_release_orders(for_order, options):
     planned = _planned(_args(for_order))
-    assert planned[HeadsMode.PUBLIC].every_head is public_every_head
-    assert planned[HeadsMode.PRIVATE].every_head is private_every_head
-    assert planned[HeadsMode.PRIVATE].noise_multiplier > planned[HeadsMode.PUBLIC].noise_multiplier
+    assert [(mode, p.every_head) for mode, p in planned] == options
+    public = next(p for mode, p in planned if mode is PUBLIC)
+    for mode, p in planned:
+        assert (p.gumbel_scale is not None) is (mode is PRIVATE)  # only private picks
+        assert p.num_chunks == 200
+        if mode is PRIVATE:
+            assert p.noise_multiplier > public.noise_multiplier  # picks spend part of epsilon
 
 
 def test_a_heads_files_order_binds_only_the_clip_norm_it_suggests():
@@ -41,3 +47,21 @@ def test_a_heads_files_order_binds_only_the_clip_norm_it_suggests():
     _check_heads_file_order(extras, "release-first", clip_given=True)  # heads only: either order
     _check_heads_file_order(extras, "select-first", clip_given=False)
     _check_heads_file_order({}, "release-first", clip_given=False)  # an older file: no record
+
+
+@pytest.mark.parametrize(
+    ("named", "recorded", "selection", "expected"),
+    [
+        (None, "select-first", "private", "select-first"),  # the file's choice
+        (None, "release-first", "public", "release-first"),
+        ("release-first", "select-first", "private", "release-first"),  # named wins (then checked)
+        (None, None, "private", "release-first"),  # no record: the selection's default
+        (None, None, "public", "select-first"),
+    ],
+)
+def test_a_release_runs_in_the_order_its_heads_file_was_chosen_for_unless_named(
+    named, recorded, selection, expected
+):
+    args = argparse.Namespace(order=named, selection=selection)
+    extras = {} if recorded is None else {"release_order": recorded}
+    assert _order_of(args, extras).value == expected

@@ -193,23 +193,11 @@ def test_more_noise_makes_the_choice_take_a_smaller_clip_factor(loaded):
 
 
 @ONE_ARCH
-def test_heads_that_do_not_transfer_make_private_selection_among_public_candidates(loaded):
-    # Arrange: every task lives in its own heads
-    slots = {"a": (0, 1), "b": (2, 3), "c": (4, 5)}
-    tasks = [_task(n, seed=i, gains=_gains(*s)) for i, (n, s) in enumerate(slots.items())]
-    favourites = {t.name: set(rank_heads(loaded, [t], k=2).heads) for t in tasks}
-    _script(tasks, _own_heads_accuracy(favourites))
+def test_a_private_option_without_its_gumbel_scale_is_refused_before_any_simulation(loaded):
+    tasks = [_task(n, seed=i, gains=_gains(i)) for i, n in enumerate("abc")]
     planned = {mode: PlannedRelease(1.0, 100, draws=1) for mode in HeadsMode}
-
-    # Act
-    choice = choose_scope(loaded, tasks, planned=planned, ks=[2], noise=SeededNoise(0))
-
-    # Assert
-    assert choice.mode is HeadsMode.PRIVATE
-    assert choice.transfer == pytest.approx(0.0)
-    assert choice.candidates is not None
-    assert len(choice.candidates) == 4
-    assert set(choice.heads.heads) <= set(choice.candidates.heads)
+    with pytest.raises(ConfigError, match="needs its Gumbel scale"):
+        choose_scope(loaded, tasks, planned=planned, ks=[2], noise=SeededNoise(0))
 
 
 @ONE_ARCH
@@ -217,6 +205,9 @@ def test_task_agnostic_choices_need_two_distinct_public_tasks(loaded):
     one = [_task("a", seed=1, gains=_gains(0))]
     twins = [_task("a", seed=1, gains=_gains(0)), _task("a", seed=2, gains=_gains(1))]
     planned = {HeadsMode.PUBLIC: PlannedRelease(1.0, 10)}
+    with pytest.raises(ConfigError, match="must hold the 'private' release"):
+        choose_scope(loaded, [*twins[:1], _task("b", seed=3, gains=_gains(2))], planned=planned,
+                     ks=[2], mode=HeadsMode.PRIVATE)  # fmt: skip
     for tasks in (one, twins):
         with pytest.raises(ConfigError, match="at least 2 public tasks of distinct names"):
             choose_scope(loaded, tasks, planned=planned, ks=[2])
@@ -225,6 +216,10 @@ def test_task_agnostic_choices_need_two_distinct_public_tasks(loaded):
 def test_a_planned_release_refuses_impossible_numbers():
     with pytest.raises(ConfigError, match="noise_multiplier > 0"):
         PlannedRelease(0.0, 10)
+    with pytest.raises(ConfigError, match="gumbel_scale must be > 0"):
+        PlannedRelease(1.0, 10, gumbel_scale=0.0)
+    with pytest.raises(ConfigError, match="top_r must be >= 1"):
+        PlannedRelease(1.0, 10, top_r=0)
     assert PlannedRelease(2.0, 100).mean_std(3.0, 4) == pytest.approx(2 * 2.0 * 3.0 * 2 / 100)
 
 

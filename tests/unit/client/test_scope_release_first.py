@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from client.public.scope import HeadsMode, PlannedRelease, choose_scope
-from client.public.selection import AttributionTerms
+from client.public.selection import AttributionTerms, QueryTerms
 from client.public.tasks import (
     PublicTask,
     centred_clip_scale,
@@ -47,11 +47,13 @@ def _task(name: str, seed: int, *, stand_in: tuple[int, ...], attributed: tuple[
     overwriting the ``attributed`` slots with anything near its (positive) activations."""
     generator = torch.Generator().manual_seed(seed)
     acts = torch.rand(40, LAYERS, HEADS, DIM, generator=generator) + 5.0
-    gradient_sum = torch.zeros(LAYERS * HEADS, DIM)
-    gradient_sum[list(attributed)] = 1.0
-    terms = AttributionTerms(gradient_sum.reshape(LAYERS, HEADS, DIM), torch.zeros(LAYERS, HEADS))
+    gradients = torch.zeros(40, LAYERS * HEADS, DIM)
+    gradients[:, list(attributed)] = 1.0 / 40
+    # Zero-shot activations at 0: every head's shift is about as large (no shift vote helps).
+    chunk_terms = QueryTerms(torch.zeros_like(acts), gradients.reshape(acts.shape))
     favourites = {(slot // HEADS, slot % HEADS) for slot in attributed}
-    return PublicTask(name, acts, _ShareOf(favourites), _slots_gains(*stand_in), terms)  # type: ignore[arg-type]
+    return PublicTask(name, acts, _ShareOf(favourites), _slots_gains(*stand_in),  # type: ignore[arg-type]
+                      chunk_terms.summed(), chunk_terms)  # fmt: skip
 
 
 def test_attribution_terms_give_the_summed_gain_of_any_reference():
@@ -81,8 +83,10 @@ def test_a_release_first_private_choice_picks_heads_from_the_noisy_vector(loaded
         _task("b", 2, stand_in=(0, 2), attributed=(5, 6)),
         _task("c", 3, stand_in=(1, 2), attributed=(4, 7)),
     ]
-    planned = {HeadsMode.PRIVATE: PlannedRelease(1.0, 100_000, draws=2, every_head=True)}
-    stand_in = {HeadsMode.PRIVATE: PlannedRelease(1.0, 100_000, draws=2)}
+    planned = {
+        HeadsMode.PRIVATE: PlannedRelease(1.0, 100_000, draws=2, every_head=True, gumbel_scale=1.0)
+    }
+    stand_in = {HeadsMode.PRIVATE: PlannedRelease(1.0, 100_000, draws=2, gumbel_scale=1.0)}
 
     # Act
     choice = choose_scope(
@@ -92,7 +96,8 @@ def test_a_release_first_private_choice_picks_heads_from_the_noisy_vector(loaded
         loaded, tasks, planned=stand_in, ks=[2], noise=SeededNoise(0), mode=HeadsMode.PRIVATE
     )
 
-    # Assert: the rewarded heads every time; the stand-in finds none of them
+    # Assert: the rewarded heads every time; select-first picks among the others' candidates,
+    # which hold none of them
     assert [c.accuracy for c in choice.candidates_tried] == [1.0] * len(choice.candidates_tried)
     assert max(c.accuracy for c in select_first.candidates_tried) == 0.0
     assert choice.every_head
@@ -105,7 +110,10 @@ def test_a_release_first_private_choice_picks_heads_from_the_noisy_vector(loaded
 def test_a_release_first_clip_scale_is_that_of_whole_layers(loaded):
     # Arrange: the rewarded heads lie in one layer; the Gaussian still covers both
     tasks = [_task(n, i, stand_in=(0, 1), attributed=(0, 1)) for i, n in enumerate("abc")]
-    planned = {mode: PlannedRelease(1.0, 1000, draws=1, every_head=True) for mode in HeadsMode}
+    planned = {
+        mode: PlannedRelease(1.0, 1000, draws=1, every_head=True, gumbel_scale=1.0)
+        for mode in HeadsMode
+    }
     every = HeadSet.of([(layer, head) for layer in range(LAYERS) for head in range(HEADS)])
 
     # Act
@@ -145,7 +153,7 @@ def test_a_release_first_public_trial_clips_whole_layers_then_keeps_its_heads(lo
     for i, name in enumerate("abc"):
         task = _task(name, i, stand_in=(0, 5), attributed=(0, 5))
         tasks.append(PublicTask(name, task.activations * (1 + i), _Recording(name, log),  # type: ignore[arg-type]
-                                task.gains, task.terms))  # fmt: skip
+                                task.gains, task.terms, task.chunk_terms))  # fmt: skip
     planned = {HeadsMode.PUBLIC: PlannedRelease(1.0, 10**9, draws=1, every_head=True)}
     every = HeadSet.of([(layer, head) for layer in range(LAYERS) for head in range(HEADS)])
 

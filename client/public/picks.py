@@ -1,0 +1,88 @@
+"""Private head selection simulated on a held-out public task, as a release would run it.
+
+Task-agnostic choices (:mod:`client.public.scope`) let each public task in turn play the
+private one. For private selection they pick the held-out task's heads the way the release
+picks the private task's, so that its held-out accuracy predicts what the order will do:
+
+* **select-first** (shift votes, then the Gaussian on the picked heads): each chunk scores
+  every carried head by ‖z_h(K-shot prompt) − z_h(zero-shot query)‖ and votes for its top r
+  (``client.activations.scoring``); the coordinator keeps the Gumbel top-k of the vote sums
+  over the plan's candidate heads.
+* **release-first** (the Gaussian on every head, then attribution votes): each chunk scores
+  every carried head by the attribution gain of overwriting it with the released noisy
+  vector and votes for its top r; the Gumbel top-k over every carried head is kept.
+
+The held-out task holds a few dozen chunks where the release pools m: the vote sums are the
+held-out chunks' mean vote times m (their expectation at m chunks), given the planned
+Gumbel noise (scale β = 2·Δ∞/ε₀ of the planned calibration). The chunks' zero-shot
+activations and gradients come from the task's own queries (``PublicTask.chunk_terms``),
+which are its first chunks' queries, as a site's chunk scores its own query.
+
+Everything reads public data and public plan numbers only: no privacy budget is spent; the
+simulated Gumbel noise comes from ``dpmtv_common.privacy.noise`` and never leaves the process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+import torch
+
+from client.activations.scoring import votes_among
+from client.public.selection import QueryTerms
+from client.public.tasks import PublicTask
+from dpmtv_common.aliases import Float64Array
+from dpmtv_common.errors import ConfigError
+from dpmtv_common.heads import HeadLayout, HeadSet
+from dpmtv_common.privacy.noise import NoiseSource
+
+__all__ = ["attribution_votes", "noisy_pick", "shift_votes"]
+
+
+def _terms(task: PublicTask) -> QueryTerms:
+    if task.chunk_terms is None or len(task.chunk_terms) == 0:
+        raise ConfigError(
+            f"public task {task.name!r} must carry its chunks' query terms to simulate private "
+            "selection, got none (build it with public_task)."
+        )
+    return task.chunk_terms
+
+
+def shift_votes(task: PublicTask, layout: HeadLayout, *, top_r: int) -> Float64Array:
+    """Each scored chunk's top-r shift votes ``(Q, L * H)`` among the carried heads."""
+    terms = _terms(task)
+    shots = task.activations[: len(terms)].float()
+    scores = (shots - terms.activations).norm(dim=-1).reshape(len(terms), -1)
+    return votes_among(scores.double().numpy(), layout.candidates(), top_r)
+
+
+def attribution_votes(
+    task: PublicTask, reference: torch.Tensor, layout: HeadLayout, *, top_r: int
+) -> Float64Array:
+    """Each scored chunk's top-r votes ``(Q, L * H)`` by attribution against ``reference``."""
+    terms = _terms(task)
+    scores = terms.gains(reference).reshape(len(terms), -1)
+    return votes_among(scores.double().numpy(), layout.candidates(), top_r)
+
+
+def noisy_pick(
+    votes: Float64Array,
+    layout: HeadLayout,
+    *,
+    candidates: Sequence[int],
+    k: int,
+    num_chunks: int,
+    gumbel_scale: float,
+    noise: NoiseSource,
+) -> HeadSet:
+    """The Gumbel top-k of the expected vote sums at ``num_chunks`` over ``candidates``.
+
+    ``candidates``: dense slots the plan picks among (its candidate heads, or every carried
+    head). Raises ConfigError when k exceeds them.
+    """
+    if not 1 <= k <= len(candidates):
+        raise ConfigError(f"k must lie in [1, {len(candidates)}] (the candidates), got {k!r}.")
+    sums = np.asarray(votes, dtype=np.float64).mean(axis=0)[list(candidates)] * num_chunks
+    picked = noise.gumbel_top_k(sums, k=k, scale=gumbel_scale)
+    return layout.heads_at(candidates[index] for index in picked)

@@ -1,0 +1,243 @@
+"""Task-agnostic choices among options: public heads, private selection in either order.
+
+Private selection is simulated as the release runs it (``client.public.picks``): each held-out
+chunk votes for its top-r heads (shift votes select-first, attribution against the noisy
+vector release-first), the expected vote sums at m chunks get the planned Gumbel noise, and
+the top k are kept. The option whose held-out accuracy is best is suggested.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+import pytest
+import torch
+
+from client.public.picks import attribution_votes, noisy_pick, shift_votes
+from client.public.scope import HeadsMode, PlannedRelease, choose_scope
+from client.public.selection import QueryTerms
+from client.public.tasks import PublicTask, centred_clip_scale, domain_centre
+from dpmtv_common.errors import ConfigError
+from dpmtv_common.heads import HeadLayout, HeadSet
+from dpmtv_common.privacy.testing import SeededNoise
+
+ONE_ARCH = pytest.mark.parametrize("tiny", ["llava"], indirect=True)
+LAYERS, HEADS, DIM, CHUNKS = 2, 4, 16, 12  # the tiny LLaVA's text model
+LAYOUT = HeadLayout(num_layers=LAYERS, num_heads=HEADS)
+
+
+class _ShareOf:
+    """Accuracy = share of ``favourites`` among the patched heads (0.0 unpatched)."""
+
+    def __init__(self, favourites: set[tuple[int, int]]) -> None:
+        self.favourites = favourites
+
+    def accuracy(self, loaded, patch=None) -> float:
+        if patch is None:
+            return 0.0
+        return len(self.favourites & set(patch[0].heads)) / len(self.favourites)
+
+
+def _ranked(*slots: int) -> torch.Tensor:
+    """Own-mean gains (L, H) that rank the given dense slots first, in that order."""
+    gains = torch.zeros(LAYERS * HEADS)
+    for rank, slot in enumerate(slots):
+        gains[slot] = 10.0 - rank
+    return gains.reshape(LAYERS, HEADS)
+
+
+def _task(
+    name: str, seed: int, *, ranked: tuple[int, ...], shifted: tuple[int, ...] = (),
+    attributed: tuple[int, ...] = (), favourites: tuple[int, ...],
+) -> PublicTask:  # fmt: skip
+    """A public task: its gains rank ``ranked``; its chunks' K-shot prompts move the
+    ``shifted`` slots most (shift votes); its gradients reward the ``attributed`` slots."""
+    generator = torch.Generator().manual_seed(seed)
+    acts = torch.rand(CHUNKS, LAYERS * HEADS, DIM, generator=generator) + 5.0
+    zero_shot = acts - 1.0  # the demonstrations move every head a little,
+    zero_shot[:, list(shifted)] -= 3.0  # the shifted ones most
+    gradients = torch.zeros(CHUNKS, LAYERS * HEADS, DIM)
+    gradients[:, list(attributed)] = 1.0
+    shape = (CHUNKS, LAYERS, HEADS, DIM)
+    terms = QueryTerms(zero_shot.reshape(shape), gradients.reshape(shape))
+    wanted = {(slot // HEADS, slot % HEADS) for slot in favourites}
+    return PublicTask(name, acts.reshape(shape), _ShareOf(wanted), _ranked(*ranked),  # type: ignore[arg-type]
+                      terms.summed(), terms)  # fmt: skip
+
+
+def _options(m: int = 100_000, scale: float = 1.0) -> list[tuple[HeadsMode, PlannedRelease]]:
+    return [
+        (HeadsMode.PUBLIC, PlannedRelease(1.0, m, draws=2)),
+        (HeadsMode.PRIVATE, PlannedRelease(1.0, m, draws=2, gumbel_scale=scale)),
+        (HeadsMode.PRIVATE, PlannedRelease(1.0, m, draws=2, gumbel_scale=scale, every_head=True)),
+    ]
+
+
+def _held_out(choice) -> dict[str, float]:
+    return dict(choice.options_tried)
+
+
+@ONE_ARCH
+def test_select_first_wins_where_the_task_s_heads_are_among_the_others_candidates(loaded):
+    # Arrange: each held-out task's heads rank 3rd-4th on the others (candidates, not their
+    # top 2); its chunks shift them; its gradients reward nothing (release-first votes tie)
+    tasks = [
+        _task("a", 1, ranked=(0, 1), shifted=(0, 1), favourites=(0, 1)),
+        _task("b", 2, ranked=(2, 3, 0, 1), shifted=(2, 3), favourites=(2, 3)),
+        _task("c", 3, ranked=(2, 3, 1, 0), shifted=(2, 3), favourites=(2, 3)),
+    ]
+
+    # Act
+    choice = choose_scope(loaded, tasks, planned=_options(), ks=[2], noise=SeededNoise(0))
+
+    # Assert
+    held_out = _held_out(choice)
+    assert (choice.mode, choice.order) == (HeadsMode.PRIVATE, "select-first")
+    assert held_out["private heads, select-first"] == pytest.approx(1.0)
+    assert held_out["public heads, select-first"] < 0.5
+    assert held_out["private heads, release-first"] < 1.0
+    assert choice.held_out == pytest.approx(1.0)
+    assert choice.candidates is not None
+    assert len(choice.candidates) == 4
+    record = choice.as_record()
+    assert record["held_out_by_option"] == held_out
+    assert record["release_order"] == "select-first"
+
+
+@ONE_ARCH
+def test_release_first_wins_where_the_task_s_heads_lie_outside_every_candidate(loaded):
+    # Arrange: three tasks in disjoint heads; only attribution against the noisy vector,
+    # among every head, finds them
+    tasks = [
+        _task(n, i, ranked=s, shifted=(6, 7), attributed=s, favourites=s)
+        for i, (n, s) in enumerate({"a": (0, 1), "b": (2, 3), "c": (4, 5)}.items())
+    ]
+
+    # Act
+    choice = choose_scope(loaded, tasks, planned=_options(), ks=[2], noise=SeededNoise(0))
+
+    # Assert
+    held_out = _held_out(choice)
+    assert (choice.mode, choice.order) == (HeadsMode.PRIVATE, "release-first")
+    assert held_out == {
+        "public heads, select-first": 0.0,
+        "private heads, select-first": 0.0,
+        "private heads, release-first": 1.0,
+    }
+    assert choice.candidates is None
+
+
+@ONE_ARCH
+def test_public_heads_win_a_tie(loaded):
+    tasks = [
+        _task(n, i, ranked=(0, 1), shifted=(0, 1), attributed=(0, 1), favourites=(0, 1))
+        for i, n in enumerate("abc")
+    ]
+    choice = choose_scope(loaded, tasks, planned=_options(), ks=[2], noise=SeededNoise(0))
+    assert set(_held_out(choice).values()) == {1.0}
+    assert choice.mode is HeadsMode.PUBLIC
+
+
+@ONE_ARCH
+def test_a_forced_mode_compares_only_its_own_options(loaded):
+    tasks = [
+        _task(n, i, ranked=(0, 1), shifted=(0, 1), attributed=(0, 1), favourites=(0, 1))
+        for i, n in enumerate("abc")
+    ]
+    choice = choose_scope(
+        loaded, tasks, planned=_options(), ks=[2], noise=SeededNoise(0), mode=HeadsMode.PRIVATE
+    )
+    assert [name for name, _ in choice.options_tried] == [
+        "private heads, select-first",
+        "private heads, release-first",
+    ]
+    assert choice.mode is HeadsMode.PRIVATE
+
+
+@ONE_ARCH
+def test_select_first_private_c_prime_is_scaled_to_the_candidates(loaded):
+    tasks = [
+        _task("a", 1, ranked=(0, 1), shifted=(0, 1), favourites=(0, 1)),
+        _task("b", 2, ranked=(2, 3, 0, 1), shifted=(2, 3), favourites=(2, 3)),
+        _task("c", 3, ranked=(2, 3, 1, 0), shifted=(2, 3), favourites=(2, 3)),
+    ]
+    choice = choose_scope(loaded, tasks, planned=_options()[1:2], ks=[2], noise=SeededNoise(0))
+    assert choice.candidates is not None
+    expected = centred_clip_scale(tasks, choice.candidates, domain_centre(tasks))
+    assert choice.scale == pytest.approx(expected)
+    assert choice.clip_norm == pytest.approx(choice.factor * expected)
+
+
+def test_shift_votes_go_to_each_chunk_s_most_moved_heads():
+    task = _task("a", 1, ranked=(0,), shifted=(5, 2), favourites=(5,))
+    votes = shift_votes(task, LAYOUT, top_r=2)
+    assert votes.shape == (CHUNKS, LAYERS * HEADS)
+    np.testing.assert_array_equal(votes.sum(axis=0), [0, 0, CHUNKS, 0, 0, CHUNKS, 0, 0])
+
+
+def test_attribution_votes_score_each_chunk_against_the_reference():
+    # Arrange: gradients reward slots 1 and 6, whose zero-shot activations differ by chunk
+    task = _task("a", 1, ranked=(0,), attributed=(1, 6), favourites=(1,))
+    reference = torch.full((LAYERS, HEADS, DIM), 100.0)
+
+    # Act
+    votes = attribution_votes(task, reference, LAYOUT, top_r=1)
+
+    # Assert: one vote a chunk, on the rewarded slot of the larger gain (by hand)
+    assert votes.sum() == CHUNKS
+    z = task.chunk_terms.activations.reshape(CHUNKS, -1, DIM)  # type: ignore[union-attr]
+    gains = (100.0 - z).sum(-1)[:, [1, 6]]
+    best = torch.where(gains[:, 0] >= gains[:, 1], 1, 6)
+    np.testing.assert_array_equal(np.argmax(votes, axis=1), best.numpy())
+    assert len(set(best.tolist())) == 2  # both slots win some chunks: the test can fail
+
+
+def test_a_task_without_its_chunk_terms_cannot_vote():
+    task = _task("a", 1, ranked=(0,), favourites=(0,))
+    bare = dataclasses.replace(task, chunk_terms=None)
+    with pytest.raises(ConfigError, match="must carry its chunks' query terms"):
+        shift_votes(bare, LAYOUT, top_r=1)
+
+
+def test_the_noisy_pick_keeps_the_most_voted_candidates_and_only_candidates():
+    # Arrange: slot 7 has every vote but is not a candidate; 2 and 4 lead among them
+    votes = np.zeros((4, LAYERS * HEADS))
+    votes[:, 7] = 1.0
+    votes[:, [2, 4]] = 1.0
+    votes[:2, 3] = 1.0
+
+    # Act: a Gumbel scale far below the vote gaps at m chunks
+    picked = noisy_pick(votes, LAYOUT, candidates=[1, 2, 3, 4], k=2, num_chunks=1000,
+                        gumbel_scale=1.0, noise=SeededNoise(0))  # fmt: skip
+
+    # Assert
+    assert picked == HeadSet.of([(0, 2), (1, 0)])
+    with pytest.raises(ConfigError, match="k must lie in"):
+        noisy_pick(votes, LAYOUT, candidates=[1], k=2, num_chunks=10, gumbel_scale=1.0,
+                   noise=SeededNoise(0))  # fmt: skip
+
+
+def test_the_planned_gumbel_noise_decides_when_the_votes_are_few():
+    # Arrange: the candidates' vote rates are 1.0, 0.9 and 0.0 a chunk
+    votes = np.zeros((10, LAYERS * HEADS))
+    votes[:, 0] = 1.0
+    votes[:9, 1] = 1.0
+    candidates = [0, 1, 2]
+
+    def share_of_second(num_chunks: int) -> float:
+        noise = SeededNoise(1)
+        picks = [
+            noisy_pick(votes, LAYOUT, candidates=candidates, k=1, num_chunks=num_chunks,
+                       gumbel_scale=5.0, noise=noise)
+            for _ in range(2000)
+        ]  # fmt: skip
+        return sum(p == HeadSet.of([(0, 1)]) for p in picks) / len(picks)
+
+    # Act / Assert: Gumbel top-1 is the exponential mechanism: P(second) = e^{-gap/β} / Z.
+    # At m = 10 the gap is 1 vote (P = 0.446); at m = 1000, 100 votes (P ~ 2e-9). The
+    # binomial sd at 2000 draws is 0.011: a 5-sd band fails by chance about once in 10^6.
+    gap = 1.0 / 5.0
+    expected = np.exp(-gap) / (1 + np.exp(-gap) + np.exp(-10 / 5.0))
+    assert abs(share_of_second(10) - expected) < 5 * np.sqrt(expected * (1 - expected) / 2000)
+    assert share_of_second(1000) == 0.0
