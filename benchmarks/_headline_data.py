@@ -22,7 +22,12 @@ import torch
 
 from client.activations.chunking import make_chunks
 from client.activations.extraction import zero_shot_prompt
-from client.activations.scoring import attribution_scores, last_token_attribution, votes_among
+from client.activations.scoring import (
+    attribution_scores,
+    last_token_attribution,
+    shift_scores,
+    votes_among,
+)
 from client.data.records import Record, SiteDataset, load_dataset
 from client.data.synthetic import TRAINED_TASKS, write_task_datasets
 from client.evaluation.first_token import QuerySet
@@ -32,7 +37,7 @@ from client.public.selection import public_activations
 from client.public.tasks import PublicTask, public_task
 from client.release.single_holder import LocalSums
 from dpmtv_common.centre import ActivationCentre
-from dpmtv_common.heads import HeadSet
+from dpmtv_common.heads import HeadLayout, HeadSet
 from dpmtv_common.privacy.mechanisms import clip_per_layer
 from protocol import ActivationSum, ReleasePlan, VoteSum
 
@@ -55,9 +60,10 @@ class SiteActs:
 
     activations: np.ndarray
     sums: LocalSums | None = None  # the production vote path, for private selection
-    votes: VoteSum | None = None
+    votes: np.ndarray | None = None  # each chunk's shift scores (m_i, L * H)
     terms: tuple[torch.Tensor, torch.Tensor] | None = None
     terms_path: Path | None = None  # where the attribution terms are kept between runs
+    votes_path: Path | None = None  # where the shift votes are kept between runs
     cache: dict[tuple, ActivationSum] = field(default_factory=dict)
 
     def activation(
@@ -118,13 +124,32 @@ class SiteActs:
         votes = votes_among(scores, layout.candidates(), top_r)
         return VoteSum(votes.sum(axis=0), len(acts))
 
-    def vote(self) -> VoteSum:
-        """The site's top-r shift votes by the production path (computed once)."""
+    def vote(self, top_r: int) -> VoteSum:
+        """The site's top-r shift votes, voted as ``chunk_votes`` votes them.
+
+        The production shift scores are computed once for every r (a failed chunk's NaN
+        row casts no vote).
+
+        The scores are read from ``votes_path`` when kept there, else computed (and kept).
+        """
+        if self.votes is None and self.votes_path is not None and self.votes_path.is_file():
+            self.votes = np.load(self.votes_path)
         if self.votes is None:
             if self.sums is None:
                 raise ValueError("this site was prepared without its vote path")
-            self.votes = self.sums.vote_sum(None)
-        return self.votes
+            self.votes = shift_scores(self.sums.loaded, self.sums.chunks)
+            if self.votes_path is not None:
+                np.save(self.votes_path, self.votes)
+        layout = self.sums_layout()
+        finite = np.isfinite(self.votes).all(axis=1)
+        votes = np.zeros(self.votes.shape)
+        votes[finite] = votes_among(self.votes[finite], layout.candidates(), top_r)
+        return VoteSum(votes.sum(axis=0), len(self.votes))
+
+    def sums_layout(self) -> HeadLayout:
+        if self.sums is None:
+            raise ValueError("this site was prepared without its chunks")
+        return self.sums.loaded.adapter.head_shape(self.sums.loaded.model).layout()
 
 
 @dataclass
@@ -189,8 +214,11 @@ def prepare_task(
         sums = None
         if plan_for_votes is not None:
             sums = LocalSums(loaded, chunks, plan_for_votes, progress=False)
-        terms = None if cache is None else cache / f"{loaded.fingerprint[-16:]}-{name}-terms.pt"
-        caches.append(SiteActs(acts, sums, terms_path=terms))
+        terms = votes = None
+        if cache is not None:
+            terms = cache / f"{loaded.fingerprint[-16:]}-{name}-terms.pt"
+            votes = cache / f"{loaded.fingerprint[-16:]}-{name}-shift.npy"
+        caches.append(SiteActs(acts, sums, terms_path=terms, votes_path=votes))
         records.append(list(dataset.records))
         if (index + 1) % 5 == 0 or index + 1 == sites:
             log(f"{task}: {index + 1} of {sites} sites extracted")

@@ -23,17 +23,22 @@ training showed):
   of every site's chunks, unclipped, in the k heads attribution ranks first on labelled
   validation queries of the private task) — the ratio's denominator.
 
-Side by side at 10 sites, central: the same release without the centre (raw activations, C
-chosen the same way), and private selection (Gumbel top-k among the 2k public heads, centred);
-with ``--clip-sweep``, the chosen release at other multiples of the public C' scale (labelled a
-diagnostic: which is best is read off test answers). With ``--release-first-sites``, central at
-those sizes: private selection in release-first order, the product's default (every head
-noised once; each chunk then votes for its top-r heads by attribution against the noisy
-vector; the k most voted kept), its centre, k and C' chosen for that order on the public tasks.
+The release at each size is the option the public choice picks, as ``select-heads
+--public-task`` does: public heads (select-first), private selection select-first (shift
+votes, Gumbel top-k among the 2k public heads) or private selection release-first (every head
+noised once; each chunk then votes by attribution against the noisy vector, among every
+head), each simulated on the held-out public tasks under that size's planned noise and Gumbel
+picks; the best held-out option is released. Side by side at 10 sites (and at every
+``--every-option-sites`` size), central: each option the choice did not pick, with its own k
+and C' (what the pick is worth, and whether the held-out prediction ranks the options as the
+test does); and the chosen release without the centre (raw activations, C chosen the same
+way). With ``--clip-sweep``, the chosen release at other multiples of the public C' scale
+(labelled a diagnostic: which is best is read off test answers).
 
 Writes ``docs/benchmarks/headline-MODEL.md`` and ``.json``::
 
-    .venv/bin/python benchmarks/headline.py --model pretrained --tasks colour position
+    .venv/bin/python benchmarks/headline.py --model pretrained --tasks colour position \
+        --every-option-sites 3 10 30 --cache-dir CACHE
     .venv/bin/python benchmarks/headline.py --model small
 """
 
@@ -69,7 +74,7 @@ from client.activations.chunking import make_chunks
 from client.models import LoadedModel, load_model
 from client.models.embedded import embedded_model_path
 from client.models.pretrained import pretrained_model_path
-from client.public.scope import HeadsMode, PlannedRelease, ScopeChoice, choose_scope
+from client.public.scope import HeadsMode, PlannedRelease, ScopeChoice, best_option, choose_each
 from client.public.selection import public_activations, select_heads_attribution
 from dpmtv_common.centre import ActivationCentre
 from dpmtv_common.heads import HeadSet
@@ -130,7 +135,7 @@ class Consortium:
         if self.grids is not None:
             raise ValueError("private rows here are central")
         if reference is None:
-            parts = [site.vote() for site in self.sites]
+            parts = [site.vote(self.plan.score_top_r) for site in self.sites]
         else:
             parts = [site.attribution_vote(reference, self.plan.score_top_r) for site in self.sites]
         return VoteSum(np.sum([p.total for p in parts], axis=0), sum(p.num_chunks for p in parts))
@@ -243,18 +248,28 @@ def planned_options(
     ]
 
 
-def choose(
+def choose_all(
     args, loaded: LoadedModel, data: TaskData, sites: int, *, centred: bool = True,
     mode: HeadsMode | None = None, every_head: bool | None = None,
-) -> ScopeChoice:  # fmt: skip
-    """The public choices at ``sites``: among ``planned_options`` (of ``mode`` when given)."""
+) -> list[ScopeChoice]:  # fmt: skip
+    """Each option's public choices at ``sites`` (``planned_options``, of ``mode`` if given)."""
     chunks = len(data.sites[0].activations)
     planned = planned_options(args, loaded, sites, chunks, every_head=every_head)
-    choice = choose_scope(
+    return choose_each(
         loaded, data.public, planned=planned,
         ks=MODELS[args.model][1], centred=centred, mode=mode,
         progress=lambda line: log(f"{data.name}: {sites} sites: {line}"),
     )  # fmt: skip
+
+
+def choose(
+    args, loaded: LoadedModel, data: TaskData, sites: int, *, centred: bool = True,
+    mode: HeadsMode | None = None, every_head: bool | None = None,
+) -> ScopeChoice:  # fmt: skip
+    """The public choices at ``sites``: the best of ``choose_all`` (``best_option``)."""
+    choice = best_option(
+        choose_all(args, loaded, data, sites, centred=centred, mode=mode, every_head=every_head)
+    )
     log(
         f"{data.name}: {sites} sites ({'centred' if centred else 'raw'}): {choice.mode.value} "
         f"heads, {choice.order} (held-out {choice.held_out:.2f}; "
@@ -311,13 +326,23 @@ def _option_label(choice: ScopeChoice) -> str:
 
 
 def size_rows(
-    args, loaded, data: TaskData, sites: int, *, every_head: bool | None = None
-) -> tuple[list[dict], ScopeChoice]:
+    args, loaded, data: TaskData, sites: int, *, every_head: bool | None = None,
+    others: dict[int, list[ScopeChoice]] | None = None,
+) -> tuple[list[dict], ScopeChoice]:  # fmt: skip
     """The chosen release at one size, central and distributed (t = ceil(n/2)).
 
     ``every_head``: choose among the options of that order only (``planned_options``).
+    ``others``: where given, the options not chosen are kept there under ``sites``.
     """
-    choice = choose(args, loaded, data, sites, every_head=every_head)
+    every = choose_all(args, loaded, data, sites, every_head=every_head)
+    choice = best_option(every)
+    log(
+        f"{data.name}: {sites} sites: chosen {choice.mode.value} heads, {choice.order} ("
+        + ", ".join(f"{name} {acc:.2f}" for name, acc in choice.options_tried)
+        + f"), k = {choice.k}, C' = {choice.factor:g} x {choice.scale:.3g}"
+    )
+    if others is not None:
+        others[sites] = [c for c in every if c is not choice]
     chunks = len(data.sites[0].activations)
     modes = [NoiseMode.CENTRAL]
     if choice.mode is HeadsMode.PUBLIC:  # distributed private selection: not in this benchmark
@@ -346,7 +371,7 @@ def side_rows(args, loaded, data: TaskData, choice: ScopeChoice, sites: int) -> 
     return [dp_row(args, loaded, data, label, plan, None, sites, choice=raw, variant="no centre")]
 
 
-def option_rows(args, loaded, data: TaskData, choice: ScopeChoice, sites: int) -> list[dict]:
+def option_rows(args, loaded, data: TaskData, others: list[ScopeChoice], sites: int) -> list[dict]:
     """At one size, central: every option the public choice did not pick, each chosen alone.
 
     What the rule's pick is worth: each option's own k and C' from the public tasks, its
@@ -354,11 +379,7 @@ def option_rows(args, loaded, data: TaskData, choice: ScopeChoice, sites: int) -
     """
     chunks = len(data.sites[0].activations)
     rows = []
-    for mode, every_head in ((HeadsMode.PUBLIC, False), (HeadsMode.PRIVATE, False),
-                             (HeadsMode.PRIVATE, True)):  # fmt: skip
-        if (mode, every_head) == (choice.mode, choice.every_head):
-            continue
-        other = choose(args, loaded, data, sites, mode=mode, every_head=every_head)
+    for other in others:
         plan = choice_plan(loaded, other, sites=sites, chunks=chunks)
         label = f"{sites} sites, central, {_option_label(other)} (another option)"
         rows.append(
@@ -415,16 +436,14 @@ def run_task(args, loaded: LoadedModel, root: Path, task: str) -> dict:
         validation=args.validation, seed=args.seed, log=log, plan_for_votes=vote_plan,
         cache=args.cache_dir,
     )  # fmt: skip
-    rows, choices = [], {}
+    rows, choices, others = [], {}, {}
+    side = args.side_sites if args.side_sites in args.curve_sites else max(args.curve_sites)
     for sites in args.curve_sites:
-        size, choices[sites] = size_rows(args, loaded, data, sites)
+        size, choices[sites] = size_rows(args, loaded, data, sites, others=others)
         rows += size
-        if sites in args.every_option_sites:
-            rows += option_rows(args, loaded, data, choices[sites], sites)
-    side = args.side_sites if args.side_sites in choices else max(choices)
+        if sites in args.every_option_sites or sites == side:
+            rows += option_rows(args, loaded, data, others[sites], sites)
     rows += side_rows(args, loaded, data, choices[side], side)
-    if side not in args.every_option_sites:
-        rows += option_rows(args, loaded, data, choices[side], side)
     rows += sweep_rows(args, loaded, data, choices[side], side)
     reference = choices[side]
     base = baselines(args, loaded, data, reference.heads, reference.centre)

@@ -84,7 +84,8 @@ def main() -> int:
         top_k = rank_heads(loaded, data.public, k=args.k)
         top_2k = rank_heads(loaded, data.public, k=2 * args.k)
         shape = loaded.adapter.head_shape(loaded.model)
-        votes = sum(s.vote().total for s in data.sites).reshape(shape.num_layers, shape.num_heads)
+        votes = sum(s.vote(args.k).total for s in data.sites)
+        votes = votes.reshape(shape.num_layers, shape.num_heads)
 
         def by_votes(pool: list[tuple[int, int]]) -> HeadSet:
             ranked = sorted(pool, key=lambda h: float(votes[h[0], h[1]]), reverse=True)

@@ -40,7 +40,6 @@ import statistics
 import sys
 import tempfile
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -74,7 +73,6 @@ from client.public.scope import HeadsMode, ScopeChoice
 from client.public.selection import select_heads_attribution
 from client.release.single_holder import LocalSums
 from dpmtv_common.heads import HeadSet
-from protocol import VoteSum
 
 SHOTS = 4
 
@@ -107,24 +105,6 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
-@dataclass
-class CachedVotes(SiteActs):
-    """A site whose shift votes (private selection's input) are kept on disk between runs."""
-
-    votes_path: Path | None = None
-
-    def vote(self) -> VoteSum:
-        """The site's votes: from the disk if kept there, else computed once and kept."""
-        if self.votes is None and self.votes_path is not None and self.votes_path.is_file():
-            saved = np.load(self.votes_path)
-            self.votes = VoteSum(saved["total"], int(saved["num_chunks"]))
-        if self.votes is None:
-            self.votes = super().vote()
-            if self.votes_path is not None:
-                np.savez(self.votes_path, total=self.votes.total, num_chunks=self.votes.num_chunks)
-        return self.votes
-
-
 def prepare(args, loaded: LoadedModel, root: Path, task: str) -> TaskData:
     """Skewed sites of ``task`` (train scenes), its test/validation/tiny sets, public tasks."""
     sites = max(args.sites)
@@ -143,10 +123,10 @@ def prepare(args, loaded: LoadedModel, root: Path, task: str) -> TaskData:
         chunks = make_chunks(SiteDataset(tuple(records), task), shots=SHOTS, seed=1000 + index)
         name = f"skew-{task}-{args.classes_per_site}-{args.per_site}-{args.seed}-{sites}-{index}"
         acts.append(
-            CachedVotes(
+            SiteActs(
                 site_activations(loaded, chunks.chunks, args.cache_dir, name),
                 LocalSums(loaded, chunks.chunks, vote_plan, progress=False),
-                votes_path=args.cache_dir and args.cache_dir / f"{name}-votes.npz",
+                votes_path=args.cache_dir and args.cache_dir / f"{name}-shift.npy",
                 terms_path=args.cache_dir and args.cache_dir / f"{name}-terms.pt",
             )
         )

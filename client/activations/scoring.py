@@ -60,6 +60,7 @@ __all__ = [
     "chunk_head_votes",
     "chunk_votes",
     "last_token_attribution",
+    "shift_scores",
     "top_r_votes",
     "votes_among",
 ]
@@ -290,6 +291,26 @@ def _shift_scores(
             yield zero_shot
         else:
             yield (with_shots - zero_shot).norm(dim=-1).reshape(-1).to(torch.float64).numpy()
+
+
+def shift_scores(
+    loaded: LoadedModel,
+    chunks: Sequence[Chunk],
+    *,
+    batch_size: int = 4,
+    instruction: str | None = None,
+) -> Float64Array:
+    """Every chunk's shift scores ``(m, L * H)`` as :func:`chunk_votes` ranks them.
+
+    A failed chunk's row is NaN (``chunk_votes`` gives it zero votes): for callers that vote
+    with several r from one set of passes.
+    """
+    shape = loaded.adapter.head_shape(loaded.model)
+    rows = []
+    for scores in _shift_scores(loaded, chunks, batch_size, instruction):
+        failed = isinstance(scores, Exception) or not np.isfinite(scores).all()
+        rows.append(np.full(shape.num_layers * shape.num_heads, np.nan) if failed else scores)
+    return np.asarray(rows, dtype=np.float64).reshape(len(chunks), -1)
 
 
 def _attribution_scores(

@@ -70,6 +70,8 @@ __all__ = [
     "PlannedRelease",
     "ScopeCandidate",
     "ScopeChoice",
+    "best_option",
+    "choose_each",
     "choose_scope",
     "heads_transfer",
     "held_out_accuracy_by_chunks",
@@ -383,8 +385,8 @@ def choose_scope(
     """Leave-one-task-out choice of the heads mode, release order, k and C' (module docstring).
 
     Every planned option (a heads mode in one release order) is simulated on the held-out
-    public tasks; the option whose chosen (k, C') scores best is suggested, public heads on a
-    tie (they spend nothing on picks and need no candidate votes).
+    public tasks (:func:`choose_each`); the option whose chosen (k, C') scores best is
+    suggested (:func:`best_option`).
 
     Args:
         planned: The planned release of each option: a mapping of one release per heads mode,
@@ -397,25 +399,54 @@ def choose_scope(
         ConfigError: Fewer than two public tasks, two with one name, no k or factor, no
             planned option of ``mode``, or a private option without its Gumbel scale.
     """
+    return best_option(
+        choose_each(loaded, tasks, planned=planned, ks=ks, factors=factors, keep=keep,
+                    mode=mode, centred=centred, noise=noise, progress=progress)
+    )  # fmt: skip
+
+
+def best_option(choices: Sequence[ScopeChoice]) -> ScopeChoice:
+    """The best held-out option; public heads on a tie (nothing spent on picks)."""
+    return max(choices, key=lambda c: (c.held_out, c.mode is HeadsMode.PUBLIC))
+
+
+def choose_each(
+    loaded: LoadedModel,
+    tasks: Sequence[PublicTask],
+    *,
+    planned: Mapping[HeadsMode, PlannedRelease] | Sequence[ReleaseOption],
+    ks: Sequence[int],
+    factors: Sequence[float] = CENTRED_CLIP_FACTORS,
+    keep: float = 0.9,
+    mode: HeadsMode | None = None,
+    centred: bool = True,
+    noise: NoiseSource | None = None,
+    progress: Callable[[str], None] | None = None,
+) -> list[ScopeChoice]:
+    """Each planned option's own choice of k and C', in ``planned``'s order.
+
+    Every choice records every option's held-out accuracy (``options_tried``). Arguments
+    and errors as :func:`choose_scope`.
+    """
     _check(tasks, ks, factors)
     options = _options(planned, mode)
+    for option_mode, option in options:
+        if option_mode is HeadsMode.PRIVATE:
+            _gumbel_scale(option)  # fail before any simulation runs
     transfer = heads_transfer(loaded, tasks, k=max(ks))
     if progress is not None:
         progress(f"heads transfer across public tasks {transfer:.2f}")
     source = noise if noise is not None else secure_noise()
     choices = []
     for option_mode, option in options:
-        if option_mode is HeadsMode.PRIVATE:
-            _gumbel_scale(option)  # fail before any simulation runs
         name = f"{option_mode.value} heads, {option.order}"
         say = None if progress is None else (lambda line, n=name: progress(f"{n}: {line}"))
         choices.append(
             _choose_in(loaded, tasks, option_mode, option, ks=ks, factors=factors, keep=keep,
                        transfer=transfer, centred=centred, noise=source, progress=say)
         )  # fmt: skip
-    best = max(choices, key=lambda c: (c.held_out, c.mode is HeadsMode.PUBLIC))
     tried = tuple((f"{c.mode.value} heads, {c.order}", c.held_out) for c in choices)
-    return dataclasses.replace(best, options_tried=tried)
+    return [dataclasses.replace(c, options_tried=tried) for c in choices]
 
 
 def _choose_in(

@@ -17,6 +17,7 @@ from client.activations.scoring import (
     attribution_scores,
     chunk_head_votes,
     last_token_attribution,
+    shift_scores,
     top_r_votes,
     votes_among,
 )
@@ -286,6 +287,28 @@ def test_a_chunk_whose_image_is_gone_casts_zero_votes_and_still_counts(
     assert (votes.num_chunks, votes.num_replaced) == (3, 1)
     np.testing.assert_array_equal(votes.total, intact.total)
     assert "score: 1 of 3 chunks failed (FileNotFoundError x1)" in caplog.text
+
+
+@ONE_ARCH
+def test_shift_scores_vote_as_chunk_votes_at_every_r_and_a_failed_chunk_is_nan(
+    loaded, chunks, tmp_path
+):
+    # Arrange: chunk 1's query image is gone
+    gone = dataclasses.replace(chunks[1].query, image_path=tmp_path / "vanished.png")
+    broken = (chunks[0], dataclasses.replace(chunks[1], query=gone), chunks[2])
+    candidates = list(range(LAYERS * HEADS))
+
+    # Act
+    scores = shift_scores(loaded, broken)
+
+    # Assert: one row a chunk, NaN where it failed; the others vote as the release path does
+    assert scores.shape == (3, LAYERS * HEADS)
+    assert np.isnan(scores[1]).all()
+    assert np.isfinite(scores[[0, 2]]).all()
+    for top_r in (1, 3):
+        by_release = chunk_head_votes(loaded, broken, top_r=top_r, progress=False)
+        voted = votes_among(scores[[0, 2]], candidates, top_r).sum(axis=0)
+        np.testing.assert_array_equal(voted, by_release.total)
 
 
 @ONE_ARCH
