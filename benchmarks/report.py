@@ -286,9 +286,13 @@ def _three_models(headlines: dict[str, dict[str, Any]]) -> list[str]:
         "## Headline: eps = 1, delta = 1e-5, task-agnostic public data, against what a site has "
         "without us",
         "",
-        "Every public choice (the centre, the heads mode, k, C') comes from labelled public sets "
+        "Every public choice (the centre, the option, k, C') comes from labelled public sets "
         "of the *other* tasks of the family only: no example carries the private task's "
-        "answers (`select-heads --public-task`). Sites of 100 examples (20 chunks of K = 4 + 1); "
+        "answers (`select-heads --public-task`). The pretrained decoder's rows release the "
+        "option the held-out simulation picks (public heads, or private selection select-first "
+        "or release-first, each cell tagged); the embedded models' rows predate that rule "
+        "(public heads or private select-first, by the transfer). Sites of 100 examples "
+        "(20 chunks of K = 4 + 1); "
         "in central mode the 10-site row is also the single-holder release of those m = 200 "
         "chunks. **Ratio** = (DP-MTV - zero-shot) / (MTV with its own selection - zero-shot), "
         f"n/a where that MTV gains less than {MIN_REFERENCE_GAIN}; then DP-MTV's mean ± sd "
@@ -322,7 +326,8 @@ def _three_models(headlines: dict[str, dict[str, Any]]) -> list[str]:
         "",
         "![accuracy against consortium size](benchmarks/headline.png)",
         "",
-        "What the centre and the heads mode do, side by side in the same run (central):",
+        "Each option and the centre, side by side in the same run (central; each option with "
+        "its own public choices, the chosen one marked):",
         "",
         *side_table(headlines),
         "",
