@@ -25,10 +25,12 @@ best on the held-out tasks are suggested for the real, private task.
 
    **In release-first order** (``PlannedRelease.every_head``) the Gaussian covers every
    carried head whatever is kept: s is then the median centred norm of whole layers, each
-   chunk is clipped over whole layers and the noise spans every carried layer. Its votes
-   are scored on the held-out task's first chunks' queries, which also score the release
-   (as the sites' votes score their own examples; the private task's test queries are
-   other examples, so this is mildly optimistic for both private orders alike).
+   chunk is clipped over whole layers and the noise spans every carried layer. Its
+   attribution votes use the answers of the held-out task's first chunks' queries, which
+   also score the release: the private task's votes come from the sites' examples and its
+   test queries are others, so this order's simulation is optimistic by what 30-odd votes
+   fit to their own queries (shift votes read no answer; the headline benchmark shows each
+   option's prediction beside its test accuracy).
 3. **What more chunks buy** (:func:`held_out_accuracy_by_chunks`): the chosen scope scored the
    same way at other chunk counts, so a consortium sees before spending whether its m is
    enough, and how many more sites or examples would help.
