@@ -83,6 +83,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--shots", type=int, default=4)
     parser.add_argument("--heads", type=int, default=4)
     parser.add_argument(
+        "--heads-mode",
+        choices=("public", "private"),
+        help="with task-agnostic public data: release public heads, or select privately "
+        "(default: whichever the held-out public simulation scores best; private selection "
+        "adds a secure sum of every chunk's votes, minutes on a pretrained decoder)",
+    )
+    parser.add_argument(
         "--clip-norm",
         type=float,
         help="default: what `dpmtv-site select-heads` suggests on the public data",

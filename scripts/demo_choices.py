@@ -58,7 +58,8 @@ def task_agnostic_choice(
         step(f"public task {dataset.task!r}: its chunks and its head gains")
         tasks.append(public_task(loaded, dataset, shots=args.shots, max_chunks=30, max_queries=30))
     ks = sorted({max(1, args.heads // 2), args.heads})
-    choice = choose_scope(loaded, tasks, planned=planned, ks=ks, progress=step)
+    mode = None if args.heads_mode is None else HeadsMode(args.heads_mode)
+    choice = choose_scope(loaded, tasks, planned=planned, ks=ks, mode=mode, progress=step)
     centre_file = work / "centre.safetensors"
     choice.centre.save(centre_file)
     config: dict[str, object] = {
@@ -74,8 +75,9 @@ def task_agnostic_choice(
         config |= {"selection": "private", "candidate-heads": _heads_text(candidates)}
     summary = (
         f"task-agnostic public data ({', '.join(t.name for t in tasks)}; none the private "
-        f"task): centred, {choice.mode.value} heads (transfer {choice.transfer:.2f}), "
-        f"k = {choice.k}, C' = {choice.factor:g} x {choice.scale:.3g}"
+        f"task): centred, {choice.mode.value} heads, {choice.order} (held-out public "
+        + ", ".join(f"{name} {acc:.2f}" for name, acc in choice.options_tried)
+        + f"), k = {choice.k}, C' = {choice.factor:g} x {choice.scale:.3g}"
     )
     return PublicChoice(config, summary, choice.heads, choice)
 

@@ -168,7 +168,7 @@ def run_task_agnostic(args: argparse.Namespace) -> int:
     settings = settings_from(args)
     centre_file = args.centre_out or args.out.with_suffix(".centre.safetensors")
     from client.data.records import load_dataset
-    from client.public.scope import choose_scope, held_out_accuracy_by_chunks
+    from client.public.scope import HeadsMode, choose_scope, held_out_accuracy_by_chunks
     from client.public.tasks import public_task
 
     check_site_model(settings)
@@ -185,7 +185,8 @@ def run_task_agnostic(args: argparse.Namespace) -> int:
         print(f"public task {dataset.task!r}: {len(tasks[-1].activations)} chunks", flush=True)
     ks = sorted({max(1, args.k // 2), args.k})
     planned = _planned(args)
-    choice = choose_scope(loaded, tasks, planned=planned, ks=ks, keep=args.clip_keep,
+    mode = None if args.heads_mode is None else HeadsMode(args.heads_mode)
+    choice = choose_scope(loaded, tasks, planned=planned, ks=ks, keep=args.clip_keep, mode=mode,
                           progress=lambda line: print(line, flush=True))  # fmt: skip
     counts = [args.for_chunks * f for f in (1, 3, 10)]
     chosen = next(p for m, p in planned if m is choice.mode and p.order == choice.order)

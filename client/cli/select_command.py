@@ -100,6 +100,14 @@ def register(sub: Any) -> None:
         "suggested; with --data (a public head list): select-first. A release-first Gaussian "
         "covers every head, so C bounds whole layers",
     )
+    parser.add_argument(
+        "--heads-mode",
+        choices=("public", "private"),
+        help="with --public-task: only this heads mode's options (default: public heads and "
+        "private selection both, the best on held-out public tasks suggested). Public heads "
+        "spend nothing on picks and need no vote round; private selection can find the task's "
+        "own heads",
+    )
     parser.add_argument("--seed", type=non_negative_int, default=0)
     add_image_crops_option(parser, purpose="as the release will (written to the heads file)")
     parser.set_defaults(handler=run)
@@ -128,6 +136,11 @@ def run(args: argparse.Namespace) -> int:
         from client.cli.select_agnostic import run_task_agnostic
 
         return run_task_agnostic(args)
+    if args.heads_mode is not None:
+        raise ConfigError(
+            f"--heads-mode needs --public-task (task-agnostic public data), got --heads-mode "
+            f"{args.heads_mode} without it: a --data heads file is a public head list."
+        )
     if args.data is None:
         raise ConfigError(
             "select-heads needs PUBLIC data: --data DIR (one labelled public set of the task) or "

@@ -118,6 +118,30 @@ def test_select_heads_refuses_what_cannot_make_a_task_agnostic_choice(
     assert message in capsys.readouterr().err
 
 
+def test_a_forced_heads_mode_compares_only_its_own_options(world, tmp_path):
+    # Arrange / Act: private selection only
+    out = tmp_path / "private.json"
+    argv = [*_select(world, *_public(world, "shape", "count"), "--for-epsilon", "1",
+                     "--for-chunks", "60", "--heads-mode", "private")]  # fmt: skip
+    argv[argv.index("--out") + 1] = str(out)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        assert main(argv) == 0
+
+    # Assert
+    record = json.loads(out.read_text())
+    assert record["heads_mode"] == "private"
+    assert set(record["held_out_by_option"]) == {
+        "private heads, select-first", "private heads, release-first"
+    }  # fmt: skip
+
+
+def test_a_heads_mode_without_public_tasks_is_refused(world, capsys):
+    argv = _select(world, "--data", str(world / "shape" / "public"), "--heads-mode", "public")
+    assert main(argv) == 2
+    assert "--heads-mode needs --public-task" in capsys.readouterr().err
+
+
 def test_a_public_task_that_is_the_private_data_is_refused(world, capsys, monkeypatch):
     # Arrange: the site's private data setting names the folder given as "public"
     private = world / "private" / "site-0"

@@ -49,12 +49,14 @@ def test_a_row_s_variant(report: Any, row: dict[str, str], expected: str) -> Non
          ("private", "select-first"), "private s-f"),
     ],
 )  # fmt: skip
-def test_a_row_s_option(report: Any, row: dict, option: tuple[str, str], tag: str) -> None:
+def test_a_row_s_option(
+    report: Any, row: dict[str, str], option: tuple[str, str], tag: str
+) -> None:
     assert report.option_of(row) == option
     assert report.option_tag(row) == tag
 
 
-def _row(selection: str, order: str, variant: str, accuracy: float) -> dict:
+def _row(selection: str, order: str, variant: str, accuracy: float) -> dict[str, Any]:
     return {"label": f"10 sites, {selection}", "selection": selection, "order": order,
             "variant": variant, "sites": 10, "mode": "central", "accuracy": accuracy,
             "sd": 0.1}  # fmt: skip
