@@ -75,7 +75,7 @@ def task_agnostic_choice(
         config |= {"selection": "private", "candidate-heads": _heads_text(candidates)}
     summary = (
         f"task-agnostic public data ({', '.join(t.name for t in tasks)}; none the private "
-        f"task): centred, {choice.mode.value} heads, {choice.order} (held-out public "
+        f"task): centred, {choice.mode.value} heads, {choice.order} (held-out: "
         + ", ".join(f"{name} {acc:.2f}" for name, acc in choice.options_tried)
         + f"), k = {choice.k}, C' = {choice.factor:g} x {choice.scale:.3g}"
     )
