@@ -60,10 +60,10 @@ class SiteActs:
 
     activations: np.ndarray
     sums: LocalSums | None = None  # the production vote path, for private selection
-    votes: np.ndarray | None = None  # each chunk's shift scores (m_i, L * H)
+    scores: np.ndarray | None = None  # each chunk's shift scores (m_i, L * H)
     terms: tuple[torch.Tensor, torch.Tensor] | None = None
     terms_path: Path | None = None  # where the attribution terms are kept between runs
-    votes_path: Path | None = None  # where the shift votes are kept between runs
+    scores_path: Path | None = None  # where the shift scores are kept between runs
     cache: dict[tuple, ActivationSum] = field(default_factory=dict)
 
     def activation(
@@ -120,8 +120,7 @@ class SiteActs:
         acts, grads = self.zero_shot_terms()
         target = torch.as_tensor(reference, dtype=torch.float32)
         scores = attribution_scores(acts, grads, target.expand_as(acts))
-        layout = self.sums.loaded.adapter.head_shape(self.sums.loaded.model).layout()
-        votes = votes_among(scores, layout.candidates(), top_r)
+        votes = votes_among(scores, self.layout().candidates(), top_r)
         return VoteSum(votes.sum(axis=0), len(acts))
 
     def vote(self, top_r: int) -> VoteSum:
@@ -130,23 +129,23 @@ class SiteActs:
         The production shift scores are computed once for every r (a failed chunk's NaN
         row casts no vote).
 
-        The scores are read from ``votes_path`` when kept there, else computed (and kept).
+        The scores are read from ``scores_path`` when kept there, else computed (and kept).
         """
-        if self.votes is None and self.votes_path is not None and self.votes_path.is_file():
-            self.votes = np.load(self.votes_path)
-        if self.votes is None:
+        if self.scores is None and self.scores_path is not None and self.scores_path.is_file():
+            self.scores = np.load(self.scores_path)
+        if self.scores is None:
             if self.sums is None:
                 raise ValueError("this site was prepared without its vote path")
-            self.votes = shift_scores(self.sums.loaded, self.sums.chunks)
-            if self.votes_path is not None:
-                np.save(self.votes_path, self.votes)
-        layout = self.sums_layout()
-        finite = np.isfinite(self.votes).all(axis=1)
-        votes = np.zeros(self.votes.shape)
-        votes[finite] = votes_among(self.votes[finite], layout.candidates(), top_r)
-        return VoteSum(votes.sum(axis=0), len(self.votes))
+            self.scores = shift_scores(self.sums.loaded, self.sums.chunks)
+            if self.scores_path is not None:
+                np.save(self.scores_path, self.scores)
+        finite = np.isfinite(self.scores).all(axis=1)
+        votes = np.zeros(self.scores.shape)
+        votes[finite] = votes_among(self.scores[finite], self.layout().candidates(), top_r)
+        return VoteSum(votes.sum(axis=0), len(self.scores))
 
-    def sums_layout(self) -> HeadLayout:
+    def layout(self) -> HeadLayout:
+        """The model's head layout (the site's vote path must be prepared)."""
         if self.sums is None:
             raise ValueError("this site was prepared without its chunks")
         return self.sums.loaded.adapter.head_shape(self.sums.loaded.model).layout()
@@ -214,11 +213,11 @@ def prepare_task(
         sums = None
         if plan_for_votes is not None:
             sums = LocalSums(loaded, chunks, plan_for_votes, progress=False)
-        terms = votes = None
+        terms = scores = None
         if cache is not None:
             terms = cache / f"{loaded.fingerprint[-16:]}-{name}-terms.pt"
-            votes = cache / f"{loaded.fingerprint[-16:]}-{name}-shift.npy"
-        caches.append(SiteActs(acts, sums, terms_path=terms, votes_path=votes))
+            scores = cache / f"{loaded.fingerprint[-16:]}-{name}-shift.npy"
+        caches.append(SiteActs(acts, sums, terms_path=terms, scores_path=scores))
         records.append(list(dataset.records))
         if (index + 1) % 5 == 0 or index + 1 == sites:
             log(f"{task}: {index + 1} of {sites} sites extracted")

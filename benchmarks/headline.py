@@ -74,7 +74,14 @@ from client.activations.chunking import make_chunks
 from client.models import LoadedModel, load_model
 from client.models.embedded import embedded_model_path
 from client.models.pretrained import pretrained_model_path
-from client.public.scope import HeadsMode, PlannedRelease, ScopeChoice, best_option, choose_each
+from client.public.scope import (
+    HeadsMode,
+    PlannedRelease,
+    ScopeChoice,
+    best_option,
+    choose_each,
+    compared_options,
+)
 from client.public.selection import public_activations, select_heads_attribution
 from dpmtv_common.centre import ActivationCentre
 from dpmtv_common.heads import HeadSet
@@ -239,13 +246,7 @@ def planned_options(
             every_head=release_first, gumbel_scale=plan_gumbel_scale(plan),
         )  # fmt: skip
 
-    if every_head is not None:
-        return [(mode, planned(mode, every_head)) for mode in HeadsMode]
-    return [
-        (HeadsMode.PUBLIC, planned(HeadsMode.PUBLIC, False)),
-        (HeadsMode.PRIVATE, planned(HeadsMode.PRIVATE, False)),
-        (HeadsMode.PRIVATE, planned(HeadsMode.PRIVATE, True)),
-    ]
+    return [(mode, planned(mode, first)) for mode, first in compared_options(every_head)]
 
 
 def choose_all(
@@ -270,13 +271,18 @@ def choose(
     choice = best_option(
         choose_all(args, loaded, data, sites, centred=centred, mode=mode, every_head=every_head)
     )
+    log_choice(data, sites, choice, centred=centred)
+    return choice
+
+
+def log_choice(data: TaskData, sites: int, choice: ScopeChoice, *, centred: bool) -> None:
+    """The option chosen at ``sites``, beside every option's held-out accuracy."""
     log(
-        f"{data.name}: {sites} sites ({'centred' if centred else 'raw'}): {choice.mode.value} "
-        f"heads, {choice.order} (held-out {choice.held_out:.2f}; "
+        f"{data.name}: {sites} sites ({'centred' if centred else 'raw'}): chosen "
+        f"{choice.option} (held-out: "
         + ", ".join(f"{name} {acc:.2f}" for name, acc in choice.options_tried)
         + f"), k = {choice.k}, C' = {choice.factor:g} x {choice.scale:.3g}"
     )
-    return choice
 
 
 def choice_plan(
@@ -336,11 +342,7 @@ def size_rows(
     """
     every = choose_all(args, loaded, data, sites, every_head=every_head)
     choice = best_option(every)
-    log(
-        f"{data.name}: {sites} sites: chosen {choice.mode.value} heads, {choice.order} ("
-        + ", ".join(f"{name} {acc:.2f}" for name, acc in choice.options_tried)
-        + f"), k = {choice.k}, C' = {choice.factor:g} x {choice.scale:.3g}"
-    )
+    log_choice(data, sites, choice, centred=True)
     if others is not None:
         others[sites] = [c for c in every if c is not choice]
     chunks = len(data.sites[0].activations)

@@ -126,7 +126,7 @@ def prepare(args, loaded: LoadedModel, root: Path, task: str) -> TaskData:
             SiteActs(
                 site_activations(loaded, chunks.chunks, args.cache_dir, name),
                 LocalSums(loaded, chunks.chunks, vote_plan, progress=False),
-                votes_path=args.cache_dir and args.cache_dir / f"{name}-shift.npy",
+                scores_path=args.cache_dir and args.cache_dir / f"{name}-shift.npy",
                 terms_path=args.cache_dir and args.cache_dir / f"{name}-terms.pt",
             )
         )

@@ -61,7 +61,7 @@ def _planned(args: argparse.Namespace) -> list[tuple[HeadsMode, PlannedRelease]]
     heads mode in that order. In release-first order the Gaussian covers every carried head,
     so C' and the noise scale to whole layers.
     """
-    from client.public.scope import HeadsMode, PlannedRelease
+    from client.public.scope import HeadsMode, PlannedRelease, compared_options
     from dpmtv_common.privacy import ReleaseCalibration
 
     def planned(mode: HeadsMode, every_head: bool) -> PlannedRelease:
@@ -76,14 +76,8 @@ def _planned(args: argparse.Namespace) -> list[tuple[HeadsMode, PlannedRelease]]
             gumbel_scale=scale,
         )  # fmt: skip
 
-    if args.for_order is not None:
-        every_head = args.for_order == "release-first"
-        return [(mode, planned(mode, every_head)) for mode in HeadsMode]
-    return [
-        (HeadsMode.PUBLIC, planned(HeadsMode.PUBLIC, False)),
-        (HeadsMode.PRIVATE, planned(HeadsMode.PRIVATE, False)),
-        (HeadsMode.PRIVATE, planned(HeadsMode.PRIVATE, True)),
-    ]
+    release_first = None if args.for_order is None else args.for_order == "release-first"
+    return [(mode, planned(mode, first)) for mode, first in compared_options(release_first)]
 
 
 def _model_gains(loaded: LoadedModel, tasks: list[PublicTask], k: int) -> dict[str, float]:

@@ -68,6 +68,7 @@ from dpmtv_common.privacy.noise import NoiseSource, secure_noise
 
 __all__ = [
     "CENTRED_CLIP_FACTORS",
+    "COMPARED_OPTIONS",
     "HeadsMode",
     "PlannedRelease",
     "ScopeCandidate",
@@ -75,8 +76,10 @@ __all__ = [
     "best_option",
     "choose_each",
     "choose_scope",
+    "compared_options",
     "heads_transfer",
     "held_out_accuracy_by_chunks",
+    "option_name",
 ]
 
 CENTRED_CLIP_FACTORS = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -88,6 +91,31 @@ class HeadsMode(StrEnum):
 
     PUBLIC = "public"
     PRIVATE = "private"
+
+
+COMPARED_OPTIONS = (
+    (HeadsMode.PUBLIC, False),
+    (HeadsMode.PRIVATE, False),
+    (HeadsMode.PRIVATE, True),
+)
+"""(mode, release-first) options compared by default: public heads select-first (release-first
+only spreads their noise over every layer), private selection in both orders."""
+
+
+def compared_options(release_first: bool | None) -> tuple[tuple[HeadsMode, bool], ...]:
+    """The (mode, release-first) options to compare: the default, or both modes in one order."""
+    if release_first is None:
+        return COMPARED_OPTIONS
+    return tuple((mode, release_first) for mode in HeadsMode)
+
+
+def _order_name(release_first: bool) -> str:
+    return "release-first" if release_first else "select-first"
+
+
+def option_name(mode: HeadsMode, release_first: bool) -> str:
+    """How an option is named in records and progress: "MODE heads, ORDER"."""
+    return f"{mode.value} heads, {_order_name(release_first)}"
 
 
 @dataclass(frozen=True)
@@ -129,7 +157,7 @@ class PlannedRelease:
     @property
     def order(self) -> str:
         """The release order planned: ``release-first`` or ``select-first``."""
-        return "release-first" if self.every_head else "select-first"
+        return _order_name(self.every_head)
 
     def mean_std(self, clip_norm: float, layers_in_scope: int) -> float:
         """Std a coordinate of the released mean carries: 2·z·C'·√L / m."""
@@ -194,7 +222,12 @@ class ScopeChoice:
     @property
     def order(self) -> str:
         """The release order this choice was made for."""
-        return "release-first" if self.every_head else "select-first"
+        return _order_name(self.every_head)
+
+    @property
+    def option(self) -> str:
+        """The option chosen, as ``options_tried`` names it: "MODE heads, ORDER"."""
+        return option_name(self.mode, self.every_head)
 
     def as_record(self) -> dict[str, object]:
         """JSON-ready evidence for a heads file."""
@@ -366,7 +399,7 @@ def _options(
     if not kept:
         wanted = "a release" if mode is None else f"the {mode.value!r} release"
         raise ConfigError(
-            f"planned must hold {wanted}, got {[f'{m.value} {p.order}' for m, p in given]}."
+            f"planned must hold {wanted}, got {[option_name(m, p.every_head) for m, p in given]}."
         )
     return kept
 
@@ -441,13 +474,13 @@ def choose_each(
     source = noise if noise is not None else secure_noise()
     choices = []
     for option_mode, option in options:
-        name = f"{option_mode.value} heads, {option.order}"
+        name = option_name(option_mode, option.every_head)
         say = None if progress is None else (lambda line, n=name: progress(f"{n}: {line}"))
         choices.append(
             _choose_in(loaded, tasks, option_mode, option, ks=ks, factors=factors, keep=keep,
                        transfer=transfer, centred=centred, noise=source, progress=say)
         )  # fmt: skip
-    tried = tuple((f"{c.mode.value} heads, {c.order}", c.held_out) for c in choices)
+    tried = tuple((c.option, c.held_out) for c in choices)
     return [dataclasses.replace(c, options_tried=tried) for c in choices]
 
 

@@ -21,22 +21,11 @@ from client.public.tasks import PublicTask, centred_clip_scale, domain_centre
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadLayout, HeadSet
 from dpmtv_common.privacy.testing import SeededNoise
+from tests.unit.client.scope_fakes import ShareOf
 
 ONE_ARCH = pytest.mark.parametrize("tiny", ["llava"], indirect=True)
 LAYERS, HEADS, DIM, CHUNKS = 2, 4, 16, 12  # the tiny LLaVA's text model
 LAYOUT = HeadLayout(num_layers=LAYERS, num_heads=HEADS)
-
-
-class _ShareOf:
-    """Accuracy = share of ``favourites`` among the patched heads (0.0 unpatched)."""
-
-    def __init__(self, favourites: set[tuple[int, int]]) -> None:
-        self.favourites = favourites
-
-    def accuracy(self, loaded, patch=None) -> float:
-        if patch is None:
-            return 0.0
-        return len(self.favourites & set(patch[0].heads)) / len(self.favourites)
 
 
 def _ranked(*slots: int) -> torch.Tensor:
@@ -62,7 +51,7 @@ def _task(
     shape = (CHUNKS, LAYERS, HEADS, DIM)
     terms = QueryTerms(zero_shot.reshape(shape), gradients.reshape(shape))
     wanted = {(slot // HEADS, slot % HEADS) for slot in favourites}
-    return PublicTask(name, acts.reshape(shape), _ShareOf(wanted), _ranked(*ranked),  # type: ignore[arg-type]
+    return PublicTask(name, acts.reshape(shape), ShareOf(wanted), _ranked(*ranked),  # type: ignore[arg-type]
                       terms.summed(), terms)  # fmt: skip
 
 

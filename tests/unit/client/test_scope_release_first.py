@@ -18,21 +18,10 @@ from client.public.tasks import (
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.testing import SeededNoise
+from tests.unit.client.scope_fakes import ShareOf
 
 ONE_ARCH = pytest.mark.parametrize("tiny", ["llava"], indirect=True)
 LAYERS, HEADS, DIM = 2, 4, 16  # the tiny LLaVA's text model
-
-
-class _ShareOf:
-    """Accuracy = share of ``favourites`` among the patched heads (0.0 unpatched)."""
-
-    def __init__(self, favourites: set[tuple[int, int]]) -> None:
-        self.favourites = favourites
-
-    def accuracy(self, loaded, patch=None) -> float:
-        if patch is None:
-            return 0.0
-        return len(self.favourites & set(patch[0].heads)) / len(self.favourites)
 
 
 def _slots_gains(*slots: int) -> torch.Tensor:
@@ -52,7 +41,7 @@ def _task(name: str, seed: int, *, stand_in: tuple[int, ...], attributed: tuple[
     # Zero-shot activations at 0: every head's shift is about as large (no shift vote helps).
     chunk_terms = QueryTerms(torch.zeros_like(acts), gradients.reshape(acts.shape))
     favourites = {(slot // HEADS, slot % HEADS) for slot in attributed}
-    return PublicTask(name, acts, _ShareOf(favourites), _slots_gains(*stand_in),  # type: ignore[arg-type]
+    return PublicTask(name, acts, ShareOf(favourites), _slots_gains(*stand_in),  # type: ignore[arg-type]
                       chunk_terms.summed(), chunk_terms)  # fmt: skip
 
 
