@@ -226,6 +226,14 @@ def test_a_tls_deployment_with_authenticated_sites_makes_one_signed_release(
             assert f"{key}={value}".encode() in environ.split(b"\0"), (name, key)
 
 
+# A plaintext request on the TLS port ends in whichever of these the race between the
+# server's close and the client's read produces; both mean the TLS port refused plaintext.
+PLAINTEXT_AGAINST_TLS = (
+    "Server disconnected without sending a response",
+    "Connection reset by peer",
+)
+
+
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # a safety net: the waits scale with the measured load
 def test_the_superlink_refuses_unregistered_insecure_and_keyless_supernodes(
@@ -254,7 +262,7 @@ def test_the_superlink_refuses_unregistered_insecure_and_keyless_supernodes(
     assert all(code != 0 for code in codes.values()), codes
     assert all("Exit Code: 305" in log for log in logs.values()), logs
     assert "[code: 2004] Failed to activate SuperNode" in logs["intruder"]
-    assert "Server disconnected without sending a response" in logs["insecure"]
+    assert any(reason in logs["insecure"] for reason in PLAINTEXT_AGAINST_TLS), logs["insecure"]
     assert "[code: 2001] SuperNode authentication is enabled" in logs["keyless"]
     assert len(deployment.supernodes()) == SITES
 
