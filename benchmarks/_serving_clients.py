@@ -3,23 +3,26 @@
 Reads ``{"url", "token", "clients", "requests", "seconds", "tokens", "model"}`` as JSON on
 stdin; each of ``clients`` threads sends a chat request, waits for its answer, and sends the
 next (a closed loop; see :func:`closed_loop`); prints the latencies, the elapsed time and the
-process's CPU time over the loop as JSON.
-Imports httpx and Pillow only, so its start costs nothing measured.
+process's CPU time over the loop as JSON. Each client keeps one ``http.client`` connection
+alive and sends bodies encoded before the clock starts (an application's own work, not the
+endpoint's): the clients share the endpoint's cores, and an httpx client spent about 0.9 ms
+of CPU a request where these spend about 0.2. Imports the standard library and Pillow only.
 """
 
 from __future__ import annotations
 
 import base64
+import http.client
 import io
 import json
-import queue
+import socket
 import sys
 import threading
 import time
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
-import httpx
 from PIL import Image
 
 QUESTION = "What colour is the shape?"
@@ -67,8 +70,8 @@ def closed_loop(
     return latencies, time.perf_counter() - began
 
 
-def ask(client: httpx.Client, job: dict[str, Any], index: int) -> None:
-    """Send request ``index`` (its image, the question) and wait for its answer."""
+def body_of(job: dict[str, Any], index: int) -> bytes:
+    """Request ``index``'s JSON body: its image as a data URI, the question."""
     uri = "data:image/png;base64," + base64.b64encode(png(index)).decode()
     body = {
         "model": job["model"],
@@ -78,22 +81,45 @@ def ask(client: httpx.Client, job: dict[str, Any], index: int) -> None:
         ]}],
         "max_tokens": job["tokens"],
     }  # fmt: skip
-    reply = client.post(job["url"], json=body, headers={"Authorization": "Bearer " + job["token"]})
-    reply.raise_for_status()
+    return json.dumps(body).encode()
+
+
+class Client:
+    """One keep-alive connection to the endpoint that posts chat requests and reads answers."""
+
+    def __init__(self, job: dict[str, Any]) -> None:
+        url = urllib.parse.urlsplit(job["url"])
+        self.path = url.path
+        self.headers = {"Authorization": "Bearer " + job["token"],
+                        "Content-Type": "application/json"}  # fmt: skip
+        self.connection = http.client.HTTPConnection(url.hostname, url.port, timeout=600)
+        self.connection.connect()
+        # Headers and body leave in separate writes: without this, Nagle's algorithm holds the
+        # body until the headers are acknowledged, and a delayed ACK stalls each request ~40 ms.
+        self.connection.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    def ask(self, body: bytes) -> None:
+        """Post ``body`` and read its whole answer; anything but 200 raises."""
+        self.connection.request("POST", self.path, body, self.headers)
+        reply = self.connection.getresponse()
+        answer = reply.read()
+        if reply.status != 200:
+            raise RuntimeError(f"the endpoint answered {reply.status}: {answer[:200]!r}")
+
+    def close(self) -> None:
+        self.connection.close()
 
 
 def main() -> int:
     job = json.load(sys.stdin)
     local = threading.local()
-    # Made before the clock starts: an httpx client builds an SSL context (tens of ms).
-    idle = queue.SimpleQueue[httpx.Client]()
-    for _ in range(job["clients"]):
-        idle.put(httpx.Client(timeout=600))
+    # Encoded before the clock starts: an application's own work, not the endpoint's.
+    bodies = [body_of(job, index) for index in range(len(COLOURS))]
 
     def one(index: int) -> None:
         if not hasattr(local, "client"):
-            local.client = idle.get()
-        ask(local.client, job, index)
+            local.client = Client(job)
+        local.client.ask(bodies[index % len(bodies)])
 
     cpu = time.process_time()
     latencies, elapsed = closed_loop(job["clients"], job["requests"], job["seconds"], one)

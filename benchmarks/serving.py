@@ -14,8 +14,11 @@ suppressed, so every path does the same work). The paths alternate within each r
   stored release (all heads); each client thread prepares its row, as the endpoint does.
 - **http**: the whole endpoint (:class:`client.service.http_server.HttpEndpoint`) on
   127.0.0.1, every request patched, its clients in a process of their own
-  (``benchmarks/_serving_clients.py``, httpx, images as data URIs). ``http`` against
-  ``batcher`` is the HTTP layer's own cost.
+  (``benchmarks/_serving_clients.py``, keep-alive ``http.client`` connections, images as
+  data URIs). ``http`` against ``batcher`` is the HTTP layer's own cost.
+- **http-floor**: the same endpoint with the model taken out (:class:`AnsweringAtOnce`):
+  every request parsed, checked, prepared and started as in ``http``, then answered at once
+  without a forward pass. Its throughput is the most the endpoint's own work allows.
 - **invariant**: the batcher in its batch-invariant mode (each row alone), patched; at 1 and 8
   clients only (from 8 on its throughput cannot change: one row a pass).
 
@@ -45,6 +48,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -56,10 +60,9 @@ apply_thread_policy(1)  # before torch loads; one torch thread (see the docstrin
 
 import io
 
-import httpx
 import numpy as np
 import torch
-from _serving_clients import QUESTION, ask, closed_loop, png
+from _serving_clients import QUESTION, Client, body_of, closed_loop, png
 from PIL import Image
 from torch import nn
 from transformers import DynamicCache
@@ -68,11 +71,12 @@ from client.activations.hooks import PatchPolicy
 from client.models import Example, LoadedModel, Prompt, save_tiny_model
 from client.models.pretrained import default_pretrained_model_dir
 from client.release.site import Site
+from client.service import http_server
 from client.service.batching import Batcher
 from client.service.http_server import HttpEndpoint, HttpSettings
 from client.service.preparation import RowRequest
 from client.service.releases import ReleaseCatalogue
-from client.service.rows import RowPatch
+from client.service.rows import RowPatch, Ticket
 from client.settings import SiteSettings
 from dpmtv_common.artifact import ReleaseDescription, write_artifact
 from dpmtv_common.crypto import SigningKey
@@ -80,7 +84,7 @@ from dpmtv_common.heads import HeadSet
 
 CLIENTS = (1, 8, 32)
 INVARIANT_CLIENTS = (1, 8)
-PATHS = ("plain", "batcher", "http", "invariant")
+PATHS = ("plain", "batcher", "http", "invariant", "http-floor")
 TOKEN = "bench-token-" + "z" * 32
 MODELS = {
     "tiny": "the tests' tiny random LLaVA (2 layers x 4 heads)",
@@ -311,18 +315,52 @@ def _preparation(seconds: float, prepared: int, calls: int) -> Cell:
     return {"prepare": seconds / max(1, prepared), "prepared_together": prepared / max(1, calls)}
 
 
-def _http(site: Site, root: Path, clock: ForwardClock, clients: int, n: int, args: Any) -> Cell:
+class AnsweringAtOnce(Batcher):
+    """The endpoint's batcher with the model taken out (``http-floor``).
+
+    Rows are prepared and started exactly as the batcher prepares and starts them, then each
+    is answered at once with ``max_new_tokens`` copies of one token, no forward pass: the
+    throughput the endpoint's own work (HTTP, JSON, images, preparation, answers) allows.
+    """
+
+    def _run(self) -> None:
+        token = int(self.loaded.processor.tokenizer(" red")["input_ids"][-1])
+        while True:
+            self._prepare_pending()
+            if (tickets := self._take()) is None:
+                return
+            if not tickets:  # requests arrived to be prepared first
+                continue
+            started = time.monotonic()
+            for ticket in tickets:
+                _answer_at_once(ticket, token)
+            self._ended = (started, time.monotonic())
+            self.stats.worker_seconds += time.monotonic() - started
+
+
+def _answer_at_once(ticket: Ticket, token: int) -> None:
+    for _ in range(ticket.row.max_new_tokens):
+        ticket.sink.token(token)
+    ticket.sink.finish("length")
+
+
+def _http(
+    site: Site, root: Path, clock: ForwardClock, clients: int, n: int, args: Any,
+    *, model: bool = True,
+) -> Cell:  # fmt: skip
     settings = HttpSettings(
         address="127.0.0.1:0", token_file=root / "token", max_queue=max(64, clients),
         max_connections=max(256, 2 * clients),
     )  # fmt: skip
-    endpoint = HttpEndpoint(site, threading.Lock(), settings)
+    with mock.patch.object(http_server, "Batcher", Batcher if model else AnsweringAtOnce):
+        endpoint = HttpEndpoint(site, threading.Lock(), settings)
     url = endpoint.start() + "/v1/chat/completions"
     job = {"url": url, "token": TOKEN, "clients": clients, "requests": n,
            "seconds": args.seconds, "tokens": args.max_tokens, "model": "r1"}  # fmt: skip
     try:
-        with httpx.Client(timeout=600) as client:  # untimed: the release is verified on first use
-            ask(client, job, 0)
+        client = Client(job)  # untimed: the release is verified on first use
+        client.ask(body_of(job, 0))
+        client.close()
         stats = endpoint.batcher.stats
         before, worked = clock.snapshot(), stats.worker_seconds
         prep = (stats.prepare_seconds, stats.prepared, stats.prepare_calls)
@@ -408,6 +446,9 @@ def _run_model(model: str, args: Any) -> dict[str, Any]:
                     results[("invariant", clients)].append(
                         _batcher(site, clock, clients, n, args, invariant=True)
                     )
+                results[("http-floor", clients)].append(
+                    _http(site, root, clock, clients, n, args, model=False)
+                )
                 line = {p: round(c[-1]["throughput"], 2) for (p, k), c in results.items()
                         if k == clients}  # fmt: skip
                 print(model, clients, repeat, line, flush=True)
@@ -499,6 +540,36 @@ def _forward_ms(cells: list[Cell]) -> str:
     return f"{request:.0f} ({request / _med(cells, 'passes'):.1f})"
 
 
+def _floor_line(results: dict[tuple[str, int], list[Cell]]) -> str:
+    """The endpoint without its model, and what its work leaves of plain's throughput in series."""
+    floor = {c: _med(results[("http-floor", c)], "throughput") for c in CLIENTS}
+    plain = {c: _med(results[("plain", c)], "throughput") for c in CLIENTS}
+    http = {c: _median_ratio(results[("http", c)], results[("plain", c)], "throughput")
+            for c in CLIENTS}  # fmt: skip
+    # Plain's request already holds a preparation; the endpoint's work beyond it (HTTP, JSON,
+    # images, answers) adds to it where the two cannot overlap.
+    beyond = {c: 1 / floor[c] - _med(results[("http-floor", c)], "prepare") for c in CLIENTS}
+    serial = {c: (1 / plain[c]) / (1 / plain[c] + beyond[c]) for c in CLIENTS}
+    return (
+        "- The endpoint's own work, measured without the model (`http-floor`: the same "
+        "endpoint, requests prepared and started as the batcher does, each answered at once "
+        "with no forward pass): "
+        + " / ".join(f"{floor[c]:.0f}" for c in CLIENTS)
+        + " requests/s at 1 / 8 / 32 clients, i.e. "
+        + " / ".join(f"{1000 / floor[c]:.1f}" for c in CLIENTS)
+        + " ms a request, of which "
+        + " / ".join(f"{1000 * beyond[c]:.1f}" for c in CLIENTS)
+        + " ms beyond preparing it, beside plain's whole request (preparation included) of "
+        + " / ".join(f"{1000 / plain[c]:.1f}" for c in CLIENTS)
+        + " ms. Run in series with the model's work (one interpreter lock; a closed loop in "
+        "step leaves the model waiting while the endpoint parses), that work leaves "
+        + " / ".join(f"{serial[c]:.2f}" for c in CLIENTS)
+        + " of plain's throughput; `http` measured "
+        + " / ".join(f"{http[c]:.2f}" for c in CLIENTS)
+        + "."
+    )
+
+
 def _causes(measured: dict[str, Any]) -> list[str]:
     results, costs = measured["results"], measured["costs"]
     per_row = {rows: costs[f"step {rows}"] / rows for rows in (1, 8, 32)}
@@ -553,6 +624,7 @@ def _causes(measured: dict[str, Any]) -> list[str]:
         + " / ".join(f"{_model_ms(results[('batcher', c)]):.0f}" for c in CLIENTS)
         + ": where the HTTP work nears the model's, it shares the cores and the interpreter "
         "lock with it.",
+        _floor_line(results),
         "- Batch-invariant answers (each row alone): "
         + ", ".join(f"{r:.2f}x plain's throughput at {c}" for c, r in invariant.items())
         + " clients.",
@@ -579,8 +651,11 @@ def _report(measured: dict[str, dict[str, Any]], args: Any) -> str:
         "request's latency includes its wait for the batches before it. `batcher`: the "
         f"endpoint's continuous batcher in-process (at most {args.rows} rows at once), every "
         "row patched with a release (all heads). `http`: the whole endpoint on 127.0.0.1 "
-        "(httpx clients in another process, data URIs), patched. `invariant`: the batcher's "
-        "batch-invariant mode, patched. `CPU ms a request`: this process's CPU time (the "
+        "(keep-alive clients in another process, bodies encoded before the clock starts, data "
+        "URIs), patched. `invariant`: the batcher's batch-invariant mode, patched. "
+        "`http-floor`: the same endpoint without the model (each request prepared as in "
+        "`http`, then answered at once, no forward pass). `CPU ms a request`: this "
+        "process's CPU time (the "
         "model, the batcher, the endpoint's threads, the in-process clients; not the HTTP "
         "clients' process) over requests answered, which other jobs on the machine inflate far "
         "less than wall time; its `vs plain` is plain's over the path's (above 1: the path "
