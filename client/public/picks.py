@@ -16,7 +16,8 @@ The held-out task holds a few dozen chunks where the release pools m: the vote s
 held-out chunks' mean vote times m (their expectation at m chunks), given the planned
 Gumbel noise (scale β = 2·Δ∞/ε₀ of the planned calibration). The chunks' zero-shot
 activations and gradients come from the task's own queries (``PublicTask.chunk_terms``),
-which are its first chunks' queries, as a site's chunk scores its own query.
+which are its first chunks' queries, as a site's chunk scores its own query; the caller
+(``client.public.scope``) scores the picks of one half of them on the other half's queries.
 
 Everything reads public data and public plan numbers only: no privacy budget is spent; the
 simulated Gumbel noise comes from ``dpmtv_common.privacy.noise`` and never leaves the process.
@@ -37,10 +38,11 @@ from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadLayout, HeadSet
 from dpmtv_common.privacy.noise import NoiseSource
 
-__all__ = ["attribution_votes", "noisy_pick", "shift_votes"]
+__all__ = ["attribution_votes", "chunk_terms_of", "noisy_pick", "shift_votes"]
 
 
-def _terms(task: PublicTask) -> QueryTerms:
+def chunk_terms_of(task: PublicTask) -> QueryTerms:
+    """The task's per-query terms (``PublicTask.chunk_terms``); refused when it has none."""
     if task.chunk_terms is None or len(task.chunk_terms) == 0:
         raise ConfigError(
             f"public task {task.name!r} must carry its chunks' query terms to simulate private "
@@ -51,7 +53,7 @@ def _terms(task: PublicTask) -> QueryTerms:
 
 def shift_votes(task: PublicTask, layout: HeadLayout, *, top_r: int) -> Float64Array:
     """Each scored chunk's top-r shift votes ``(Q, L * H)`` among the carried heads."""
-    terms = _terms(task)
+    terms = chunk_terms_of(task)
     shots = task.activations[: len(terms)].float()
     scores = (shots - terms.activations).norm(dim=-1).reshape(len(terms), -1)
     return votes_among(scores.double().numpy(), layout.candidates(), top_r)
@@ -61,7 +63,7 @@ def attribution_votes(
     task: PublicTask, reference: torch.Tensor, layout: HeadLayout, *, top_r: int
 ) -> Float64Array:
     """Each scored chunk's top-r votes ``(Q, L * H)`` by attribution against ``reference``."""
-    terms = _terms(task)
+    terms = chunk_terms_of(task)
     scores = terms.gains(reference).reshape(len(terms), -1)
     return votes_among(scores.double().numpy(), layout.candidates(), top_r)
 

@@ -25,12 +25,15 @@ best on the held-out tasks are suggested for the real, private task.
 
    **In release-first order** (``PlannedRelease.every_head``) the Gaussian covers every
    carried head whatever is kept: s is then the median centred norm of whole layers, each
-   chunk is clipped over whole layers and the noise spans every carried layer. Its
-   attribution votes use the answers of the held-out task's first chunks' queries, which
-   also score the release: the private task's votes come from the sites' examples and its
-   test queries are others, so this order's simulation is optimistic by what 30-odd votes
-   fit to their own queries (shift votes read no answer; the headline benchmark shows each
-   option's prediction beside its test accuracy).
+   chunk is clipped over whole layers and the noise spans every carried layer.
+
+   **Private picks are scored on queries that did not vote** (cross-fitting): a release's
+   votes come from the sites' examples and its test queries are others, so the held-out
+   task's chunks are split in two (even and odd positions); the heads one half's chunks
+   vote for are scored on the other half's queries, and the two halves' scores are pooled.
+   Attribution votes read their queries' answers: scored on the queries that voted, they
+   would fit those answers and flatter release-first order (in the headline benchmarks they
+   predicted up to 0.99 where the release then gave 0.45).
 3. **What more chunks buy** (:func:`held_out_accuracy_by_chunks`): the chosen scope scored the
    same way at other chunk counts, so a consortium sees before spending whether its m is
    enough, and how many more sites or examples would help.
@@ -51,7 +54,7 @@ from enum import StrEnum
 import torch
 
 from client.models import LoadedModel
-from client.public.picks import attribution_votes, noisy_pick, shift_votes
+from client.public.picks import attribution_votes, chunk_terms_of, noisy_pick, shift_votes
 from client.public.tasks import (
     MIN_PUBLIC_TASKS,
     PublicTask,
@@ -80,6 +83,7 @@ __all__ = [
     "heads_transfer",
     "held_out_accuracy_by_chunks",
     "option_name",
+    "query_halves",
 ]
 
 CENTRED_CLIP_FACTORS = (0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0)
@@ -309,17 +313,41 @@ class _Trial:
         fixed = None if self.noised is None else self._noisy_scope(self.noised, clip_norm, planned)
         scores = []
         for _ in range(planned.draws):
-            if fixed is None:  # select-first private selection: pick, then noise the picks
-                heads = self._picked_first(planned, noise)
+            if self.heads is not None:  # public heads: picked on the other tasks' data
+                mean, std, back = fixed  # type: ignore[misc]
+                values = noise.add_gaussian(mean, noise_std=std) + back
+                rows = values[self.noised.rows_of(self.heads)]  # type: ignore[union-attr]
+                scores.append(self.held.queries.accuracy(loaded, (self.heads, rows)))
+            else:
+                scores.append(self._cross_fitted(loaded, clip_norm, planned, noise, fixed))
+        return statistics.mean(scores)
+
+    def _cross_fitted(
+        self,
+        loaded: LoadedModel,
+        clip_norm: float,
+        planned: PlannedRelease,
+        noise: NoiseSource,
+        fixed: tuple[Float64Array, float, Float64Array] | None,
+    ) -> float:
+        """One draw of private selection, each half's picks scored on the other half's queries."""
+        values = None
+        if fixed is not None:  # release-first: one noisy vector a release, whoever votes
+            mean, std, back = fixed
+            values = noise.add_gaussian(mean, noise_std=std) + back
+        hits = total = 0
+        for voters, scored in query_halves(len(chunk_terms_of(self.held))):
+            if values is None:  # select-first: pick, then noise the picks
+                heads = self._picked_first(planned, noise, voters)
                 mean, std, back = self._noisy_scope(heads, clip_norm, planned)
                 rows = noise.add_gaussian(mean, noise_std=std) + back
             else:
-                mean, std, back = fixed
-                values = noise.add_gaussian(mean, noise_std=std) + back
-                heads = self.heads or self._picked_after(values, planned, noise)
+                heads = self._picked_after(values, planned, noise, voters)
                 rows = values[self.noised.rows_of(heads)]  # type: ignore[union-attr]
-            scores.append(self.held.queries.accuracy(loaded, (heads, rows)))
-        return statistics.mean(scores)
+            guesses, answers = self.held.queries.predictions(loaded, (heads, rows))
+            hits += int((guesses == answers)[scored].sum())
+            total += len(scored)
+        return hits / total
 
     def _noisy_scope(
         self, scope: HeadSet, clip_norm: float, planned: PlannedRelease
@@ -335,17 +363,35 @@ class _Trial:
             num_chunks=planned.num_chunks, gumbel_scale=_gumbel_scale(planned), noise=noise,
         )  # fmt: skip
 
-    def _picked_first(self, planned: PlannedRelease, noise: NoiseSource) -> HeadSet:
+    def _picked_first(
+        self, planned: PlannedRelease, noise: NoiseSource, voters: list[int]
+    ) -> HeadSet:
         votes = shift_votes(self.held, self.layout, top_r=planned.top_r or self.k)
-        return self._pick(votes, planned, noise)
+        return self._pick(votes[voters], planned, noise)
 
     def _picked_after(
-        self, values: Float64Array, planned: PlannedRelease, noise: NoiseSource
+        self, values: Float64Array, planned: PlannedRelease, noise: NoiseSource, voters: list[int]
     ) -> HeadSet:
         # Every carried head was noised (release-first): place the rows as the release does.
         reference = torch.as_tensor(self.layout.dense_rows(values))
         votes = attribution_votes(self.held, reference, self.layout, top_r=planned.top_r or self.k)
-        return self._pick(votes, planned, noise)
+        return self._pick(votes[voters], planned, noise)
+
+
+def query_halves(count: int) -> tuple[tuple[list[int], list[int]], ...]:
+    """(voters, scored) query positions: the even half votes, the odd half is scored; swapped.
+
+    Raises:
+        ConfigError: Fewer than two queries: no half would be scored on queries that did not
+            vote.
+    """
+    if count < 2:
+        raise ConfigError(
+            "a held-out public task must have at least two chunks to score private picks on "
+            f"queries that did not vote, got {count}; give each public task more examples."
+        )
+    even, odd = list(range(0, count, 2)), list(range(1, count, 2))
+    return ((even, odd), (odd, even))
 
 
 def _gumbel_scale(planned: PlannedRelease) -> float:

@@ -4,17 +4,28 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 
 class ShareOf:
-    """Queries whose accuracy is the share of ``favourites`` among the patched heads.
+    """Queries each answered right when their favourite head is patched.
 
-    0.0 unpatched; a patch is (HeadSet, values), as ``QuerySet.accuracy`` takes it.
+    Query q's favourite is the q-th of ``favourites`` in order, cyclically, so over all
+    ``count`` queries (a multiple of their number) the accuracy is the share of
+    ``favourites`` among the patched heads; 0.0 unpatched. A patch is (HeadSet, values), as
+    ``QuerySet.accuracy`` and ``QuerySet.predictions`` take it.
     """
 
-    def __init__(self, favourites: set[tuple[int, int]]) -> None:
-        self.favourites = favourites
+    def __init__(self, favourites: set[tuple[int, int]], count: int) -> None:
+        self.favourites = sorted(favourites)
+        self.count = count
+
+    def predictions(self, loaded: Any, patch: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+        patched = set() if patch is None else set(patch[0].heads)
+        right = [self.favourites[q % len(self.favourites)] in patched for q in range(self.count)]
+        answers = torch.ones(self.count, dtype=torch.long)
+        return torch.tensor(right, dtype=torch.long), answers
 
     def accuracy(self, loaded: Any, patch: Any = None) -> float:
-        if patch is None:
-            return 0.0
-        return len(self.favourites & set(patch[0].heads)) / len(self.favourites)
+        guesses, answers = self.predictions(loaded, patch)
+        return float((guesses == answers).float().mean())

@@ -51,7 +51,7 @@ def _task(
     shape = (CHUNKS, LAYERS, HEADS, DIM)
     terms = QueryTerms(zero_shot.reshape(shape), gradients.reshape(shape))
     wanted = {(slot // HEADS, slot % HEADS) for slot in favourites}
-    return PublicTask(name, acts.reshape(shape), ShareOf(wanted), _ranked(*ranked),  # type: ignore[arg-type]
+    return PublicTask(name, acts.reshape(shape), ShareOf(wanted, CHUNKS), _ranked(*ranked),  # type: ignore[arg-type]
                       terms.summed(), terms)  # fmt: skip
 
 
@@ -230,3 +230,49 @@ def test_the_planned_gumbel_noise_decides_when_the_votes_are_few():
     expected = np.exp(-gap) / (1 + np.exp(-gap) + np.exp(-10 / 5.0))
     assert abs(share_of_second(10) - expected) < 5 * np.sqrt(expected * (1 - expected) / 2000)
     assert share_of_second(1000) == 0.0
+
+
+def _split_task(name: str, seed: int, even: int, odd: int) -> PublicTask:
+    """Even chunks' queries want slot ``even``, odd ones slot ``odd``; each chunk's own shift
+    and gradients point at the slot its query wants (votes that fit their own query)."""
+    generator = torch.Generator().manual_seed(seed)
+    acts = torch.rand(CHUNKS, LAYERS * HEADS, DIM, generator=generator) + 5.0
+    zero_shot = acts - 1.0
+    gradients = torch.zeros(CHUNKS, LAYERS * HEADS, DIM)
+    for chunk in range(CHUNKS):
+        wanted = even if chunk % 2 == 0 else odd
+        zero_shot[chunk, wanted] -= 3.0
+        gradients[chunk, wanted] = 1.0
+    shape = (CHUNKS, LAYERS, HEADS, DIM)
+    terms = QueryTerms(zero_shot.reshape(shape), gradients.reshape(shape))
+    favourites = {(slot // HEADS, slot % HEADS) for slot in (even, odd)}
+    return PublicTask(name, acts.reshape(shape), ShareOf(favourites, CHUNKS),  # type: ignore[arg-type]
+                      _ranked(even, odd), terms.summed(), terms)  # fmt: skip
+
+
+@ONE_ARCH
+def test_private_picks_are_scored_only_on_queries_that_did_not_vote(loaded):
+    # Arrange: one head per query half, each half's chunks voting for their own queries'
+    # head; scored on the voters' own queries a pick of either head would score 0.5
+    tasks = [_split_task(name, i, even=1, odd=6) for i, name in enumerate("abc")]
+
+    # Act
+    choice = choose_scope(
+        loaded, tasks, planned=_options(scale=1e-6), ks=[1], noise=SeededNoise(0),
+        mode=HeadsMode.PRIVATE,
+    )  # fmt: skip
+
+    # Assert: each half picks its own head and is scored on the other half, which wants the
+    # other head, in either order
+    assert _held_out(choice) == {
+        "private heads, select-first": 0.0,
+        "private heads, release-first": 0.0,
+    }
+
+
+def test_query_halves_cross_and_refuse_a_single_query():
+    from client.public.scope import query_halves
+
+    assert query_halves(5) == (([0, 2, 4], [1, 3]), ([1, 3], [0, 2, 4]))
+    with pytest.raises(ConfigError, match="at least two chunks"):
+        query_halves(1)

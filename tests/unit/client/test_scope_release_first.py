@@ -41,7 +41,7 @@ def _task(name: str, seed: int, *, stand_in: tuple[int, ...], attributed: tuple[
     # Zero-shot activations at 0: every head's shift is about as large (no shift vote helps).
     chunk_terms = QueryTerms(torch.zeros_like(acts), gradients.reshape(acts.shape))
     favourites = {(slot // HEADS, slot % HEADS) for slot in attributed}
-    return PublicTask(name, acts, ShareOf(favourites), _slots_gains(*stand_in),  # type: ignore[arg-type]
+    return PublicTask(name, acts, ShareOf(favourites, len(acts)), _slots_gains(*stand_in),  # type: ignore[arg-type]
                       chunk_terms.summed(), chunk_terms)  # fmt: skip
 
 
