@@ -31,7 +31,7 @@ side-by-side ratio. One torch thread in every path: the cores are shared with th
 endpoint's threads and other work, and a pool of one thread a core then waits on its slowest
 thread at every operation. Writes docs/benchmarks/serving.md::
 
-    .venv/bin/python benchmarks/serving.py --model tiny pretrained [--repeats 2]
+    .venv/bin/python benchmarks/serving.py --model tiny pretrained [--repeats 3]
 """
 
 from __future__ import annotations
