@@ -32,8 +32,10 @@ best on the held-out tasks are suggested for the real, private task.
    task's chunks are split in two (even and odd positions); the heads one half's chunks
    vote for are scored on the other half's queries, and the two halves' scores are pooled.
    Attribution votes read their queries' answers: scored on the queries that voted, they
-   would fit those answers and flatter release-first order (in the headline benchmarks they
-   predicted up to 0.99 where the release then gave 0.45).
+   would fit those answers and flatter release-first order (on the embedded models'
+   headlines cross-fitting lowered its predictions by 0.02-0.05 on average; the larger gaps
+   left between a prediction and the test come from the held-out tasks differing from the
+   private one, not from the votes).
 3. **What more chunks buy** (:func:`held_out_accuracy_by_chunks`): the chosen scope scored the
    same way at other chunk counts, so a consortium sees before spending whether its m is
    enough, and how many more sites or examples would help.
