@@ -337,14 +337,14 @@ class _Trial:
         if fixed is not None:  # release-first: one noisy vector a release, whoever votes
             mean, std, back = fixed
             values = noise.add_gaussian(mean, noise_std=std) + back
+        votes = self._votes(planned, values)  # every query's, once; each half keeps its own
         hits = total = 0
         for voters, scored in query_halves(len(chunk_terms_of(self.held))):
+            heads = self._pick(votes[voters], planned, noise)
             if values is None:  # select-first: pick, then noise the picks
-                heads = self._picked_first(planned, noise, voters)
                 mean, std, back = self._noisy_scope(heads, clip_norm, planned)
                 rows = noise.add_gaussian(mean, noise_std=std) + back
             else:
-                heads = self._picked_after(values, planned, noise, voters)
                 rows = values[self.noised.rows_of(heads)]  # type: ignore[union-attr]
             guesses, answers = self.held.queries.predictions(loaded, (heads, rows))
             hits += int((guesses == answers)[scored].sum())
@@ -365,19 +365,18 @@ class _Trial:
             num_chunks=planned.num_chunks, gumbel_scale=_gumbel_scale(planned), noise=noise,
         )  # fmt: skip
 
-    def _picked_first(
-        self, planned: PlannedRelease, noise: NoiseSource, voters: list[int]
-    ) -> HeadSet:
-        votes = shift_votes(self.held, self.layout, top_r=planned.top_r or self.k)
-        return self._pick(votes[voters], planned, noise)
+    def _votes(self, planned: PlannedRelease, values: Float64Array | None) -> Float64Array:
+        """Each held-out query's chunk votes ``(Q, L * H)``, by shift or against ``values``.
 
-    def _picked_after(
-        self, values: Float64Array, planned: PlannedRelease, noise: NoiseSource, voters: list[int]
-    ) -> HeadSet:
+        Select-first (``values`` None) votes by shift; release-first by attribution against
+        the noisy vector ``values``.
+        """
+        top_r = planned.top_r or self.k
+        if values is None:
+            return shift_votes(self.held, self.layout, top_r=top_r)
         # Every carried head was noised (release-first): place the rows as the release does.
         reference = torch.as_tensor(self.layout.dense_rows(values))
-        votes = attribution_votes(self.held, reference, self.layout, top_r=planned.top_r or self.k)
-        return self._pick(votes[voters], planned, noise)
+        return attribution_votes(self.held, reference, self.layout, top_r=top_r)
 
 
 def query_halves(count: int) -> tuple[tuple[list[int], list[int]], ...]:
