@@ -550,6 +550,11 @@ def _forward_ms(cells: list[Cell]) -> str:
     return f"{request:.0f} ({request / _med(cells, 'passes'):.1f})"
 
 
+def _slashed(values: dict[int, float], spec: str) -> str:
+    """``values`` at 1 / 8 / 32 clients, each formatted with ``spec``, slash-separated."""
+    return " / ".join(format(values[c], spec) for c in CLIENTS)
+
+
 def _floor_line(results: dict[tuple[str, int], list[Cell]]) -> str:
     """The endpoint without its model, and what its work leaves of plain's throughput in series."""
     floor = {c: _med(results[("http-floor", c)], "throughput") for c in CLIENTS}
@@ -564,18 +569,18 @@ def _floor_line(results: dict[tuple[str, int], list[Cell]]) -> str:
         "- The endpoint's own work, measured without the model (`http-floor`: the same "
         "endpoint, requests prepared and started as the batcher does, each answered at once "
         "with no forward pass): "
-        + " / ".join(f"{floor[c]:.0f}" for c in CLIENTS)
+        + _slashed(floor, ".0f")
         + " requests/s at 1 / 8 / 32 clients, i.e. "
-        + " / ".join(f"{1000 / floor[c]:.1f}" for c in CLIENTS)
+        + _slashed({c: 1000 / floor[c] for c in CLIENTS}, ".1f")
         + " ms a request, of which "
-        + " / ".join(f"{1000 * beyond[c]:.1f}" for c in CLIENTS)
+        + _slashed({c: 1000 * beyond[c] for c in CLIENTS}, ".1f")
         + " ms beyond preparing it, beside plain's whole request (preparation included) of "
-        + " / ".join(f"{1000 / plain[c]:.1f}" for c in CLIENTS)
+        + _slashed({c: 1000 / plain[c] for c in CLIENTS}, ".1f")
         + " ms. Run in series with the model's work (one interpreter lock; a closed loop in "
         "step leaves the model waiting while the endpoint parses), that work leaves "
-        + " / ".join(f"{serial[c]:.2f}" for c in CLIENTS)
+        + _slashed(serial, ".2f")
         + " of plain's throughput; `http` measured "
-        + " / ".join(f"{http[c]:.2f}" for c in CLIENTS)
+        + _slashed(http, ".2f")
         + "."
     )
 
@@ -627,11 +632,11 @@ def _causes(measured: dict[str, Any]) -> list[str]:
         + ", ".join(f"{r:.2f} at {c}" for c, r in http.items())
         + f" clients; at one client it adds {added:.0f} ms to a request's p50. CPU a request "
         "at 1 / 8 / 32 clients (ms): the endpoint's process over the in-process batcher's "
-        + " / ".join(f"{1000 * extra[c]:+.1f}" for c in CLIENTS)
+        + _slashed({c: 1000 * extra[c] for c in CLIENTS}, "+.1f")
         + ", the HTTP clients' own process "
-        + " / ".join(f"{1000 * _med(results[('http', c)], 'client_cpu'):.1f}" for c in CLIENTS)
+        + _slashed({c: 1000 * _med(results[("http", c)], "client_cpu") for c in CLIENTS}, ".1f")
         + ", beside the model's forward time a request of "
-        + " / ".join(f"{_model_ms(results[('batcher', c)]):.0f}" for c in CLIENTS)
+        + _slashed({c: _model_ms(results[("batcher", c)]) for c in CLIENTS}, ".0f")
         + ": where the HTTP work nears the model's, it shares the cores and the interpreter "
         "lock with it.",
         _floor_line(results),
