@@ -111,20 +111,20 @@ class SiteActs:
         ]
         return torch.cat([a for a, _ in passes]), torch.cat([g for _, g in passes])
 
-    def attribution_vote(self, reference: np.ndarray, top_r: int) -> VoteSum:
+    def attribution_vote(self, reference: np.ndarray, top_r: int, among: list[int]) -> VoteSum:
         """Top-r votes by attribution against ``reference`` ``(L, H, D)``, summed over chunks.
 
         The production scoring (``attribution_scores``, ``votes_among``) on the chunks'
-        zero-shot terms, every carried head a candidate.
+        zero-shot terms, cast among the dense slots ``among`` (``protocol.vote_slots``).
         """
         acts, grads = self.zero_shot_terms()
         target = torch.as_tensor(reference, dtype=torch.float32)
         scores = attribution_scores(acts, grads, target.expand_as(acts))
-        votes = votes_among(scores, self.layout().candidates(), top_r)
+        votes = votes_among(scores, among, top_r)
         return VoteSum(votes.sum(axis=0), len(acts))
 
-    def vote(self, top_r: int) -> VoteSum:
-        """The site's top-r shift votes, voted as ``chunk_votes`` votes them.
+    def vote(self, top_r: int, among: list[int]) -> VoteSum:
+        """The site's top-r shift votes among ``among``, voted as ``chunk_votes`` votes them.
 
         The production shift scores are computed once for every r (a failed chunk's NaN
         row casts no vote).
@@ -141,7 +141,7 @@ class SiteActs:
                 np.save(self.scores_path, self.scores)
         finite = np.isfinite(self.scores).all(axis=1)
         votes = np.zeros(self.scores.shape)
-        votes[finite] = votes_among(self.scores[finite], self.layout().candidates(), top_r)
+        votes[finite] = votes_among(self.scores[finite], among, top_r)
         return VoteSum(votes.sum(axis=0), len(self.scores))
 
     def layout(self) -> HeadLayout:

@@ -99,6 +99,7 @@ from protocol import (
     plan_gumbel_scale,
     plan_noise_multiplier,
     run_release,
+    vote_slots,
 )
 
 MODELS = {  # name: (description, ks tried, MTV reference k)
@@ -134,18 +135,26 @@ class Consortium:
         return ActivationSum(heads, total.reshape(parts[0].total.shape), chunks, len(parts))
 
     def vote_sum(self, reference: np.ndarray | None) -> VoteSum:
-        """Σ of the sites' votes (central only): shift votes, or attribution against ``reference``.
+        """Σ of the sites' votes: shift votes, or attribution against ``reference``.
 
-        ``reference``: the noisy all-head vector of a release-first plan; each chunk then votes
-        for its top-r heads by attribution against it, as a site's ``LocalSums`` does.
+        ``reference``: the noisy vector of a release-first plan (dense); each chunk then votes
+        for its top-r heads by attribution against it, as a site's ``LocalSums`` does. Every
+        chunk votes among the plan's candidates (``vote_slots``). In distributed mode each
+        site's histogram carries its discrete-Gaussian share, as on the plan's vote grid.
         """
-        if self.grids is not None:
-            raise ValueError("private rows here are central")
+        among = vote_slots(self.plan, self.sites[0].layout())
+        top_r = self.plan.score_top_r
         if reference is None:
-            parts = [site.vote(self.plan.score_top_r) for site in self.sites]
+            parts = [site.vote(top_r, among) for site in self.sites]
         else:
-            parts = [site.attribution_vote(reference, self.plan.score_top_r) for site in self.sites]
-        return VoteSum(np.sum([p.total for p in parts], axis=0), sum(p.num_chunks for p in parts))
+            parts = [site.attribution_vote(reference, top_r, among) for site in self.sites]
+        chunks = sum(p.num_chunks for p in parts)
+        grid = None if self.grids is None else self.grids.votes()
+        if grid is None:
+            return VoteSum(np.sum([p.total for p in parts], axis=0), chunks)
+        shares = [encode_site_share(p.total, params=grid, noise=self.noise) for p in parts]
+        return VoteSum(decode_noisy_sum(np.sum(shares, axis=0), params=grid, num_sites=len(parts)),
+                       chunks)  # fmt: skip
 
 
 def make_plan(
@@ -346,11 +355,8 @@ def size_rows(
     if others is not None:
         others[sites] = [c for c in every if c is not choice]
     chunks = len(data.sites[0].activations)
-    modes = [NoiseMode.CENTRAL]
-    if choice.mode is HeadsMode.PUBLIC:  # distributed private selection: not in this benchmark
-        modes.append(NoiseMode.DISTRIBUTED)
     rows = []
-    for mode in modes:
+    for mode in (NoiseMode.CENTRAL, NoiseMode.DISTRIBUTED):
         plan = choice_plan(loaded, choice, sites=sites, chunks=chunks, mode=mode)
         label = f"{sites} sites, {mode.value}" + (
             f" t={plan.min_honest}" if mode is NoiseMode.DISTRIBUTED else ""
@@ -394,8 +400,9 @@ def option_rows(args, loaded, data: TaskData, others: list[ScopeChoice], sites: 
 def release_first_row(args, loaded, data: TaskData, sites: int) -> dict:
     """Private selection in release-first order (the product's default), central.
 
-    The Gaussian covers every head; each chunk then votes for its top-r heads by attribution
-    against the noisy vector (on its own answer), among every head; the k most voted are kept.
+    The Gaussian covers the candidates; each chunk then votes for its top-r heads by
+    attribution against the noisy vector (on its own answer), among the candidates; the k
+    most voted are kept.
     Its centre, k and C' are chosen for that order from the public tasks alone.
     """
     choice = choose(args, loaded, data, sites, mode=HeadsMode.PRIVATE, every_head=True)

@@ -84,7 +84,8 @@ def main() -> int:
         top_k = rank_heads(loaded, data.public, k=args.k)
         top_2k = rank_heads(loaded, data.public, k=2 * args.k)
         shape = loaded.adapter.head_shape(loaded.model)
-        votes = sum(s.vote(args.k).total for s in data.sites)
+        carried = shape.layout().candidates()  # every head a vote may go to
+        votes = sum(s.vote(args.k, carried).total for s in data.sites)
         votes = votes.reshape(shape.num_layers, shape.num_heads)
 
         def by_votes(pool: list[tuple[int, int]]) -> HeadSet:
@@ -95,7 +96,9 @@ def main() -> int:
             # Release-first's score without its noise: each chunk's top-k heads by attribution
             # of the pooled mean on its own answer (the production scoring), summed over sites.
             reference = data.pooled_mean.numpy()
-            totals = sum(site.attribution_vote(reference, args.k).total for site in data.sites)
+            totals = sum(
+                site.attribution_vote(reference, args.k, carried).total for site in data.sites
+            )
             ranked = np.argsort(-np.asarray(totals), kind="stable")[: args.k]
             return HeadSet.of(
                 sorted((int(i) // shape.num_heads, int(i) % shape.num_heads) for i in ranked)

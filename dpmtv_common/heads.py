@@ -157,17 +157,17 @@ class HeadLayout:
         self.check_carried(heads.heads, "dense slots")
         return heads
 
-    def dense_rows(self, values: npt.ArrayLike) -> Float64Array:
-        """Rows ``(len(all_heads()), D)`` placed into a dense ``(L, H, D)`` array.
+    def dense_rows(self, values: npt.ArrayLike, *, heads: HeadSet | None = None) -> Float64Array:
+        """Rows ``(len(heads), D)`` placed into a dense ``(L, H, D)`` array.
 
-        Headless layers read as zeros, as the hooks record them.
+        ``heads``: whose rows ``values`` holds, in order; None: every carried head. Every
+        other slot (headless layers included) reads as zeros, as the hooks record them.
         """
         rows = np.asarray(values, dtype=np.float64)
-        heads = self.all_heads()
+        heads = self.all_heads() if heads is None else heads
         if rows.ndim != 2 or rows.shape[0] != len(heads):
             raise ConfigError(
-                f"values must have shape ({len(heads)}, D), one row per carried head, "
-                f"got {rows.shape!r}."
+                f"values must have shape ({len(heads)}, D), one row per head, got {rows.shape!r}."
             )
         dense = np.zeros((self.dense_size, rows.shape[1]), dtype=np.float64)
         dense[self.dense_indices(heads)] = rows

@@ -64,7 +64,9 @@ from protocol.release import (
     check_candidate_picks,
     check_plan_centre,
     check_plan_scope,
+    gaussian_heads,
     run_release,
+    vote_slots,
 )
 from protocol.release_manifest import (
     plan_epsilon_bound,
@@ -223,6 +225,7 @@ __all__ = [
     "check_plan_scope",
     "dequantise",
     "expect",
+    "gaussian_heads",
     "graph_seed",
     "graph_shape",
     "key_transcript",
@@ -246,5 +249,6 @@ __all__ = [
     "reserve_plan",
     "run_release",
     "survivors_signed_bytes",
+    "vote_slots",
     "with_array",
 ]

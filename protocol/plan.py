@@ -254,10 +254,12 @@ class ReleasePlan(BaseModel):
         public_heads: The fixed head list; set iff ``selection`` is public.
         candidate_heads: Private selection's candidate set, or ``None`` for every head the
             model carries. A list computed on public data (``select-heads --k 2k``), fixed in
-            the plan before any private data is read: the Gumbel top-k then runs over fewer
-            heads, with the same sensitivity and ε₀ per pick (a public restriction of the
-            domain), so the picks land on heads that public data already found useful.
-            Private selection only; at least ``num_selected_heads`` heads. Left out of the
+            the plan before any private data is read: each chunk votes among these heads
+            only and the Gumbel top-k runs over them, with the same sensitivities and ε₀ per
+            pick (a public restriction of the domain), so the picks land on heads that
+            public data already found useful. In release-first order the Gaussian covers
+            these heads only (no other head can be released). Private selection only; at
+            least ``num_selected_heads`` and ``score_top_r`` heads. Left out of the
             canonical JSON when ``None``, so plans without it hash as they did before.
         selection_share: Share of epsilon spent on private selection (private mode only).
         score_top_r: Each chunk votes for its top-r heads; bounds a chunk's vote to r.
@@ -357,6 +359,11 @@ class ReleasePlan(BaseModel):
             raise ValueError(
                 f"candidate_heads must hold at least num_selected_heads = "
                 f"{self.num_selected_heads} heads, got {len(self.candidate_heads)}."
+            )
+        if len(self.candidate_heads) < self.score_top_r:
+            raise ValueError(
+                f"candidate_heads must hold at least score_top_r = {self.score_top_r} heads "
+                f"(a chunk votes among them), got {len(self.candidate_heads)}."
             )
         return self
 

@@ -18,8 +18,11 @@ points: after the vote sum in select-first private selection, else after the act
 Orders (design §1 step 6):
 
 * ``select-first``: votes → private selection → S → clipped sum over S → noisy mean.
-* ``release-first``: clipped sum over all heads → noisy mean → votes scored against the
-  noisy vector (private mode) or the public list → keep the rows of S (post-processing).
+* ``release-first``: clipped sum over the Gaussian's heads → noisy mean → votes scored
+  against the noisy vector (private mode) or the public list → keep the rows of S
+  (post-processing). The Gaussian's heads (:func:`gaussian_heads`) are the plan's public
+  candidate heads when it names them, else every carried head: a head outside the
+  candidates can never be released, so noising it would only add noise to the rest.
 
 Mechanisms. Privacy unit: the plan's (one example, or one group); neighbouring relation:
 replace-one (one unit is replaced, which changes one chunk's contribution to every sum).
@@ -81,7 +84,9 @@ __all__ = [
     "check_candidate_picks",
     "check_plan_centre",
     "check_plan_scope",
+    "gaussian_heads",
     "run_release",
+    "vote_slots",
 ]
 
 
@@ -115,7 +120,11 @@ class ReleaseSums(Protocol):
         ...
 
     def vote_sum(self, reference: Float64Array | None) -> VoteSum:
-        """Top-r vote sum; ``reference`` is the noisy all-head vector ``(L, H, D)`` or None."""
+        """Top-r vote sum among :func:`vote_slots`, or None.
+
+        ``reference``: the noisy vector of a release-first plan, placed dense ``(L, H, D)``
+        (its :func:`gaussian_heads` rows, zeros elsewhere), or None.
+        """
         ...
 
 
@@ -128,7 +137,8 @@ class ReleaseOutcome:
         values: Their noisy mean activations, float64 ``(len(heads), D)``.
         num_chunks: m of the Gaussian sum (the divisor of the mean).
         noise_std: σ of the Gaussian draw.
-        gaussian_heads: The heads the Gaussian ran on (all heads in release-first order).
+        gaussian_heads: The heads the Gaussian ran on (in release-first order every carried
+            head, or the plan's candidates: :func:`gaussian_heads`).
         calibration: The calibrated mechanisms and the (ε, δ) bound they meet (central mode).
         signal_to_noise: ‖mean‖ / (σ/m · √(coordinates)) of the released vector, a
             diagnostic computed from released (noisy) values only.
@@ -181,15 +191,39 @@ def _require_chunks(summed: ActivationSum) -> ActivationSum:
     return summed
 
 
-def _candidates(plan: ReleasePlan, layout: HeadLayout) -> list[int]:
-    """Dense slots selection picks among: the plan's candidate set, else every carried head.
+def vote_slots(plan: ReleasePlan, layout: HeadLayout) -> list[int]:
+    """Dense slots a chunk votes among and selection picks among, in (layer, head) order.
 
-    Both are fixed before any private data is read (the layout by the public model, the
-    candidate list by the plan), so either is a public domain of the same mechanism.
+    The plan's candidate set, else every carried head. Both are fixed before any private
+    data is read (the layout by the public model, the candidate list by the plan), so either
+    is a public domain of the same mechanisms: a chunk's top-r vote still moves any head's
+    sum by at most 1 (Δ∞ = 1) and the histogram by √(2r) in L2.
     """
     if plan.candidate_heads is None:
         return layout.candidates()
     return sorted(layout.dense_indices(HeadSet(plan.candidate_heads)))
+
+
+def gaussian_heads(plan: ReleasePlan, layout: HeadLayout) -> HeadSet | None:
+    """The heads the plan's one Gaussian draw covers, or None: the heads picked first.
+
+    Fixed by the plan and the public layout before any data is read, so a site can check
+    every sum it is asked for and every σ it is told:
+
+    * select-first: the public heads, every carried head (selection ``all``), or None for
+      private selection (the Gaussian then covers the k heads the votes picked);
+    * release-first: every carried head, or, for private selection among public candidate
+      heads, those candidates (a head outside them is never released).
+    """
+    if plan.selection is SelectionMode.PRIVATE:
+        if plan.order is ReleaseOrder.SELECT_FIRST:
+            return None
+        if plan.candidate_heads is not None:
+            return HeadSet(plan.candidate_heads)
+        return layout.all_heads()
+    if plan.selection is SelectionMode.PUBLIC and plan.order is ReleaseOrder.SELECT_FIRST:
+        return HeadSet(plan.public_heads or ())
+    return layout.all_heads()
 
 
 def _candidate_votes(
@@ -201,7 +235,7 @@ def _candidate_votes(
             f"vote sum must have shape (L * H,) = ({layout.dense_size},), "
             f"got {votes.total.shape!r}."
         )
-    candidates = _candidates(plan, layout)
+    candidates = vote_slots(plan, layout)
     return candidates, votes.total[candidates]
 
 
@@ -480,16 +514,17 @@ def _release_first(
     exposed: Callable[[], None],
     centre: ActivationCentre | None,
 ) -> _Released:
-    """Noise the sum over all heads once, then keep the rows of the released heads."""
-    all_heads = layout.all_heads()
-    summed = _require_chunks(sums.activation_sum(all_heads))
+    """Noise the sum over the Gaussian's heads once, then keep the rows of the released heads."""
+    scope = gaussian_heads(plan, layout) or layout.all_heads()
+    summed = _require_chunks(sums.activation_sum(scope))
     exposed()
-    noisy_all = _recentred(mode.noisy_mean(summed), all_heads, centre)
+    noisy = _recentred(mode.noisy_mean(summed), scope, centre)
     released = _fixed_scope(plan, layout)
     if plan.selection is SelectionMode.PRIVATE:
         # Votes are scored against the noisy vector, so selection reads no raw activation.
-        released = mode.select(sums.vote_sum(layout.dense_rows(noisy_all)))
-    return _Released(summed, released, noisy_all[all_heads.rows_of(released)])
+        reference = layout.dense_rows(noisy, heads=scope)
+        released = mode.select(sums.vote_sum(reference))
+    return _Released(summed, released, noisy[scope.rows_of(released)])
 
 
 def run_release(

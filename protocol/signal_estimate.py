@@ -14,7 +14,8 @@ chunks, only lower the real figure. With ``z`` the Gaussian's noise multiplier (
 Δ₂ = 2·C·√L_scope), k released heads, H heads a layer, d dims a head:
 
 * select-first (Gaussian on S only, L_S layers): SNR = m / (2·z·√(k·d));
-* release-first or all heads (Gaussian on every carried head, L layers): SNR = m / (2·z·√(L·H·d)).
+* release-first or all heads (Gaussian on every carried head, L layers): SNR = m / (2·z·√(L·H·d));
+  release-first private selection among c public candidate heads: SNR = m / (2·z·√(c·d)).
 
 C cancels: a larger C buys nothing here, which is why the estimate needs no activations.
 """
@@ -88,6 +89,8 @@ def predict_signal_to_noise(
     )
     if select_first:
         coordinates = min(plan.num_selected_heads, num_layers * num_heads) * head_dim
+    elif plan.selection is SelectionMode.PRIVATE and plan.candidate_heads is not None:
+        coordinates = len(plan.candidate_heads) * head_dim  # the Gaussian's candidates
     else:
         coordinates = num_layers * num_heads * head_dim
     ratio = num_chunks / (2.0 * z * math.sqrt(coordinates))

@@ -15,7 +15,7 @@ from protocol.errors import VersionMismatchError
 
 __all__ = ["DPMTV_VERSION", "PROTOCOL_VERSION", "check_compatible"]
 
-PROTOCOL_VERSION = "6.0"
+PROTOCOL_VERSION = "7.0"
 
 
 def _installed_version() -> str:

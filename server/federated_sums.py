@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from dpmtv_common.aliases import Float64Array
+from dpmtv_common.aliases import Float64Array, LayerHead
 from dpmtv_common.heads import HeadLayout, HeadSet
 from dpmtv_common.privacy.distributed import DistributedNoise, decode_noisy_sum
 from protocol import (
@@ -27,6 +27,7 @@ from protocol import (
     ReleasePlan,
     SecureSumRequest,
     VoteSum,
+    gaussian_heads,
 )
 from protocol.secure_sum import SumInstructions, SumRanges, ranges_for
 from protocol.sum_keys import KeyAdvert
@@ -126,9 +127,10 @@ class FederatedSums:
     def vote_sum(self, reference: Float64Array | None) -> VoteSum:
         """Σ over surviving sites of top-r votes (against ``reference`` when given).
 
-        The noisy all-head ``reference`` travels beside the select sum's collect request
-        (flattened float64), not in a message of its own: one round trip fewer, and a site
-        votes only against the vector it holds.
+        The noisy ``reference`` (dense ``(L, H, D)``: the rows of the plan's Gaussian heads,
+        zeros elsewhere) travels beside the select sum's collect request (flattened float64),
+        not in a message of its own: one round trip fewer, and a site votes only against the
+        vector it holds.
         """
         request = SecureSumRequest(
             release_id=self.plan.release_id,
@@ -136,10 +138,15 @@ class FederatedSums:
             heads=None,
             clip_norm=self.plan.clip_norm,
             score_top_r=self.plan.score_top_r,
-            reference_heads=self.all_heads.heads if reference is not None else None,
+            reference_heads=self._reference_heads() if reference is not None else None,
         )
         release = self.distributed
         grid = release.votes() if release is not None else None
         sent = None if reference is None else np.asarray(reference, dtype=np.float64).ravel()
         arrays, count, _ = self._secure_sum(request, grid, self.layout.dense_size + 1, sent)
         return VoteSum(np.asarray(arrays[0], dtype=np.float64), count)
+
+    def _reference_heads(self) -> tuple[LayerHead, ...]:
+        """The heads whose noisy rows the reference holds: the plan's Gaussian heads."""
+        heads = gaussian_heads(self.plan, self.layout)
+        return (heads or self.all_heads).heads

@@ -337,10 +337,13 @@ def chunk_votes(
     batch_size: int = 4,
     instruction: str | None = None,
     failures: Counter[str] | None = None,
+    among: Sequence[int] | None = None,
 ) -> Iterator[Float64Array]:
     """Each chunk's top-r vote vector ``(L * H,)``, zeros for a failed one.
 
-    The r votes go to the best of the heads the model carries; headless slots stay 0.
+    The r votes go to the best of ``among`` (dense slots: a plan's candidate heads,
+    ``protocol.vote_slots``), or of every head the model carries when None; every other
+    slot, headless ones included, stays 0.
 
     ``shift`` runs in the fixed-shape batches of ``client.activations.extraction`` (``batch_size``
     chunks a pass); ``attribution`` runs one unpadded forward and backward pass a chunk.
@@ -348,16 +351,19 @@ def chunk_votes(
     type of each failed chunk is counted in ``failures`` when given.
 
     Raises:
-        ConfigError: ``top_r`` outside ``[1, carried heads]``, a bad ``reference`` or
-            ``batch_size`` < 1 (checked before any chunk runs).
+        ConfigError: ``top_r`` outside ``[1, heads voted among]``, a slot of ``among`` the
+            model does not carry, a bad ``reference`` or ``batch_size`` < 1 (checked before
+            any chunk runs).
     """
     method = ScoreMethod(method)
     layout = loaded.adapter.head_shape(loaded.model).layout()
     num_heads, candidates = layout.dense_size, layout.candidates()
+    if among is not None:
+        layout.heads_at(among)  # refuses a slot outside the carried heads
+        candidates = sorted(int(slot) for slot in among)
     if not 1 <= top_r <= len(candidates):
         raise ConfigError(
-            f"top_r must lie in [1, {len(candidates)}] (the heads the model carries), "
-            f"got {top_r!r}."
+            f"top_r must lie in [1, {len(candidates)}] (the heads voted among), got {top_r!r}."
         )
     if batch_size < 1:
         raise ConfigError(f"batch_size must be >= 1, got {batch_size!r}.")
@@ -388,10 +394,13 @@ def chunk_head_votes(
     batch_size: int = 4,
     instruction: str | None = None,
     progress: bool = True,
+    among: Sequence[int] | None = None,
 ) -> HeadVotes:
-    """Sum every chunk's top-r vote over all heads of the model (see :func:`chunk_votes`).
+    """Sum every chunk's top-r vote among ``among`` (see :func:`chunk_votes`).
 
     Args:
+        among: Dense slots the chunks vote among (a plan's candidate heads); None: every
+            head the model carries.
         reference: For ``attribution``: values ``(L, H, D)`` to score against (the released
             noisy vector in release-first order); None scores against each chunk's own
             K-shot activation.
@@ -408,6 +417,7 @@ def chunk_head_votes(
         batch_size=batch_size,
         instruction=instruction,
         failures=failures,
+        among=among,
     )
     for vote in tqdm(votes, total=len(chunks), desc="score", unit="chunk", disable=not progress):
         total += vote

@@ -26,7 +26,7 @@ from client.models import LoadedModel
 from dpmtv_common.aliases import Float64Array
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadLayout, HeadSet
-from protocol import ReleaseOrder, ReleasePlan, SelectionMode
+from protocol import ReleaseOrder, ReleasePlan, SelectionMode, gaussian_heads
 
 __all__ = [
     "audited_heads",
@@ -46,10 +46,8 @@ def releases_whole_scope(plan: ReleasePlan) -> bool:
 
 
 def audited_heads(plan: ReleasePlan, layout: HeadLayout) -> HeadSet:
-    """The scope of the Gaussian draw: every carried head, except a public list selected first."""
-    if plan.public_heads and releases_whole_scope(plan) and plan.selection is SelectionMode.PUBLIC:
-        return HeadSet(plan.public_heads)
-    return layout.all_heads()
+    """The scope of the Gaussian draw the plan fixes; every carried head where picks decide it."""
+    return gaussian_heads(plan, layout) or layout.all_heads()
 
 
 def plant_canary(dataset: SiteDataset, canary: Record, *, index: int) -> SiteDataset:

@@ -290,7 +290,8 @@ def _check_heads_file_centre(extras: dict[str, Any], centre: ActivationCentre | 
 def _check_heads_file_order(extras: dict[str, Any], order: str, *, clip_given: bool) -> None:
     """A C' taken from a heads file is used in the release order it was chosen for.
 
-    A release-first Gaussian covers every head, a select-first one the released heads only:
+    A release-first Gaussian covers every head (public heads) or the candidates (private
+    selection), a select-first one the released heads only:
     a C' chosen for one scope clips the other far from its norms (too much signal lost, or
     too much noise), so the mismatch is refused before anything is spent. A release that
     names its own ``--clip-norm`` takes only the heads from the file, which suit either order.

@@ -58,8 +58,9 @@ def _planned(args: argparse.Namespace) -> list[tuple[HeadsMode, PlannedRelease]]
     Without ``--for-order``: public heads select-first (release-first only adds noise to the
     same heads), and private selection in both orders, each simulated as it would run
     (``client.public.scope``); the best on held-out public tasks is suggested. With it: each
-    heads mode in that order. In release-first order the Gaussian covers every carried head,
-    so C' and the noise scale to whole layers.
+    heads mode in that order. In release-first order the Gaussian covers the candidates
+    (private selection) or every carried head (public heads), and C' and the noise scale to
+    those heads' layers.
     """
     from client.public.scope import HeadsMode, PlannedRelease, compared_options
     from dpmtv_common.privacy import ReleaseCalibration
@@ -146,8 +147,6 @@ def _release_options(args: argparse.Namespace, choice: ScopeChoice, centre_file:
     common = f"--order {order} --centre {centre_file}"
     if choice.mode is HeadsMode.PUBLIC:
         return f"--selection public --public-heads {args.out} {common}"
-    if choice.candidates is None:  # release-first: picked among every head, C' given here
-        return f"--selection private --heads {choice.k} --clip-norm {choice.clip_norm:.6g} {common}"
     return f"--selection private --heads {choice.k} --candidate-heads {args.out} {common}"
 
 

@@ -98,7 +98,8 @@ def register(sub: Any) -> None:
         "--order). Default with --public-task: public heads select-first and private selection "
         "in both orders, each simulated on held-out public tasks as it would run, the best "
         "suggested; with --data (a public head list): select-first. A release-first Gaussian "
-        "covers every head, so C bounds whole layers",
+        "covers every head for public heads (C bounds whole layers), the candidates for "
+        "private selection",
     )
     parser.add_argument(
         "--heads-mode",

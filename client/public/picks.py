@@ -5,12 +5,15 @@ private one. For private selection they pick the held-out task's heads the way t
 picks the private task's, so that its held-out accuracy predicts what the order will do:
 
 * **select-first** (shift votes, then the Gaussian on the picked heads): each chunk scores
-  every carried head by ‖z_h(K-shot prompt) − z_h(zero-shot query)‖ and votes for its top r
-  (``client.activations.scoring``); the coordinator keeps the Gumbel top-k of the vote sums
-  over the plan's candidate heads.
-* **release-first** (the Gaussian on every head, then attribution votes): each chunk scores
-  every carried head by the attribution gain of overwriting it with the released noisy
-  vector and votes for its top r; the Gumbel top-k over every carried head is kept.
+  the plan's candidate heads by ‖z_h(K-shot prompt) − z_h(zero-shot query)‖ and votes for
+  its top r among them (``client.activations.scoring``); the coordinator keeps the Gumbel
+  top-k of the vote sums over the candidates.
+* **release-first** (the Gaussian on the candidates, then attribution votes): each chunk
+  scores the candidates by the attribution gain of overwriting each with the released noisy
+  vector and votes for its top r among them; the Gumbel top-k over the candidates is kept.
+
+The candidates are the plan's public candidate heads, or every carried head when it names
+none (``protocol.vote_slots``).
 
 The held-out task holds a few dozen chunks where the release pools m: the vote sums are the
 held-out chunks' mean vote times m (their expectation at m chunks), given the planned
@@ -51,21 +54,24 @@ def chunk_terms_of(task: PublicTask) -> QueryTerms:
     return task.chunk_terms
 
 
-def shift_votes(task: PublicTask, layout: HeadLayout, *, top_r: int) -> Float64Array:
-    """Each scored chunk's top-r shift votes ``(Q, L * H)`` among the carried heads."""
+def shift_votes(task: PublicTask, among: Sequence[int], *, top_r: int) -> Float64Array:
+    """Each scored chunk's top-r shift votes ``(Q, L * H)`` among the dense slots ``among``."""
     terms = chunk_terms_of(task)
     shots = task.activations[: len(terms)].float()
     scores = (shots - terms.activations).norm(dim=-1).reshape(len(terms), -1)
-    return votes_among(scores.double().numpy(), layout.candidates(), top_r)
+    return votes_among(scores.double().numpy(), among, top_r)
 
 
 def attribution_votes(
-    task: PublicTask, reference: torch.Tensor, layout: HeadLayout, *, top_r: int
+    task: PublicTask, reference: torch.Tensor, among: Sequence[int], *, top_r: int
 ) -> Float64Array:
-    """Each scored chunk's top-r votes ``(Q, L * H)`` by attribution against ``reference``."""
+    """Each scored chunk's top-r votes ``(Q, L * H)`` by attribution against ``reference``.
+
+    Cast among the dense slots ``among``.
+    """
     terms = chunk_terms_of(task)
     scores = terms.gains(reference).reshape(len(terms), -1)
-    return votes_among(scores.double().numpy(), layout.candidates(), top_r)
+    return votes_among(scores.double().numpy(), among, top_r)
 
 
 def noisy_pick(

@@ -10,7 +10,7 @@ best on the held-out tasks are suggested for the real, private task.
    chunks' votes under the planned Gumbel noise (:mod:`client.public.picks`): select-first,
    by shift votes among the 2k heads the others rank first (the ``candidate_heads`` the
    release is given); release-first, by attribution votes against each simulated noisy
-   vector, among every carried head. The option whose chosen (k, C') does best on the
+   vector of those candidates, among them. The option whose chosen (k, C') does best on the
    held-out tasks is suggested (public heads on a tie). The *transfer* — the share of each
    held-out task's own-heads gain, its unclipped mean patched, that the others' top k keep
    — is reported beside it; it no longer decides (in the headline benchmarks it pointed to
@@ -23,9 +23,10 @@ best on the held-out tasks are suggested for the real, private task.
    and scored on the held-out queries. The best k is kept, and within it the smallest f
    keeping ``keep`` of the best gain over the centre alone (a smaller C' adds less noise).
 
-   **In release-first order** (``PlannedRelease.every_head``) the Gaussian covers every
-   carried head whatever is kept: s is then the median centred norm of whole layers, each
-   chunk is clipped over whole layers and the noise spans every carried layer.
+   **In release-first order** (``PlannedRelease.every_head``) the Gaussian covers more than
+   is kept: the candidates (private selection: every pick is among them), or every carried
+   head (public heads, where nothing is picked after); s is then the median centred norm of
+   those heads' layers, and the noise spans every layer they lie in.
 
    **Private picks are scored on queries that did not vote** (cross-fitting): a release's
    votes come from the sites' examples and its test queries are others, so the held-out
@@ -132,10 +133,10 @@ class PlannedRelease:
         noise_multiplier: z of the planned plan (``protocol.plan_noise_multiplier``).
         num_chunks: m, the chunks the release will pool.
         draws: Simulated releases a tried (k, C') is scored on.
-        every_head: The Gaussian covers every carried head (a release-first plan: the noisy
-            vector is released whole, and the kept heads are picked after), so C' bounds
-            whole layers and the noise spans every carried layer; else it covers the
-            released heads only (select-first).
+        every_head: A release-first plan: the noisy vector is released over more heads than
+            are kept, and the kept heads are picked after. Its Gaussian covers the
+            candidates (private selection) or every carried head (public heads), so C'
+            bounds those heads' layers; else (select-first) it covers the released heads.
         gumbel_scale: β of the planned private selection's Gumbel top-k (its calibration's
             ``gumbel().gumbel_scale``); None for public heads, which pick nothing privately.
         top_r: Heads each chunk votes for (the plan's ``score_top_r``); None: as many as
@@ -189,13 +190,14 @@ class ScopeChoice:
         mode: Public heads, or private selection among ``candidates``.
         heads: Public mode: the k heads all public tasks rank first (released as they are).
             Private mode: the same ranking's top k (what the noisy picks are scored against).
-        candidates: Private mode, select-first: the 2k heads all public tasks rank first;
-            else None (release-first private selection picks among every head).
+        candidates: Private mode: the 2k heads all public tasks rank first (the picks are
+            among them, in either order); None for public heads.
         clip_norm: C' = factor x scale.
         factor: The chosen factor.
         scale: The public median centred layer norm over the scope C' bounds (factor 1):
-            ``heads``, the ``candidates`` (select-first private selection: the picks are
-            among them), or every carried head when ``every_head``.
+            ``heads``, the ``candidates`` (private selection: the picks are among them, and
+            a release-first Gaussian covers them), or every carried head for public heads
+            released first.
         centre: The centre over all public tasks (zeros for a plain release).
         transfer: The share of the held-out own-heads gain the others' heads keep (shown:
             the options' held-out accuracies decide).
@@ -292,8 +294,9 @@ class _Trial:
 
     ``heads``: the public heads released, or None for private selection, whose k heads are
     picked each draw as the release would (:mod:`client.public.picks`). ``noised``: the
-    Gaussian's scope, fixed (``heads``, or every carried head in release-first order), or
-    None when it is the heads picked first (select-first private selection).
+    Gaussian's scope, fixed (``heads``; in release-first order every carried head for public
+    heads, the candidates for private selection), or None when it is the heads picked first
+    (select-first private selection).
     ``candidates``: the dense slots a private pick chooses among. ``scale``: the others'
     median centred layer norm over the scope C' will bound (the candidates' layers when the
     scope is picked per draw).
@@ -369,14 +372,14 @@ class _Trial:
         """Each held-out query's chunk votes ``(Q, L * H)``, by shift or against ``values``.
 
         Select-first (``values`` None) votes by shift; release-first by attribution against
-        the noisy vector ``values``.
+        the noisy vector ``values``. Either way among the candidates only, as a site votes.
         """
         top_r = planned.top_r or self.k
         if values is None:
-            return shift_votes(self.held, self.layout, top_r=top_r)
-        # Every carried head was noised (release-first): place the rows as the release does.
-        reference = torch.as_tensor(self.layout.dense_rows(values))
-        return attribution_votes(self.held, reference, self.layout, top_r=top_r)
+            return shift_votes(self.held, self.candidates, top_r=top_r)
+        # The candidates were noised (release-first): place their rows as the release does.
+        reference = torch.as_tensor(self.layout.dense_rows(values, heads=self.noised))
+        return attribution_votes(self.held, reference, self.candidates, top_r=top_r)
 
 
 def query_halves(count: int) -> tuple[tuple[list[int], list[int]], ...]:
@@ -416,14 +419,13 @@ def _trial(
         noised = layout.all_heads() if every_head else heads
         return _Trial(held, heads, noised, k, centre, centred_clip_scale(others, noised, centre),
                       layout)  # fmt: skip
-    if every_head:  # picked among every carried head from each noisy vector
-        noised = layout.all_heads()
-        scale = centred_clip_scale(others, noised, centre)
-        return _Trial(held, None, noised, k, centre, scale, layout, tuple(layout.candidates()))
-    # Select-first: among the 2k heads the others rank first, the candidate set a release uses.
+    # Among the 2k heads the others rank first, the candidate set a release is given.
     pool = rank_heads(loaded, tasks, k=min(2 * k, len(layout.candidates())), exclude=held.name)
     scale = centred_clip_scale(others, pool, centre)
-    return _Trial(held, None, None, k, centre, scale, layout, tuple(layout.dense_indices(pool)))
+    slots = tuple(layout.dense_indices(pool))
+    # Release-first: the Gaussian covers the candidates, picked among from each noisy vector;
+    # select-first: the picks are noised.
+    return _Trial(held, None, pool if every_head else None, k, centre, scale, layout, slots)
 
 
 def _layout(loaded: LoadedModel) -> HeadLayout:
@@ -577,12 +579,12 @@ def _suggest(
     )
     heads = rank_heads(loaded, tasks, k=chosen.heads)
     candidates = None
-    if mode is HeadsMode.PRIVATE and not every_head:
+    if mode is HeadsMode.PRIVATE:
         carried = len(_carried(loaded))
         candidates = rank_heads(loaded, tasks, k=min(2 * chosen.heads, carried))
     centre = domain_centre(tasks, centred=centred)
-    # C' bounds the scope the trials scaled it to: every head, the candidates, or the heads.
-    scope = _carried(loaded) if every_head else candidates or heads
+    # C' bounds the scope the trials scaled it to: the candidates, every head, or the heads.
+    scope = candidates or (_carried(loaded) if every_head else heads)
     scale = centred_clip_scale(tasks, scope, centre)
     return ScopeChoice(
         mode=mode,

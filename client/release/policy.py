@@ -13,7 +13,7 @@ asking for a head in a hybrid's headless layer (plan, extract sum, artifact) is 
 * :func:`check_secure_sum` — before a contribution: a stage the plan has, once, in the plan's
   order, with the plan's clip norm, top-r and head scope (a coordinator asking for a larger
   clip norm, another head set or a second sum gets nothing).
-* :func:`check_reference` — the noisy all-head vector of a release-first plan, once.
+* :func:`check_reference` — the noisy vector of a release-first plan, once.
 * :func:`check_artifact` — the signed artifact must be the one this plan produces: same plan
   hash and id, ε and σ recomputed here from the plan, heads and unit as accepted, and (when
   the site holds the noisy vector) the very values it was sent.
@@ -45,6 +45,7 @@ from protocol import (
     check_candidate_picks,
     check_compatible,
     check_plan_scope,
+    gaussian_heads,
     plan_calibration,
 )
 from protocol.secure_sum import SumRanges
@@ -239,7 +240,7 @@ def _check_select(record: ReleaseRecord, request: SecureSumRequest) -> None:
     plan = record.plan
     if request.score_top_r != plan.score_top_r or request.heads is not None:
         raise PlanMismatchError(
-            f"select sum must ask for top-{plan.score_top_r} votes over every head, "
+            f"select sum must ask for top-{plan.score_top_r} votes over the plan's heads, "
             f"got top-{request.score_top_r} over {request.heads!r}."
         )
     if plan.order is ReleaseOrder.RELEASE_FIRST and record.reference_sha256 is None:
@@ -249,19 +250,19 @@ def _check_select(record: ReleaseRecord, request: SecureSumRequest) -> None:
 def _check_extract_heads(record: ReleaseRecord, request: SecureSumRequest) -> None:
     plan = record.plan
     layout = record.layout
-    expected = _expected_extract_heads(plan)
+    fixed = gaussian_heads(plan, layout)
     asked = request.heads
-    if expected is None:
-        if asked is not None and asked != layout.all_heads().heads:
+    if fixed is not None:  # the plan fixes the Gaussian's heads before any data is read
+        given = layout.all_heads().heads if asked is None else asked
+        if given != fixed.heads:
             raise PlanMismatchError(
-                f"extract sum of this plan must cover every head, got {len(asked)} heads."
+                f"extract sum of this plan must cover its {len(fixed)} "
+                f"{_scope_name(plan)}, got {len(given)} heads."
             )
         return
     if asked is None:
         raise PlanMismatchError("extract sum of this plan must name its heads, got None.")
     layout.check_carried(asked, "extract heads")
-    if expected and asked != expected:
-        raise PlanMismatchError("extract heads must be the plan's public heads, got others.")
     check_candidate_picks(plan, asked, "extract heads")
     if len(asked) != plan.num_selected_heads:
         raise PlanMismatchError(
@@ -270,30 +271,39 @@ def _check_extract_heads(record: ReleaseRecord, request: SecureSumRequest) -> No
         )
 
 
-def _expected_extract_heads(plan: ReleasePlan) -> tuple[LayerHead, ...] | None:
-    """None: every head; () : k heads picked privately; else the public list."""
-    if plan.selection is SelectionMode.ALL or plan.order is ReleaseOrder.RELEASE_FIRST:
-        return None
-    if plan.selection is SelectionMode.PUBLIC:
-        return plan.public_heads
-    return ()
+def _scope_name(plan: ReleasePlan) -> str:
+    """How the heads a plan fixes for its Gaussian are named in a refusal."""
+    if plan.selection is SelectionMode.PUBLIC and plan.order is ReleaseOrder.SELECT_FIRST:
+        return "public heads"
+    if plan.selection is SelectionMode.PRIVATE and plan.candidate_heads is not None:
+        return "candidate heads"
+    return "carried heads (every head)"
 
 
 def check_reference(record: ReleaseRecord, heads: tuple[LayerHead, ...], values: object) -> None:
-    """Refuse a noisy all-head vector the plan does not call for, or one of the wrong shape.
+    """Refuse a noisy vector the plan does not call for, or one of the wrong heads or shape.
+
+    The vector of a release-first private plan covers the plan's Gaussian heads (its
+    candidates, or every carried head), placed dense ``(L, H, D)``.
 
     Raises:
         StageOrderError: Not a release-first private plan, before extract, or a second one.
-        PlanMismatchError: Heads or shape differ from the site's model.
+        PlanMismatchError: Heads or shape differ from the plan's and the site's model.
     """
     plan = record.plan
     if plan.selection is not SelectionMode.PRIVATE or plan.order is not ReleaseOrder.RELEASE_FIRST:
         raise StageOrderError("a noisy vector is only sent in release-first private plans.")
     if "extract" not in record.sent or record.reference_sha256 is not None:
         raise StageOrderError("the noisy vector must come once, after the extract sum.")
+    scope = gaussian_scope(record, HeadSet(()))
+    if heads != scope.heads:
+        raise PlanMismatchError(
+            f"noisy vector must cover the plan's {len(scope)} {_scope_name(plan)}, "
+            f"got {len(heads)} heads."
+        )
     array = np.asarray(values)
     expected = (record.num_layers, record.num_heads, record.head_dim)  # dense, headless too
-    if heads != record.layout.all_heads().heads or array.shape != expected:
+    if array.shape != expected:
         raise PlanMismatchError(
             f"noisy vector must have shape (L, H, D) = {expected}, got {array.shape}."
         )
@@ -302,12 +312,12 @@ def check_reference(record: ReleaseRecord, heads: tuple[LayerHead, ...], values:
 
 
 def gaussian_scope(record: ReleaseRecord, released: HeadSet) -> HeadSet:
-    """The heads the plan's Gaussian draw covered: what its σ was calibrated for."""
-    plan = record.plan
-    expected = _expected_extract_heads(plan)
-    if expected is None:
-        return record.layout.all_heads()
-    return HeadSet(expected) if expected else released
+    """The heads the plan's Gaussian draw covered: what its σ was calibrated for.
+
+    The plan's fixed heads (:func:`protocol.gaussian_heads`), else ``released`` (private
+    picks made first).
+    """
+    return gaussian_heads(record.plan, record.layout) or released
 
 
 def check_artifact(
@@ -379,8 +389,8 @@ def _check_released_heads(record: ReleaseRecord, heads: HeadSet) -> None:
     else:
         _same("number of heads", len(heads), plan.num_selected_heads)
         check_candidate_picks(plan, heads.heads, "artifact heads")
-        if record.extract_heads is not None:
-            _same("heads", heads.heads, record.extract_heads)
+        if record.extract_heads is not None and plan.order is ReleaseOrder.SELECT_FIRST:
+            _same("heads", heads.heads, record.extract_heads)  # the picks it summed
 
 
 def _check_values_match_reference(

@@ -52,6 +52,7 @@ from protocol import (
     release_description,
     reserve_plan,
     run_release,
+    vote_slots,
 )
 
 __all__ = ["LocalSums", "SingleHolderRelease", "check_release_inputs", "run_single_holder_release"]
@@ -107,8 +108,12 @@ class LocalSums:
         return ActivationSum(summed.heads, summed.total, summed.num_chunks)
 
     def vote_sum(self, reference: Float64Array | None) -> VoteSum:
-        """Top-r vote sum of every chunk (attribution against ``reference`` when given)."""
+        """Top-r vote sum of every chunk (attribution against ``reference`` when given).
+
+        Each chunk votes among the plan's candidate heads (``protocol.vote_slots``).
+        """
         method = self.score_method if reference is None else ScoreMethod.ATTRIBUTION
+        layout = self.loaded.adapter.head_shape(self.loaded.model).layout()
         votes = chunk_head_votes(
             self.loaded,
             self.chunks,
@@ -118,6 +123,7 @@ class LocalSums:
             batch_size=self.batch_size,
             instruction=self.instruction,
             progress=self.progress,
+            among=vote_slots(self.plan, layout),
         )
         return VoteSum(votes.total, votes.num_chunks)
 

@@ -28,10 +28,10 @@ from dpmtv_common.heads import HeadSet
 from protocol import (
     NoiseMode,
     PlanMismatchError,
-    ReleaseOrder,
     ReleasePlan,
     SelectionMode,
     check_candidate_picks,
+    gaussian_heads,
     plan_calibration,
 )
 
@@ -99,10 +99,10 @@ def _gaussian_scope(plan: ReleasePlan, shape: ModelShape, released: HeadSet) -> 
         return carried
     if plan.selection is SelectionMode.PUBLIC:
         _same("heads", released.heads, plan.public_heads)
-        return carried if plan.order is ReleaseOrder.RELEASE_FIRST else released
+        return gaussian_heads(plan, shape.layout) or released
     _same("number of heads", len(released), plan.num_selected_heads)
     check_candidate_picks(plan, released.heads, "artifact heads")
-    return carried if plan.order is ReleaseOrder.RELEASE_FIRST else released
+    return gaussian_heads(plan, shape.layout) or released
 
 
 def _recomputed(plan: ReleasePlan, shape: ModelShape, scope: HeadSet) -> tuple[float, float]:

@@ -95,12 +95,13 @@ def test_select_first_wins_where_the_task_s_heads_are_among_the_others_candidate
 
 
 @ONE_ARCH
-def test_release_first_wins_where_the_task_s_heads_lie_outside_every_candidate(loaded):
-    # Arrange: three tasks in disjoint heads; only attribution against the noisy vector,
-    # among every head, finds them
+def test_release_first_wins_where_attribution_finds_the_candidates_shift_votes_miss(loaded):
+    # Arrange: each held-out task's heads rank 3rd-4th on the others (candidates, not their
+    # top 2); its chunks shift the other two candidates; its gradients reward its own heads
     tasks = [
-        _task(n, i, ranked=s, shifted=(6, 7), attributed=s, favourites=s)
-        for i, (n, s) in enumerate({"a": (0, 1), "b": (2, 3), "c": (4, 5)}.items())
+        _task("a", 1, ranked=(0, 1), shifted=(2, 3), attributed=(0, 1), favourites=(0, 1)),
+        _task("b", 2, ranked=(2, 3, 0, 1), shifted=(0, 1), attributed=(2, 3), favourites=(2, 3)),
+        _task("c", 3, ranked=(2, 3, 1, 0), shifted=(0, 1), attributed=(2, 3), favourites=(2, 3)),
     ]
 
     # Act
@@ -114,7 +115,28 @@ def test_release_first_wins_where_the_task_s_heads_lie_outside_every_candidate(l
         "private heads, select-first": 0.0,
         "private heads, release-first": 1.0,
     }
-    assert choice.candidates is None
+    assert choice.candidates is not None
+    assert len(choice.candidates) == 4
+    # C' bounds the candidates' layers, the scope a release-first Gaussian covers
+    scale = centred_clip_scale(tasks, choice.candidates, choice.centre)
+    assert choice.scale == pytest.approx(scale)
+
+
+@ONE_ARCH
+def test_release_first_never_picks_outside_the_candidates(loaded):
+    # Arrange: every task's gradients reward heads 6 and 7, which no task ranks (never
+    # candidates); their favourites are those heads
+    tasks = [
+        _task(n, i, ranked=(0, 1, 2, 3), attributed=(6, 7), favourites=(6, 7))
+        for i, n in enumerate("abc")
+    ]
+
+    # Act
+    choice = choose_scope(loaded, tasks, planned=_options(), ks=[2], noise=SeededNoise(0))
+
+    # Assert: no option reaches heads outside the candidates, release-first included
+    assert set(_held_out(choice).values()) == {0.0}
+    assert choice.mode is HeadsMode.PUBLIC  # a tie: nothing is spent on picks
 
 
 @ONE_ARCH
@@ -160,7 +182,7 @@ def test_select_first_private_c_prime_is_scaled_to_the_candidates(loaded):
 
 def test_shift_votes_go_to_each_chunk_s_most_moved_heads():
     task = _task("a", 1, ranked=(0,), shifted=(5, 2), favourites=(5,))
-    votes = shift_votes(task, LAYOUT, top_r=2)
+    votes = shift_votes(task, LAYOUT.candidates(), top_r=2)
     assert votes.shape == (CHUNKS, LAYERS * HEADS)
     np.testing.assert_array_equal(votes.sum(axis=0), [0, 0, CHUNKS, 0, 0, CHUNKS, 0, 0])
 
@@ -171,7 +193,7 @@ def test_attribution_votes_score_each_chunk_against_the_reference():
     reference = torch.full((LAYERS, HEADS, DIM), 100.0)
 
     # Act
-    votes = attribution_votes(task, reference, LAYOUT, top_r=1)
+    votes = attribution_votes(task, reference, LAYOUT.candidates(), top_r=1)
 
     # Assert: one vote a chunk, on the rewarded slot of the larger gain (by hand)
     assert votes.sum() == CHUNKS
@@ -186,7 +208,7 @@ def test_a_task_without_its_chunk_terms_cannot_vote():
     task = _task("a", 1, ranked=(0,), favourites=(0,))
     bare = dataclasses.replace(task, chunk_terms=None)
     with pytest.raises(ConfigError, match="must carry its chunks' query terms"):
-        shift_votes(bare, LAYOUT, top_r=1)
+        shift_votes(bare, LAYOUT.candidates(), top_r=1)
 
 
 def test_the_noisy_pick_keeps_the_most_voted_candidates_and_only_candidates():

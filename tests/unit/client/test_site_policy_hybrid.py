@@ -79,7 +79,7 @@ def test_an_all_heads_sum_is_the_carried_heads_not_every_slot():
 
     check_secure_sum(record, extract(None))
     check_secure_sum(record, extract(LAYOUT.all_heads().heads))
-    with pytest.raises(PlanMismatchError, match="must cover every head"):
+    with pytest.raises(PlanMismatchError, match=r"must cover its 8 carried heads \(every head\)"):
         check_secure_sum(record, extract(DENSE_ALL.heads))
     assert gaussian_scope(record, LAYOUT.all_heads()) == LAYOUT.all_heads()
 
@@ -98,8 +98,10 @@ def test_the_noisy_vector_covers_the_carried_heads_in_the_dense_layout():
     values = np.zeros((3, 4, DIM))
 
     check_reference(record, LAYOUT.all_heads().heads, values)
-    with pytest.raises(PlanMismatchError, match="noisy vector must have shape"):
+    with pytest.raises(PlanMismatchError, match="noisy vector must cover the plan's 8 carried"):
         check_reference(record, DENSE_ALL.heads, values)
+    with pytest.raises(PlanMismatchError, match=r"noisy vector must have shape \(L, H, D\)"):
+        check_reference(record, LAYOUT.all_heads().heads, np.zeros((2, 4, DIM)))
 
 
 def test_distributed_vote_grids_keep_the_dense_histogram_length():

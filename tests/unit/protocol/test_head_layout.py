@@ -55,7 +55,7 @@ def test_dense_rows_put_carried_rows_in_place_and_zeros_elsewhere():
     assert dense.shape == (3, 2, 2)
     np.testing.assert_array_equal(dense[1], rows)
     assert not dense[[0, 2]].any()
-    with pytest.raises(ConfigError, match=r"one row per carried head"):
+    with pytest.raises(ConfigError, match=r"one row per head"):
         layout.dense_rows(np.zeros((6, 2)))
 
 

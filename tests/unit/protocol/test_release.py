@@ -130,6 +130,41 @@ def test_private_release_first_noises_all_heads_once_then_selects_against_the_no
     np.testing.assert_allclose(outcome.values[:, 0], [11.0, 21.0], atol=1.0)
 
 
+def test_private_release_first_among_candidates_noises_only_the_candidates():
+    # Arrange: four candidates in two layers, the votes' favourites (1, 1) and (2, 1) among them
+    candidates = ((1, 1), (1, 2), (2, 1), (2, 3))
+    plan = make_plan(SelectionMode.PRIVATE, ReleaseOrder.RELEASE_FIRST, candidate_heads=candidates)
+    sums = FakeSums()
+
+    # Act
+    outcome = release(plan, sums)
+
+    # Assert: one draw over the candidates only, σ for their 2 layers (not the model's 3)
+    assert sums.log == ["activations:4", "exposed", "gaussian", "votes", "gumbel"]
+    assert outcome.gaussian_heads == HeadSet(candidates)
+    expected_std = outcome.calibration.noise_multiplier * 2 * 1.0 * np.sqrt(2)
+    assert outcome.noise_std == pytest.approx(expected_std)
+    # The reference holds the candidates' noisy rows placed dense, zeros elsewhere
+    reference = sums.references[0]
+    assert reference is not None
+    assert reference.shape == (LAYERS, HEADS, DIM)
+    inside = np.zeros((LAYERS, HEADS), dtype=bool)
+    inside[tuple(np.array(candidates).T)] = True
+    assert not reference[~inside].any()
+    np.testing.assert_allclose(reference[1, 2], np.full(DIM, 12.0), atol=1.0)
+    # The picks are among the candidates, their released rows those of the one draw
+    assert outcome.heads == HeadSet.of([(1, 1), (2, 1)])
+    np.testing.assert_allclose(outcome.values, reference[[1, 2], [1, 1]])
+
+
+def test_a_plan_whose_candidates_are_fewer_than_its_top_r_is_refused():
+    with pytest.raises(ValueError, match="candidate_heads must hold at least score_top_r = 3"):
+        make_plan(
+            SelectionMode.PRIVATE, ReleaseOrder.RELEASE_FIRST, score_top_r=3,
+            candidate_heads=((1, 1), (1, 2)),
+        )  # fmt: skip
+
+
 @pytest.mark.parametrize("order", list(ReleaseOrder))
 def test_public_heads_are_released_with_one_draw(order):
     sums = FakeSums()
