@@ -9,8 +9,9 @@ no example carries the task's answers), eps = 1, delta = 1e-5, ``--draws`` noise
 central and distributed (t = ceil(n/2); public heads only), at each ``--sites`` count; sites
 of ``--per-site`` examples, each holding ``--classes-per-site`` answers (the combinations in
 turn). Side by side, central: the heads mode the public transfer rule did not choose (every
-size); private selection in release-first order, the product's default (every head noised,
-then each chunk votes by attribution against the noisy vector; ``--release-first-sites``);
+size); private selection in release-first order, the product's default (the 2k public
+candidates noised, then each chunk votes by attribution against the noisy vector among them;
+``--release-first-sites``);
 private selection among every head, not only the 2k public candidates
 (``--every-head-sites``); and at the largest size the public-heads release in MTV's own heads
 (oracle heads: a diagnostic of what the head choice costs).

@@ -178,16 +178,22 @@ def ledger_states(settings: SiteSettings) -> dict[str, ReleaseState]:
 
 
 @pytest.mark.parametrize(
-    ("selection", "order"),
-    [("all", "select-first"), ("private", "select-first"), ("private", "release-first")],
+    ("selection", "order", "candidates"),
+    [
+        ("all", "select-first", ""),
+        ("private", "select-first", ""),
+        ("private", "release-first", ""),
+        ("private", "release-first", "0:1,0:3,1:2"),  # noised over the candidates only
+    ],
 )
 def test_a_distributed_release_reaches_every_site_with_the_epsilon_it_states(
-    world: World, tmp_path: Path, spies: Any, selection: str, order: str
+    world: World, tmp_path: Path, spies: Any, selection: str, order: str, candidates: str
 ) -> None:
     # Act
     run = release(
-        world, tmp_path, spies, f"dist-{selection}-{order}", selection=selection, order=order
-    )
+        world, tmp_path, spies, f"dist-{selection}-{order}{'-c' if candidates else ''}",
+        selection=selection, order=order, candidate_heads=candidates,
+    )  # fmt: skip
     # Assert
     report = run.report
     assert report.acknowledged == ("site-0", "site-1", "site-2")
@@ -207,6 +213,10 @@ def test_a_distributed_release_reaches_every_site_with_the_epsilon_it_states(
         assert parameters["min_honest"] == 2
         assert stored.manifest.num_chunks == SITES * M_I
         assert ledger_states(settings) == {report.plan.release_id: ReleaseState.COMMITTED}
+    if candidates:  # the Gaussian (each site's shares) covered the candidates, picks among them
+        named = {tuple(map(int, head.split(":"))) for head in candidates.split(",")}
+        assert set(report.outcome.gaussian_heads.heads) == named
+        assert set(report.outcome.heads.heads) <= named
 
 
 def test_the_coordinator_only_ever_holds_noisy_sums(
