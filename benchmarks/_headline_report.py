@@ -80,8 +80,10 @@ def render(results: dict[str, Any], models: dict[str, tuple]) -> str:
         f"{a['test']} test queries of scenes no site, public set or training showed.",
         "",
         "Every public choice (the centre, k heads, C', and the option: public heads, or "
-        "private selection select-first or release-first) comes from labelled public sets of "
-        "the *other* tasks of the family only (task-agnostic: no example carries the private "
+        "private selection among the 2k heads the public tasks rank first, select-first or "
+        "release-first, where the Gaussian covers those candidates) comes from labelled "
+        "public sets of the *other* tasks of the family only (task-agnostic: no example "
+        "carries the private "
         "task's answers), by leave-one-public-task-out under each size's planned noise and "
         "Gumbel picks (private picks scored on held-out queries that did not vote: half the "
         "held-out chunks vote, the other half's queries score, both ways); each row's "

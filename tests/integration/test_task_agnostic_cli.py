@@ -21,6 +21,8 @@ from dpmtv_common.artifact import load_artifact
 from dpmtv_common.centre import ActivationCentre
 from dpmtv_common.crypto import TrustedKeys
 from dpmtv_common.fingerprint import fingerprint_model_dir
+from dpmtv_common.heads import HeadSet
+from protocol import ReleaseOrder, ReleasePlan, plan_calibration
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
 
@@ -200,3 +202,49 @@ def test_release_uses_the_centre_its_heads_were_chosen_with_or_refuses(
     )
     assert artifact.manifest.plan["centre_sha256"] == record["centre_sha256"]
     assert artifact.manifest.plan["order"] == recorded
+
+
+def test_a_private_release_first_choice_releases_among_its_candidates_as_printed(
+    world, tmp_path, capsys
+):
+    # Arrange: private selection in release-first order only; the release options printed
+    out = tmp_path / "private-rf.json"
+    argv = [*_select(world, *_public(world, "shape", "count"), "--for-epsilon", "1",
+                     "--for-chunks", "60", "--heads-mode", "private", "--for-order",
+                     "release-first")]  # fmt: skip
+    argv[argv.index("--out") + 1] = str(out)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        assert main(argv) == 0
+    record = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    assert record["release_order"] == "release-first"
+    assert f"--candidate-heads {out}" in printed
+    candidates = [tuple(head) for head in record["heads"]]
+    assert len(candidates) == 2 * record["heads_k"]
+
+    # Act: the release the file describes
+    ledger = tmp_path / "ledger.sqlite"
+    release = [
+        "release", *_model(world), "--data", str(world / "private" / "site-0"), "--out",
+        str(tmp_path / "artifact"), "--selection", "private", "--heads", str(record["heads_k"]),
+        "--candidate-heads", str(out), "--centre", record["centre_file"], "--shots", "2",
+        "--signing-key", str(world / "keys" / "site.key"), "--ledger", str(ledger), "--quiet",
+    ]  # fmt: skip
+    assert main(release) == 0
+
+    # Assert: the signed plan runs release-first among the file's candidates, with its C';
+    # the picks are candidates; σ is the one of a Gaussian over the candidates' layers
+    artifact = load_artifact(
+        tmp_path / "artifact",
+        trusted_keys=TrustedKeys.from_files([world / "keys" / "site.pub"]),
+        expected_model_fingerprint=fingerprint_model_dir(world / "model"),
+    )
+    plan = ReleasePlan.model_validate_json(json.dumps(artifact.manifest.plan))
+    assert plan.order is ReleaseOrder.RELEASE_FIRST
+    assert [tuple(h) for h in plan.candidate_heads or ()] == candidates
+    assert plan.clip_norm == pytest.approx(record["clip_norm_suggestion"])
+    assert set(artifact.heads.heads) <= set(candidates)
+    scope = HeadSet(tuple(candidates))
+    sigma = plan_calibration(plan).gaussian(clip_norm=plan.clip_norm, heads=scope).noise_std
+    assert artifact.manifest.noise_std == pytest.approx(sigma)
