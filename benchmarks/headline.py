@@ -489,7 +489,7 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--per-site", type=int, default=100)
     parser.add_argument("--shots", type=int, default=4)
     parser.add_argument("--draws", type=int, default=20)
-    parser.add_argument("--choice-draws", type=int, default=3, help="noise draws a tried (k, C')")
+    parser.add_argument("--choice-draws", type=int, default=8, help="noise draws a tried (k, C')")
     parser.add_argument("--public-per-task", type=int, default=150, help="examples a public task")
     parser.add_argument("--validation", type=int, default=32)
     parser.add_argument("--test", type=int, default=40)

@@ -95,7 +95,7 @@ def parse_args() -> argparse.Namespace:
         "--release-first-sites", type=int, nargs="*", default=[6, 12, 24, 48],
         help="sizes that also release in release-first order (attribution votes)",
     )  # fmt: skip
-    parser.add_argument("--choice-draws", type=int, default=3, help="noise draws a tried (k, C')")
+    parser.add_argument("--choice-draws", type=int, default=8, help="noise draws a tried (k, C')")
     parser.add_argument("--public-per-task", type=int, default=150)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", type=Path, help="keep the sites' activations between runs")

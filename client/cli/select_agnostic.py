@@ -72,9 +72,10 @@ def _planned(args: argparse.Namespace) -> list[tuple[HeadsMode, PlannedRelease]]
             selection_share=DEFAULT_SELECTION_SHARE,
         )  # fmt: skip
         scale = calibration.gumbel().gumbel_scale if picks else None
+        draws = {} if args.simulated_draws is None else {"draws": args.simulated_draws}
         return PlannedRelease(
             calibration.noise_multiplier, args.for_chunks, every_head=every_head,
-            gumbel_scale=scale,
+            gumbel_scale=scale, **draws,
         )  # fmt: skip
 
     release_first = None if args.for_order is None else args.for_order == "release-first"

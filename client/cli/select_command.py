@@ -92,6 +92,13 @@ def register(sub: Any) -> None:
         "--for-delta", type=open_unit_float, default=1e-5, help="delta of the planned release"
     )
     parser.add_argument(
+        "--simulated-draws",
+        type=positive_int,
+        help="with --public-task: simulated releases each tried (k, C') is scored on, on each "
+        "held-out public task (default 8: fewer make the chosen C' differ between runs; the "
+        "choice's time grows with it)",
+    )
+    parser.add_argument(
         "--for-order",
         choices=RELEASE_ORDERS,
         help="order of the release the heads file is for (release refuses the file with another "

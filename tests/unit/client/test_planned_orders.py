@@ -12,9 +12,9 @@ from client.public.scope import HeadsMode
 from dpmtv_common.errors import ConfigError
 
 
-def _args(for_order: str | None) -> argparse.Namespace:
+def _args(for_order: str | None, draws: int | None = None) -> argparse.Namespace:
     return argparse.Namespace(for_order=for_order, for_epsilon=1.0, for_delta=1e-5, k=4,
-                              for_chunks=200)  # fmt: skip
+                              for_chunks=200, simulated_draws=draws)  # fmt: skip
 
 
 PUBLIC, PRIVATE = HeadsMode.PUBLIC, HeadsMode.PRIVATE
@@ -36,6 +36,7 @@ def test_the_options_compared_are_planned_in_their_release_orders(for_order, opt
     for mode, p in planned:
         assert (p.gumbel_scale is not None) is (mode is PRIVATE)  # only private picks
         assert p.num_chunks == 200
+        assert p.draws == 8  # the default simulated draws
         if mode is PRIVATE:
             assert p.noise_multiplier > public.noise_multiplier  # picks spend part of epsilon
 
@@ -65,3 +66,7 @@ def test_a_release_runs_in_the_order_its_heads_file_was_chosen_for_unless_named(
     args = argparse.Namespace(order=named, selection=selection)
     extras = {} if recorded is None else {"release_order": recorded}
     assert _order_of(args, extras).value == expected
+
+
+def test_simulated_draws_are_the_given_number():
+    assert {p.draws for _, p in _planned(_args(None, draws=3))} == {3}
