@@ -100,9 +100,10 @@ def register(sub: Any) -> None:
     parser.add_argument(
         "--candidate-heads",
         type=Path,
-        help="private selection picks only among these heads: a select-heads file computed on "
-        "PUBLIC data, e.g. with --k twice --heads (no privacy cost; fewer candidates, better "
-        "picks on models with many heads)",
+        help="private selection picks only among these heads, and every chunk votes among "
+        "them; in release-first order the noise covers them only: a select-heads file computed "
+        "on PUBLIC data, e.g. with --k twice --heads (no privacy cost; fewer candidates, better "
+        "picks and less noise on models with many heads)",
     )
     parser.add_argument(
         "--centre",
