@@ -559,45 +559,10 @@ def test_the_server_app_releases_with_the_secure_noise_source_only(
     assert states(paths.consortium_ledger) == {"production": ReleaseState.COMMITTED}
 
 
-def test_release_first_broadcasts_the_noisy_vector_never_the_clean_mean(
-    world: World, paths: Paths, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Arrange: record the sites' clean extract sums and the vector they are sent to score.
-    from client.release.site import Site
-
-    clean: list[np.ndarray] = []
-    sent: list[np.ndarray] = []
-    real_compute, real_store = Site._compute, Site.store_reference
-
-    def compute(self: Site, record: Any, request: Any, seed: int) -> list[np.ndarray]:
-        arrays = real_compute(self, record, request, seed)
-        if request.stage == "extract":
-            clean.append(np.array(arrays[0]))
-        return arrays
-
-    def store(self: Site, release_id: str, heads: Any, values: Any, *, run_id: int) -> None:
-        sent.append(np.array(values))
-        real_store(self, release_id, heads, values, run_id=run_id)
-
-    monkeypatch.setattr(Site, "_compute", compute)
-    monkeypatch.setattr(Site, "store_reference", store)
-    config = run_config(world, "noisy-reference", 3, selection="private", order="release-first")
-    # Act
-    report = release(world, paths, config)
-    # Assert: what each site was sent is the clean mean plus noise of the stated σ/m: over
-    # L*H*D = 128 coordinates the std of the standardised residual lies in [0.7, 1.3] with
-    # probability > 1 - 1e-6 (its sd is ~0.063); a clean broadcast gives 0.
-    mean = np.sum(clean, axis=0) / report.outcome.num_chunks
-    for values in sent:
-        residual = (values.ravel() - mean) / (report.outcome.noise_std / report.outcome.num_chunks)
-        assert 0.7 < float(np.std(residual)) < 1.3
-
-
-def test_release_first_among_candidates_noises_and_sends_only_the_candidates(
-    world: World, paths: Paths, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Arrange: a private release-first plan among four public candidates in both layers of
-    # the tiny model (2 x 4 heads); record the sites' clean sums and the vector they are sent
+def spy_on_sites(
+    monkeypatch: pytest.MonkeyPatch,
+) -> tuple[list[np.ndarray], list[tuple[Any, np.ndarray]]]:
+    """The sites' clean extract sums, and each (heads, noisy vector) a site is sent."""
     from client.release.site import Site
 
     clean: list[np.ndarray] = []
@@ -616,6 +581,32 @@ def test_release_first_among_candidates_noises_and_sends_only_the_candidates(
 
     monkeypatch.setattr(Site, "_compute", compute)
     monkeypatch.setattr(Site, "store_reference", store)
+    return clean, sent
+
+
+def test_release_first_broadcasts_the_noisy_vector_never_the_clean_mean(
+    world: World, paths: Paths, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Arrange: record the sites' clean extract sums and the vector they are sent to score.
+    clean, sent = spy_on_sites(monkeypatch)
+    config = run_config(world, "noisy-reference", 3, selection="private", order="release-first")
+    # Act
+    report = release(world, paths, config)
+    # Assert: what each site was sent is the clean mean plus noise of the stated σ/m: over
+    # L*H*D = 128 coordinates the std of the standardised residual lies in [0.7, 1.3] with
+    # probability > 1 - 1e-6 (its sd is ~0.063); a clean broadcast gives 0.
+    mean = np.sum(clean, axis=0) / report.outcome.num_chunks
+    for _, values in sent:
+        residual = (values.ravel() - mean) / (report.outcome.noise_std / report.outcome.num_chunks)
+        assert 0.7 < float(np.std(residual)) < 1.3
+
+
+def test_release_first_among_candidates_noises_and_sends_only_the_candidates(
+    world: World, paths: Paths, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Arrange: a private release-first plan among four public candidates in both layers of
+    # the tiny model (2 x 4 heads); record the sites' clean sums and the vector they are sent
+    clean, sent = spy_on_sites(monkeypatch)
     candidates = HeadSet.of([(0, 1), (0, 3), (1, 0), (1, 2)])
     config = run_config(world, "among-candidates", 3, selection="private",
                         order="release-first", candidate_heads="0:1,0:3,1:0,1:2")  # fmt: skip

@@ -27,7 +27,10 @@ from protocol import (
 )
 
 
-def _record(candidates: tuple[tuple[int, int], ...] | None) -> ReleaseRecord:
+def _record(
+    candidates: tuple[tuple[int, int], ...] | None,
+    order: ReleaseOrder = ReleaseOrder.RELEASE_FIRST,
+) -> ReleaseRecord:
     plan = ReleasePlan(
         protocol_version=PROTOCOL_VERSION,
         release_id="r1",
@@ -38,7 +41,7 @@ def _record(candidates: tuple[tuple[int, int], ...] | None) -> ReleaseRecord:
         shots=2,
         clip_norm=1.0,
         selection=SelectionMode.PRIVATE,
-        order=ReleaseOrder.RELEASE_FIRST,
+        order=order,
         num_selected_heads=2,
         public_heads=None,
         candidate_heads=candidates,
@@ -99,3 +102,11 @@ def test_released_picks_need_not_be_the_summed_candidates():
     # against the candidates, not against the extract sum's heads.
     record = _record(CANDIDATES).changed(extract_heads=CANDIDATES)
     _check_released_heads(record, HeadSet.of([(0, 0), (2, 2)]))
+
+
+def test_select_first_picks_must_be_the_heads_the_site_summed():
+    # Select-first sums the picks themselves: an artifact naming other candidates is refused.
+    record = _record(CANDIDATES, ReleaseOrder.SELECT_FIRST).changed(extract_heads=((0, 0), (2, 2)))
+    _check_released_heads(record, HeadSet.of([(0, 0), (2, 2)]))
+    with pytest.raises(PlanMismatchError, match="artifact heads must be"):
+        _check_released_heads(record, HeadSet.of([(0, 0), (1, 1)]))
