@@ -123,20 +123,27 @@ OPTIONS = (
     ("public", "select-first", "public heads"),
     ("private", "select-first", "private selection, select-first"),
     ("private", "release-first", "private selection, release-first"),
+    ("private", "release-first among every head", "private selection, release-first, every head"),
 )
 
 
 def option_of(row: dict) -> tuple[str, str]:
-    """(selection, order) of a row; older JSON, without ``order``, is read from its label."""
+    """(selection, order) of a row; older JSON, without ``order``, is read from its label.
+
+    Private picks released first among every carried head (no candidates) are an order of
+    their own: "release-first among every head".
+    """
     order = row.get("order") or ("release-first" if "release-first" in row["label"] else
                                  "select-first")  # fmt: skip
-    return str(row["selection"]), str(order)
+    among = " among every head" if row.get("among_every_head") else ""
+    return str(row["selection"]), f"{order}{among}"
 
 
 def option_tag(row: dict) -> str:
-    """A chosen row's option, short: public / private s-f / private r-f."""
+    """A chosen row's option, short: public / private s-f / private r-f (/ r-f all heads)."""
     selection, order = option_of(row)
-    return "public" if selection == "public" else f"private {order[0]}-f"
+    every = " all heads" if order.endswith("among every head") else ""
+    return "public" if selection == "public" else f"private {order[0]}-f{every}"
 
 
 def side_table(headlines: dict[str, dict[str, Any]]) -> list[str]:

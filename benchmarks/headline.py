@@ -243,19 +243,21 @@ def planned_options(
     """The releases the choice compares at ``sites`` (z and β from the plan, m = n x chunks).
 
     ``every_head`` None: ``select-heads``' default, public heads select-first and private
-    selection in both orders; True / False: both heads modes in that order only.
+    selection select-first and release-first (among the candidates, and among every head);
+    True / False: the options of that order only (``compared_options``).
     """
     k = MODELS[args.model][2]
 
-    def planned(mode: HeadsMode, release_first: bool) -> PlannedRelease:
+    def planned(mode: HeadsMode, release_first: bool, among_every_head: bool) -> PlannedRelease:
         heads = HeadSet.of([(0, 0)]) if mode is HeadsMode.PUBLIC else None
         plan = make_plan(loaded, sites=sites, chunks=chunks, clip=1.0, heads=heads, k=k)
         return PlannedRelease(
             plan_noise_multiplier(plan), sites * chunks, draws=args.choice_draws,
             every_head=release_first, gumbel_scale=plan_gumbel_scale(plan),
+            among_every_head=among_every_head,
         )  # fmt: skip
 
-    return [(mode, planned(mode, first)) for mode, first in compared_options(every_head)]
+    return [(option.mode, planned(*option)) for option in compared_options(every_head)]
 
 
 def choose_all(
@@ -330,14 +332,16 @@ def dp_row(
         "selection": plan.selection.value, "centred": centre is not None,
         "k": plan.num_selected_heads, "C": plan.clip_norm, "factor": choice.factor,
         "accuracy": statistics.mean(scores), "sd": statistics.pstdev(scores),
-        "draws": scores, "order": choice.order, "held_out": choice.held_out,
+        "draws": scores, "order": choice.order, "among_every_head": choice.among_every_head,
+        "held_out": choice.held_out,
         "options_held_out": dict(choice.options_tried),
     }  # fmt: skip
 
 
 def _option_label(choice: ScopeChoice) -> str:
     order = ", release-first" if choice.every_head else ""
-    return f"{choice.mode.value} heads{order}"
+    among = " among every head" if choice.among_every_head else ""
+    return f"{choice.mode.value} heads{order}{among}"
 
 
 def size_rows(

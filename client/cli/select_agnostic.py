@@ -3,10 +3,10 @@
 Each ``--public-task`` is a labelled PUBLIC dataset of another task of the private task's
 domain (same kind of images and question, other answers). From them alone
 (``client.public.tasks``, ``client.public.scope``): the centre, the heads mode (public heads,
-or private selection among public candidates), k and C', by leave-one-public-task-out under
-the planned release's noise; then what that choice gives on held-out public tasks at the
-planned m and at 3 and 10 times as many chunks. Writes the heads file and the centre file,
-and prints the ``release`` options that use them.
+or private selection among public candidates or every carried head), k and C', by
+leave-one-public-task-out under the planned release's noise; then what that choice gives on
+held-out public tasks at the planned m and at 3 and 10 times as many chunks. Writes the heads
+file and the centre file, and prints the ``release`` options that use them.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ from dpmtv_common.errors import ConfigError
 
 if TYPE_CHECKING:
     from client.models import LoadedModel
-    from client.public.scope import HeadsMode, PlannedRelease, ScopeChoice
+    from client.public.scope import ComparedOption, HeadsMode, PlannedRelease, ScopeChoice
     from client.public.tasks import PublicTask
 
 __all__ = ["public_task_folders", "run_task_agnostic"]
@@ -56,16 +56,17 @@ def _planned(args: argparse.Namespace) -> list[tuple[HeadsMode, PlannedRelease]]
     """The planned central releases to compare (public heads spend no ε on picks).
 
     Without ``--for-order``: public heads select-first (release-first only adds noise to the
-    same heads), and private selection in both orders, each simulated as it would run
-    (``client.public.scope``); the best on held-out public tasks is suggested. With it: each
-    heads mode in that order. In release-first order the Gaussian covers the candidates
-    (private selection) or every carried head (public heads), and C' and the noise scale to
-    those heads' layers.
+    same heads), and private selection select-first and release-first (among the candidates,
+    and among every carried head), each simulated as it would run (``client.public.scope``);
+    the best on held-out public tasks is suggested. With it: each heads mode in that order
+    (private release-first both ways). In release-first order the Gaussian covers the
+    candidates, or every carried head (public heads, or private picks without candidates),
+    and C' and the noise scale to those heads' layers.
     """
     from client.public.scope import HeadsMode, PlannedRelease, compared_options
     from dpmtv_common.privacy import ReleaseCalibration
 
-    def planned(mode: HeadsMode, every_head: bool) -> PlannedRelease:
+    def planned(mode: HeadsMode, every_head: bool, among_every_head: bool) -> PlannedRelease:
         picks = args.k if mode is HeadsMode.PRIVATE else 0
         calibration = ReleaseCalibration.for_budget(
             epsilon=args.for_epsilon, delta=args.for_delta, private_picks=picks,
@@ -75,11 +76,32 @@ def _planned(args: argparse.Namespace) -> list[tuple[HeadsMode, PlannedRelease]]
         draws = {} if args.simulated_draws is None else {"draws": args.simulated_draws}
         return PlannedRelease(
             calibration.noise_multiplier, args.for_chunks, every_head=every_head,
-            gumbel_scale=scale, **draws,
+            gumbel_scale=scale, among_every_head=among_every_head, **draws,
         )  # fmt: skip
 
     release_first = None if args.for_order is None else args.for_order == "release-first"
-    return [(mode, planned(mode, first)) for mode, first in compared_options(release_first)]
+    options = [option for option in compared_options(release_first) if _kept(option, args)]
+    if not options:
+        raise ConfigError(
+            f"--heads-mode {args.heads_mode} --for-order {args.for_order} --picks-among "
+            f"{args.picks_among} leave no option to compare: private picks among every head "
+            "are released first (--for-order release-first)."
+        )
+    return [(option.mode, planned(*option)) for option in options]
+
+
+def _kept(option: ComparedOption, args: argparse.Namespace) -> bool:
+    """Whether ``--heads-mode`` and ``--picks-among`` keep this option.
+
+    ``--picks-among`` binds private picks only: public heads pick nothing.
+    """
+    from client.public.scope import HeadsMode
+
+    if args.heads_mode is not None and option.mode is not HeadsMode(args.heads_mode):
+        return False
+    if args.picks_among is None or option.mode is HeadsMode.PUBLIC:
+        return True
+    return option.among_every_head is (args.picks_among == "every-head")
 
 
 def _model_gains(loaded: LoadedModel, tasks: list[PublicTask], k: int) -> dict[str, float]:
@@ -129,7 +151,7 @@ def _say_choice(choice: ScopeChoice, expected: dict[int, float]) -> None:
         + ", ".join(f"{name} {acc:.2f}" for name, acc in choice.options_tried)
     )
     print(
-        f"chosen: {choice.mode.value} heads, {choice.order} (transfer across public tasks "
+        f"chosen: {choice.option} (transfer across public tasks "
         f"{choice.transfer:.2f}); k = {choice.k}; C' = {choice.factor:g} x {choice.scale:.4g} = "
         f"{choice.clip_norm:.4g}"
     )
@@ -141,13 +163,18 @@ def _say_choice(choice: ScopeChoice, expected: dict[int, float]) -> None:
 
 
 def _release_options(args: argparse.Namespace, choice: ScopeChoice, centre_file: Path) -> str:
-    """The ``release`` options of this choice: its order, heads, C' and centre."""
+    """The ``release`` options of this choice: its order, heads, C' and centre.
+
+    Private picks among every carried head name no candidates: C' is given as a number (the
+    heads file, not passed, keeps the evidence).
+    """
     from client.public.scope import HeadsMode
 
-    order = "release-first" if choice.every_head else "select-first"
-    common = f"--order {order} --centre {centre_file}"
+    common = f"--order {choice.order} --centre {centre_file}"
     if choice.mode is HeadsMode.PUBLIC:
         return f"--selection public --public-heads {args.out} {common}"
+    if choice.among_every_head:
+        return f"--selection private --heads {choice.k} --clip-norm {choice.clip_norm:.6g} {common}"
     return f"--selection private --heads {choice.k} --candidate-heads {args.out} {common}"
 
 
@@ -183,7 +210,7 @@ def run_task_agnostic(args: argparse.Namespace) -> int:
     choice = choose_scope(loaded, tasks, planned=planned, ks=ks, keep=args.clip_keep, mode=mode,
                           progress=lambda line: print(line, flush=True))  # fmt: skip
     counts = [args.for_chunks * f for f in (1, 3, 10)]
-    chosen = next(p for m, p in planned if m is choice.mode and p.order == choice.order)
+    chosen = next(p for m, p in planned if p.option(m) == choice.option)
     expected = held_out_accuracy_by_chunks(
         loaded, tasks, choice, planned=chosen, chunk_counts=counts
     )

@@ -105,8 +105,17 @@ def register(sub: Any) -> None:
         "--order). Default with --public-task: public heads select-first and private selection "
         "in both orders, each simulated on held-out public tasks as it would run, the best "
         "suggested; with --data (a public head list): select-first. A release-first Gaussian "
-        "covers every head for public heads (C bounds whole layers), the candidates for "
-        "private selection",
+        "covers every head for public heads (C bounds whole layers), the candidates (or every "
+        "carried head, see --picks-among) for private selection",
+    )
+    parser.add_argument(
+        "--picks-among",
+        choices=("candidates", "every-head"),
+        help="with --public-task: where private picks released first may fall. candidates: "
+        "the 2k heads the public tasks rank first (less noise: fewer layers); every-head: "
+        "every carried head (the Gaussian covers every layer; picks can reach heads the public "
+        "tasks do not rank). Default: both simulated, the better on held-out public tasks "
+        "suggested; every-head keeps no private select-first option",
     )
     parser.add_argument(
         "--heads-mode",
@@ -144,10 +153,12 @@ def run(args: argparse.Namespace) -> int:
         from client.cli.select_agnostic import run_task_agnostic
 
         return run_task_agnostic(args)
-    if args.heads_mode is not None:
+    if args.heads_mode is not None or args.picks_among is not None:
+        given = "--heads-mode" if args.heads_mode is not None else "--picks-among"
+        value = args.heads_mode if args.heads_mode is not None else args.picks_among
         raise ConfigError(
-            f"--heads-mode needs --public-task (task-agnostic public data), got --heads-mode "
-            f"{args.heads_mode} without it: a --data heads file is a public head list."
+            f"{given} needs --public-task (task-agnostic public data), got {given} {value} "
+            "without it: a --data heads file is a public head list."
         )
     if args.data is None:
         raise ConfigError(

@@ -10,7 +10,8 @@ best on the held-out tasks are suggested for the real, private task.
    chunks' votes under the planned Gumbel noise (:mod:`client.public.picks`): select-first,
    by shift votes among the 2k heads the others rank first (the ``candidate_heads`` the
    release is given); release-first, by attribution votes against each simulated noisy
-   vector of those candidates, among them. The option whose chosen (k, C') does best on the
+   vector of those candidates, among them, or (a plan without candidates) against a noisy
+   vector of every carried head, among them all. The option whose chosen (k, C') does best on the
    held-out tasks is suggested (public heads on a tie). The *transfer* — the share of each
    held-out task's own-heads gain, its unclipped mean patched, that the others' top k keep
    — is reported beside it; it no longer decides (in the headline benchmarks it pointed to
@@ -53,6 +54,7 @@ import statistics
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 import torch
 
@@ -75,6 +77,7 @@ from dpmtv_common.privacy.noise import NoiseSource, secure_noise
 __all__ = [
     "CENTRED_CLIP_FACTORS",
     "COMPARED_OPTIONS",
+    "ComparedOption",
     "HeadsMode",
     "PlannedRelease",
     "ScopeCandidate",
@@ -100,29 +103,50 @@ class HeadsMode(StrEnum):
     PRIVATE = "private"
 
 
+class ComparedOption(NamedTuple):
+    """One release option a choice simulates.
+
+    ``among_every_head``: private selection in release-first order among every carried head
+    (a plan without candidate heads: the Gaussian covers them all, each chunk votes among
+    them all) instead of among the 2k public candidates.
+    """
+
+    mode: HeadsMode
+    release_first: bool
+    among_every_head: bool = False
+
+
 COMPARED_OPTIONS = (
-    (HeadsMode.PUBLIC, False),
-    (HeadsMode.PRIVATE, False),
-    (HeadsMode.PRIVATE, True),
+    ComparedOption(HeadsMode.PUBLIC, False),
+    ComparedOption(HeadsMode.PRIVATE, False),
+    ComparedOption(HeadsMode.PRIVATE, True),
+    ComparedOption(HeadsMode.PRIVATE, True, among_every_head=True),
 )
-"""(mode, release-first) options compared by default: public heads select-first (release-first
-only spreads their noise over every layer), private selection in both orders."""
+"""Options compared by default: public heads select-first (release-first only spreads their
+noise over every layer), private selection select-first, and release-first among the public
+candidates or among every carried head. The candidates carry less noise (fewer layers); every
+head lets the picks reach heads the public tasks do not rank (a task unlike them, such as one
+whose sites each hold few of its answers, may need those)."""
 
 
-def compared_options(release_first: bool | None) -> tuple[tuple[HeadsMode, bool], ...]:
-    """The (mode, release-first) options to compare: the default, or both modes in one order."""
+def compared_options(release_first: bool | None) -> tuple[ComparedOption, ...]:
+    """The options to compare: the default, or those of one release order."""
     if release_first is None:
         return COMPARED_OPTIONS
-    return tuple((mode, release_first) for mode in HeadsMode)
+    both = tuple(ComparedOption(mode, release_first) for mode in HeadsMode)
+    if not release_first:
+        return both
+    return (*both, ComparedOption(HeadsMode.PRIVATE, True, among_every_head=True))
 
 
 def _order_name(release_first: bool) -> str:
     return "release-first" if release_first else "select-first"
 
 
-def option_name(mode: HeadsMode, release_first: bool) -> str:
-    """How an option is named in records and progress: "MODE heads, ORDER"."""
-    return f"{mode.value} heads, {_order_name(release_first)}"
+def option_name(mode: HeadsMode, release_first: bool, among_every_head: bool = False) -> str:
+    """How an option is named in records and progress: "MODE heads, ORDER[ among every head]"."""
+    among = " among every head" if among_every_head else ""
+    return f"{mode.value} heads, {_order_name(release_first)}{among}"
 
 
 @dataclass(frozen=True)
@@ -140,6 +164,9 @@ class PlannedRelease:
             are kept, and the kept heads are picked after. Its Gaussian covers the
             candidates (private selection) or every carried head (public heads), so C'
             bounds those heads' layers; else (select-first) it covers the released heads.
+        among_every_head: Private selection released first among every carried head (a plan
+            without candidate heads): the Gaussian covers every carried head and each chunk
+            votes among them all. Needs ``every_head``.
         gumbel_scale: β of the planned private selection's Gumbel top-k (its calibration's
             ``gumbel().gumbel_scale``); None for public heads, which pick nothing privately.
         top_r: Heads each chunk votes for (the plan's ``score_top_r``); None: as many as
@@ -152,6 +179,7 @@ class PlannedRelease:
     every_head: bool = False
     gumbel_scale: float | None = None
     top_r: int | None = None
+    among_every_head: bool = False
 
     def __post_init__(self) -> None:
         if not self.noise_multiplier > 0 or self.num_chunks < 1 or self.draws < 1:
@@ -163,11 +191,20 @@ class PlannedRelease:
             raise ConfigError(f"gumbel_scale must be > 0 or None, got {self.gumbel_scale!r}.")
         if self.top_r is not None and self.top_r < 1:
             raise ConfigError(f"top_r must be >= 1 or None, got {self.top_r!r}.")
+        if self.among_every_head and not self.every_head:
+            raise ConfigError(
+                "among_every_head plans picks after a release of every carried head: it needs "
+                "every_head (release-first order), got every_head=False."
+            )
 
     @property
     def order(self) -> str:
         """The release order planned: ``release-first`` or ``select-first``."""
         return _order_name(self.every_head)
+
+    def option(self, mode: HeadsMode) -> str:
+        """The option this release plans for ``mode``, named as ``option_name`` does."""
+        return option_name(mode, self.every_head, self.among_every_head)
 
     def mean_std(self, clip_norm: float, layers_in_scope: int) -> float:
         """Std a coordinate of the released mean carries: 2·z·C'·√L / m."""
@@ -194,7 +231,8 @@ class ScopeChoice:
         heads: Public mode: the k heads all public tasks rank first (released as they are).
             Private mode: the same ranking's top k (what the noisy picks are scored against).
         candidates: Private mode: the 2k heads all public tasks rank first (the picks are
-            among them, in either order); None for public heads.
+            among them, in either order); None for public heads, and for private selection
+            released first among every carried head (``among_every_head``).
         clip_norm: C' = factor x scale.
         factor: The chosen factor.
         scale: The public median centred layer norm over the scope C' bounds (factor 1):
@@ -207,6 +245,8 @@ class ScopeChoice:
         public_only: Held-out accuracy of the centre alone in the others' heads.
         candidates_tried: Every (k, f) tried in the chosen option.
         every_head: Chosen for a release-first plan (``PlannedRelease.every_head``).
+        among_every_head: Chosen for private picks among every carried head, released first
+            (``PlannedRelease.among_every_head``): the plan names no candidates.
         held_out: Mean held-out accuracy of the chosen (k, f).
         options_tried: Each option simulated ("MODE heads, ORDER") and its ``held_out``.
     """
@@ -222,6 +262,7 @@ class ScopeChoice:
     public_only: float
     candidates_tried: tuple[ScopeCandidate, ...]
     every_head: bool = False
+    among_every_head: bool = False
     held_out: float = 0.0
     options_tried: tuple[tuple[str, float], ...] = ()
 
@@ -237,8 +278,13 @@ class ScopeChoice:
 
     @property
     def option(self) -> str:
-        """The option chosen, as ``options_tried`` names it: "MODE heads, ORDER"."""
-        return option_name(self.mode, self.every_head)
+        """The option chosen, as ``options_tried`` names it (``option_name``)."""
+        return option_name(self.mode, self.every_head, self.among_every_head)
+
+    def _picks_among(self) -> str | None:
+        if self.mode is HeadsMode.PUBLIC:
+            return None
+        return "every carried head" if self.among_every_head else "the candidate heads"
 
     def as_record(self) -> dict[str, object]:
         """JSON-ready evidence for a heads file."""
@@ -246,6 +292,7 @@ class ScopeChoice:
             "scope_rule": "leave one public task out under the planned noise",
             "heads_mode": self.mode.value,
             "release_order": self.order,
+            "private_picks_among": self._picks_among(),
             "heads_transfer": self.transfer,
             "centred_clip_factor": self.factor,
             "centred_clip_scale": self.scale,
@@ -412,7 +459,7 @@ def _gumbel_scale(planned: PlannedRelease) -> float:
 
 def _trial(
     loaded: LoadedModel, tasks: Sequence[PublicTask], held: PublicTask, k: int, *,
-    mode: HeadsMode, centred: bool, every_head: bool,
+    mode: HeadsMode, centred: bool, every_head: bool, among_every_head: bool = False,
 ) -> _Trial:  # fmt: skip
     layout = _layout(loaded)
     centre = domain_centre(tasks, exclude=held.name, centred=centred)
@@ -422,8 +469,12 @@ def _trial(
         noised = layout.all_heads() if every_head else heads
         return _Trial(held, heads, noised, k, centre, centred_clip_scale(others, noised, centre),
                       layout)  # fmt: skip
-    # Among the 2k heads the others rank first, the candidate set a release is given.
-    pool = rank_heads(loaded, tasks, k=min(2 * k, len(layout.candidates())), exclude=held.name)
+    # Among the 2k heads the others rank first, the candidate set a release is given; or,
+    # released first without candidates, among every carried head.
+    if among_every_head:
+        pool = layout.all_heads()
+    else:
+        pool = rank_heads(loaded, tasks, k=min(2 * k, len(layout.candidates())), exclude=held.name)
     scale = centred_clip_scale(others, pool, centre)
     slots = tuple(layout.dense_indices(pool))
     # Release-first: the Gaussian covers the candidates, picked among from each noisy vector;
@@ -450,9 +501,7 @@ def _options(
     kept = [(m, p) for m, p in given if mode is None or m is mode]
     if not kept:
         wanted = "a release" if mode is None else f"the {mode.value!r} release"
-        raise ConfigError(
-            f"planned must hold {wanted}, got {[option_name(m, p.every_head) for m, p in given]}."
-        )
+        raise ConfigError(f"planned must hold {wanted}, got {[p.option(m) for m, p in given]}.")
     return kept
 
 
@@ -517,16 +566,21 @@ def choose_each(
     """
     _check(tasks, ks, factors)
     options = _options(planned, mode)
-    for option_mode, option in options:
+    for option_mode, option in options:  # fail before any simulation runs
         if option_mode is HeadsMode.PRIVATE:
-            _gumbel_scale(option)  # fail before any simulation runs
+            _gumbel_scale(option)
+        elif option.among_every_head:
+            raise ConfigError(
+                "among_every_head plans private picks; public heads pick nothing, got it for "
+                f"{option.option(option_mode)!r}."
+            )
     transfer = heads_transfer(loaded, tasks, k=max(ks))
     if progress is not None:
         progress(f"heads transfer across public tasks {transfer:.2f}")
     source = noise if noise is not None else secure_noise()
     choices = []
     for option_mode, option in options:
-        name = option_name(option_mode, option.every_head)
+        name = option.option(option_mode)
         say = None if progress is None else (lambda line, n=name: progress(f"{n}: {line}"))
         choices.append(
             _choose_in(loaded, tasks, option_mode, option, ks=ks, factors=factors, keep=keep,
@@ -545,9 +599,10 @@ def _choose_in(
     tried, floors = [], []
     for k in sorted(ks):
         trials = [
-            _trial(loaded, tasks, h, k, mode=mode, centred=centred, every_head=planned.every_head)
+            _trial(loaded, tasks, h, k, mode=mode, centred=centred, every_head=planned.every_head,
+                   among_every_head=planned.among_every_head)
             for h in tasks
-        ]
+        ]  # fmt: skip
         floors.append(statistics.mean(_centre_alone(loaded, tasks, t) for t in trials))
         for factor in sorted(factors):
             scores = {t.held.name: t.accuracy(loaded, factor, planned, noise) for t in trials}
@@ -556,7 +611,7 @@ def _choose_in(
                 progress(f"k = {k}, C' = {factor:g} x scale: held-out {tried[-1].accuracy:.2f}")
     return _suggest(
         loaded, tasks, tried, min(floors), keep, mode, transfer, centred,
-        every_head=planned.every_head,
+        every_head=planned.every_head, among_every_head=planned.among_every_head,
     )  # fmt: skip
 
 
@@ -571,7 +626,7 @@ def _centre_alone(loaded: LoadedModel, tasks: Sequence[PublicTask], trial: _Tria
 def _suggest(
     loaded: LoadedModel, tasks: Sequence[PublicTask], tried: list[ScopeCandidate],
     floor: float, keep: float, mode: HeadsMode, transfer: float, centred: bool, *,
-    every_head: bool,
+    every_head: bool, among_every_head: bool,
 ) -> ScopeChoice:  # fmt: skip
     """The best k; within it the smallest factor keeping ``keep`` of the best gain."""
     best = max(tried, key=lambda c: c.accuracy)
@@ -582,11 +637,12 @@ def _suggest(
     )
     heads = rank_heads(loaded, tasks, k=chosen.heads)
     candidates = None
-    if mode is HeadsMode.PRIVATE:
+    if mode is HeadsMode.PRIVATE and not among_every_head:
         carried = len(_carried(loaded))
         candidates = rank_heads(loaded, tasks, k=min(2 * chosen.heads, carried))
     centre = domain_centre(tasks, centred=centred)
-    # C' bounds the scope the trials scaled it to: the candidates, every head, or the heads.
+    # C' bounds the scope the trials scaled it to: the candidates, every head (public heads
+    # or private picks released first without candidates), or the heads.
     scope = candidates or (_carried(loaded) if every_head else heads)
     scale = centred_clip_scale(tasks, scope, centre)
     return ScopeChoice(
@@ -601,6 +657,7 @@ def _suggest(
         public_only=floor,
         candidates_tried=tuple(tried),
         every_head=every_head,
+        among_every_head=among_every_head,
         held_out=chosen.accuracy,
     )
 
@@ -623,7 +680,7 @@ def held_out_accuracy_by_chunks(
     source = noise if noise is not None else secure_noise()
     trials = [
         _trial(loaded, tasks, h, choice.k, mode=choice.mode, centred=centred,
-               every_head=planned.every_head)
+               every_head=planned.every_head, among_every_head=planned.among_every_head)
         for h in tasks
     ]  # fmt: skip
     out = {}

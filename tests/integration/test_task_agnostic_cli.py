@@ -21,7 +21,7 @@ from dpmtv_common.artifact import load_artifact
 from dpmtv_common.centre import ActivationCentre
 from dpmtv_common.crypto import TrustedKeys
 from dpmtv_common.fingerprint import fingerprint_model_dir
-from dpmtv_common.heads import HeadSet
+from dpmtv_common.heads import HeadLayout, HeadSet
 from protocol import ReleaseOrder, ReleasePlan, plan_calibration
 
 pytestmark = [pytest.mark.integration, pytest.mark.timeout(600)]
@@ -85,7 +85,7 @@ def test_select_heads_writes_a_centred_choice_that_names_its_setting(selected):
     assert record["heads_mode"] in ("public", "private")
     assert set(record["held_out_by_option"]) == {
         "public heads, select-first", "private heads, select-first",
-        "private heads, release-first",
+        "private heads, release-first", "private heads, release-first among every head",
     }  # fmt: skip
     assert record["held_out_chosen"] == max(record["held_out_by_option"].values())
     assert set(record["held_out_by_chunks"]) == {"60", "180", "600"}
@@ -134,7 +134,8 @@ def test_a_forced_heads_mode_compares_only_its_own_options(world, tmp_path):
     record = json.loads(out.read_text())
     assert record["heads_mode"] == "private"
     assert set(record["held_out_by_option"]) == {
-        "private heads, select-first", "private heads, release-first"
+        "private heads, select-first", "private heads, release-first",
+        "private heads, release-first among every head",
     }  # fmt: skip
 
 
@@ -207,11 +208,12 @@ def test_release_uses_the_centre_its_heads_were_chosen_with_or_refuses(
 def test_a_private_release_first_choice_releases_among_its_candidates_as_printed(
     world, tmp_path, capsys
 ):
-    # Arrange: private selection in release-first order only; the release options printed
+    # Arrange: private selection in release-first order among the candidates only; the
+    # release options printed
     out = tmp_path / "private-rf.json"
     argv = [*_select(world, *_public(world, "shape", "count"), "--for-epsilon", "1",
                      "--for-chunks", "60", "--heads-mode", "private", "--for-order",
-                     "release-first")]  # fmt: skip
+                     "release-first", "--picks-among", "candidates")]  # fmt: skip
     argv[argv.index("--out") + 1] = str(out)
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("HF_HUB_OFFLINE", "1")
@@ -248,3 +250,51 @@ def test_a_private_release_first_choice_releases_among_its_candidates_as_printed
     scope = HeadSet(tuple(candidates))
     sigma = plan_calibration(plan).gaussian(clip_norm=plan.clip_norm, heads=scope).noise_std
     assert artifact.manifest.noise_std == pytest.approx(sigma)
+
+
+def test_private_picks_among_every_head_release_first_as_printed(world, tmp_path, capsys):
+    # Arrange: private picks among every carried head; the release options printed
+    out = tmp_path / "private-every.json"
+    argv = [*_select(world, *_public(world, "shape", "count"), "--for-epsilon", "1",
+                     "--for-chunks", "60", "--heads-mode", "private", "--picks-among",
+                     "every-head")]  # fmt: skip
+    argv[argv.index("--out") + 1] = str(out)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("HF_HUB_OFFLINE", "1")
+        assert main(argv) == 0
+    record = json.loads(out.read_text())
+    printed = capsys.readouterr().out
+    assert record["held_out_by_option"].keys() == {"private heads, release-first among every head"}
+    assert record["private_picks_among"] == "every carried head"
+    assert "--candidate-heads" not in printed
+    options = next(line for line in printed.splitlines() if "--selection private" in line)
+
+    # Act: the release exactly as printed
+    release = [
+        "release", *_model(world), "--data", str(world / "private" / "site-0"), "--out",
+        str(tmp_path / "artifact"), *options.split(), "--shots", "2",
+        "--signing-key", str(world / "keys" / "site.key"), "--ledger",
+        str(tmp_path / "ledger.sqlite"), "--quiet",
+    ]  # fmt: skip
+    assert main(release) == 0
+
+    # Assert: release-first without candidates, C' as suggested, σ over every carried layer
+    artifact = load_artifact(
+        tmp_path / "artifact",
+        trusted_keys=TrustedKeys.from_files([world / "keys" / "site.pub"]),
+        expected_model_fingerprint=fingerprint_model_dir(world / "model"),
+    )
+    plan = ReleasePlan.model_validate_json(json.dumps(artifact.manifest.plan))
+    assert plan.order is ReleaseOrder.RELEASE_FIRST
+    assert plan.candidate_heads is None
+    assert plan.clip_norm == pytest.approx(record["clip_norm_suggestion"], rel=1e-5)
+    assert artifact.manifest.plan["centre_sha256"] == record["centre_sha256"]
+    every = HeadLayout(num_layers=2, num_heads=4).all_heads()  # the tiny LLaVA's text model
+    sigma = plan_calibration(plan).gaussian(clip_norm=plan.clip_norm, heads=every).noise_std
+    assert artifact.manifest.noise_std == pytest.approx(sigma)
+
+
+def test_picks_among_needs_public_tasks(world, capsys):
+    argv = _select(world, "--data", str(world / "shape" / "public"), "--picks-among", "every-head")
+    assert main(argv) == 2
+    assert "--picks-among needs --public-task" in capsys.readouterr().err

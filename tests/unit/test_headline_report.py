@@ -42,6 +42,9 @@ def test_a_row_s_variant(report: Any, row: dict[str, str], expected: str) -> Non
          "public"),
         ({"label": "x", "selection": "private", "order": "release-first"},
          ("private", "release-first"), "private r-f"),
+        ({"label": "x", "selection": "private", "order": "release-first",
+          "among_every_head": True}, ("private", "release-first among every head"),
+         "private r-f all heads"),
         # older runs: no order field, read from the label
         ({"label": "30 sites, central, private heads, release-first (attribution votes)",
           "selection": "private"}, ("private", "release-first"), "private r-f"),
@@ -73,6 +76,7 @@ def test_the_side_table_puts_each_option_in_its_column_and_marks_the_chosen_one(
             _row("private", "select-first", "chosen", 0.5),
             _row("public", "select-first", "another option", 0.25),
             _row("private", "release-first", "another option", 0.75),
+            _row("private", "release-first", "another option", 0.375) | {"among_every_head": True},
             _row("private", "select-first", "no centre", 0.125),
         ],
     }  # fmt: skip
@@ -87,4 +91,5 @@ def test_the_side_table_puts_each_option_in_its_column_and_marks_the_chosen_one(
     assert "(0.50" in cells[4]
     assert cells[4].endswith("(chosen)")
     assert "(0.75" in cells[5]
-    assert "(0.12" in cells[6]
+    assert "(0.38" in cells[6]  # release-first among every head: a column of its own
+    assert "(0.12" in cells[7]

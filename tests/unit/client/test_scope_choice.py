@@ -201,6 +201,14 @@ def test_a_private_option_without_its_gumbel_scale_is_refused_before_any_simulat
 
 
 @ONE_ARCH
+def test_public_heads_planned_among_every_head_are_refused_before_any_simulation(loaded):
+    tasks = [_task(n, seed=i, gains=_gains(i)) for i, n in enumerate("abc")]
+    planned = [(HeadsMode.PUBLIC, PlannedRelease(1.0, 100, every_head=True, among_every_head=True))]
+    with pytest.raises(ConfigError, match="public heads pick nothing"):
+        choose_scope(loaded, tasks, planned=planned, ks=[2], noise=SeededNoise(0))
+
+
+@ONE_ARCH
 def test_task_agnostic_choices_need_two_distinct_public_tasks(loaded):
     one = [_task("a", seed=1, gains=_gains(0))]
     twins = [_task("a", seed=1, gains=_gains(0)), _task("a", seed=2, gains=_gains(1))]
@@ -220,6 +228,8 @@ def test_a_planned_release_refuses_impossible_numbers():
         PlannedRelease(1.0, 10, gumbel_scale=0.0)
     with pytest.raises(ConfigError, match="top_r must be >= 1"):
         PlannedRelease(1.0, 10, top_r=0)
+    with pytest.raises(ConfigError, match="needs every_head"):
+        PlannedRelease(1.0, 10, among_every_head=True)
     assert PlannedRelease(2.0, 100).mean_std(3.0, 4) == pytest.approx(2 * 2.0 * 3.0 * 2 / 100)
 
 

@@ -139,6 +139,75 @@ def test_release_first_never_picks_outside_the_candidates(loaded):
     assert choice.mode is HeadsMode.PUBLIC  # a tie: nothing is spent on picks
 
 
+def _every_head(
+    m: int = 100_000, scale: float = 1.0, draws: int = 2
+) -> tuple[HeadsMode, PlannedRelease]:
+    planned = PlannedRelease(1.0, m, draws=draws, gumbel_scale=scale, every_head=True,
+                             among_every_head=True)  # fmt: skip
+    return HeadsMode.PRIVATE, planned
+
+
+@ONE_ARCH
+def test_release_first_among_every_head_reaches_heads_no_public_task_ranks(loaded):
+    # Arrange: as above, the tasks' own heads (6 and 7) are no task's candidates; the option
+    # that picks among every carried head is compared too
+    tasks = [
+        _task(n, i, ranked=(0, 1, 2, 3), attributed=(6, 7), favourites=(6, 7))
+        for i, n in enumerate("abc")
+    ]
+
+    # Act
+    choice = choose_scope(
+        loaded, tasks, planned=[*_options(), _every_head()], ks=[2], noise=SeededNoise(0)
+    )
+
+    # Assert: only it reaches them; it is chosen, names no candidates, and C' bounds every
+    # carried head's layers (its Gaussian's scope)
+    held_out = _held_out(choice)
+    assert held_out == {
+        "public heads, select-first": 0.0,
+        "private heads, select-first": 0.0,
+        "private heads, release-first": 0.0,
+        "private heads, release-first among every head": 1.0,
+    }
+    assert choice.option == "private heads, release-first among every head"
+    assert (choice.mode, choice.order, choice.among_every_head) == (
+        HeadsMode.PRIVATE, "release-first", True,
+    )  # fmt: skip
+    assert choice.candidates is None
+    assert choice.as_record()["private_picks_among"] == "every carried head"
+    everything = LAYOUT.all_heads()
+    assert choice.scale == pytest.approx(centred_clip_scale(tasks, everything, choice.centre))
+
+
+@ONE_ARCH
+def test_release_first_among_the_candidates_wins_where_they_hold_the_task_s_heads(loaded):
+    # Arrange: the held-out tasks' heads are candidates; among every head the release
+    # carries every layer's noise and the picks' Gumbel noise over 8 heads, not 4
+    tasks = [
+        _task("a", 1, ranked=(0, 1), shifted=(2, 3), attributed=(0, 1), favourites=(0, 1)),
+        _task("b", 2, ranked=(2, 3, 0, 1), shifted=(0, 1), attributed=(2, 3), favourites=(2, 3)),
+        _task("c", 3, ranked=(2, 3, 1, 0), shifted=(0, 1), attributed=(2, 3), favourites=(2, 3)),
+    ]
+
+    # Act: Gumbel noise near the vote margin, so that picking among more heads tells
+    among = PlannedRelease(1.0, 4, draws=32, gumbel_scale=2.0, every_head=True)
+    choice = choose_scope(
+        loaded, tasks, planned=[(HeadsMode.PRIVATE, among), _every_head(4, 2.0, 32)], ks=[2],
+        noise=SeededNoise(0),
+    )  # fmt: skip
+
+    # Assert
+    held_out = _held_out(choice)
+    assert choice.option == "private heads, release-first"
+    assert (
+        held_out["private heads, release-first"]
+        > (held_out["private heads, release-first among every head"])
+    )
+    assert choice.candidates is not None
+    assert choice.as_record()["private_picks_among"] == "the candidate heads"
+
+
 @ONE_ARCH
 def test_public_heads_win_a_tie(loaded):
     tasks = [
