@@ -278,6 +278,28 @@ def check_artifact(path: Path, keys: TrustedKeys) -> None:
     load_artifact(path, trusted_keys=keys, expected_model_fingerprint=None)
 
 
+CLIP_SCOPE_LISTED = "listed heads"
+"""A heads file's C' was chosen for the layers of the heads it lists (released, or picked among)."""
+CLIP_SCOPE_EVERY_HEAD = "every carried head"
+"""A heads file's C' was chosen for every carried head's layers (a Gaussian over them all)."""
+
+
+def heads_file_clip_scope(extras: dict[str, Any]) -> str:
+    """The scope a heads file's C' was chosen for: recorded, or read from an older file.
+
+    Older files recorded no ``clip_scope``: a public head list (``select-heads --data``, or
+    public heads chosen task-agnostically) for a release-first plan had C' chosen for every
+    carried head; every other file for the heads it lists.
+    """
+    recorded = extras.get("clip_scope")
+    if recorded in (CLIP_SCOPE_LISTED, CLIP_SCOPE_EVERY_HEAD):
+        return str(recorded)
+    public = extras.get("heads_mode") in (None, "public")
+    if public and extras.get("release_order") == "release-first":
+        return CLIP_SCOPE_EVERY_HEAD
+    return CLIP_SCOPE_LISTED
+
+
 def write_heads_file(path: Path, heads: HeadSet, **extra: Any) -> None:
     """A head list a plan can name: JSON with ``heads`` and descriptive extras."""
     path.write_text(json.dumps({"heads": [list(h) for h in heads.heads], **extra}, indent=2))

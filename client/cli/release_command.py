@@ -24,9 +24,11 @@ from client.cli._choices import (
     SELECTION_MODES,
 )
 from client.cli._common import (
+    CLIP_SCOPE_LISTED,
     add_image_crops_option,
     add_model_options,
     check_site_model,
+    heads_file_clip_scope,
     load_heads_file,
     load_site_model,
     settings_from,
@@ -203,6 +205,7 @@ def _plan(
         candidates, candidate_extras = load_heads_file(args.candidate_heads)
         candidate_heads = candidates.heads
         _check_heads_file_crops(candidate_extras, args.max_image_crops)
+        _check_candidates_clip_scope(candidate_extras, clip_given=args.clip_norm is not None)
         extras = extras or candidate_extras
     _check_heads_file_centre(extras, centre)
     order = _order_of(args, extras)
@@ -303,6 +306,26 @@ def _check_heads_file_order(extras: dict[str, Any], order: str, *, clip_given: b
             f"--order must be {recorded!r}, the order the heads file's C' was chosen for, got "
             f"{order!r}: pass --order {recorded}, rerun select-heads with --for-order {order}, "
             "or choose --clip-norm for this order yourself (from public data)."
+        )
+
+
+def _check_candidates_clip_scope(extras: dict[str, Any], *, clip_given: bool) -> None:
+    """A candidate file's C' is taken only if it was chosen for the candidates' layers.
+
+    With candidates, a private release's Gaussian covers them (release-first) or the heads
+    picked among them (select-first), and its C' must bound their layers. A file whose C'
+    was chosen for every carried head's layers (a public head list for a release-first
+    plan) would clip the candidates at a norm chosen for other layers: the mismatch is
+    refused before anything is spent. A release that names its own ``--clip-norm`` takes
+    only the heads from the file.
+    """
+    scope = heads_file_clip_scope(extras)
+    if scope != CLIP_SCOPE_LISTED and not clip_given:
+        raise ConfigError(
+            f"--clip-norm must be given: the --candidate-heads file's C' was chosen for "
+            f"{scope}'s layers, and this release's Gaussian covers the candidates (or the heads "
+            "picked among them); rerun select-heads --public-task ... --heads-mode private, "
+            "or choose --clip-norm for the candidates yourself (from public data)."
         )
 
 

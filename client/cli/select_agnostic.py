@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING
 
 from client.cli._choices import DEFAULT_SELECTION_SHARE, MIN_MODEL_GAIN
 from client.cli._common import (
+    CLIP_SCOPE_EVERY_HEAD,
+    CLIP_SCOPE_LISTED,
     check_site_model,
     load_site_model,
     public_data_folder,
@@ -217,8 +219,10 @@ def run_task_agnostic(args: argparse.Namespace) -> int:
     gains = _model_gains(loaded, tasks, args.k)
     choice.centre.save(centre_file)
     released = choice.heads if choice.candidates is None else choice.candidates
+    every_head = choice.every_head and choice.candidates is None  # C' for every head's layers
     write_heads_file(
         args.out, released, clip_norm_suggestion=choice.clip_norm, **choice.as_record(),
+        clip_scope=CLIP_SCOPE_EVERY_HEAD if every_head else CLIP_SCOPE_LISTED,
         setting=setting, public_tasks=[t.name for t in tasks], heads_k=choice.k,
         centre_sha256=choice.centre.digest(), centre_file=str(centre_file),
         held_out_by_chunks={str(m): acc for m, acc in expected.items()},

@@ -13,6 +13,8 @@ from client.cli._choices import (
     SELECTION_METHODS,
 )
 from client.cli._common import (
+    CLIP_SCOPE_EVERY_HEAD,
+    CLIP_SCOPE_LISTED,
     add_image_crops_option,
     add_model_options,
     check_site_model,
@@ -244,6 +246,7 @@ def run(args: argparse.Namespace) -> int:
         clip_norm_suggestion=choice.clip_norm,
         **choice.as_record(),
         release_order=order,
+        clip_scope=CLIP_SCOPE_EVERY_HEAD if order == "release-first" else CLIP_SCOPE_LISTED,
         method=args.method,
         model_fingerprint=loaded.fingerprint,
         public_chunks=len(chunks.chunks),

@@ -658,3 +658,35 @@ def test_a_private_release_picks_only_among_public_candidate_heads(workspace, ca
     )  # fmt: skip
     assert refused == 2
     assert "--candidate-heads needs --selection private" in capsys.readouterr().err
+
+
+def test_a_candidate_file_whose_c_was_chosen_for_every_head_lends_no_c(workspace, capsys, tmp_path):
+    # Arrange: a public head list chosen for a release-first plan: its C' bounds every
+    # carried head's layers, not the listed heads'
+    ws, listed = workspace, tmp_path / "every-head.json"
+    select = ["select-heads", *ws.model_args(), "--data", str(ws.public), "--out", str(listed),
+              "--k", "4", "--shots", "2", "--queries", "2",
+              "--for-order", "release-first"]  # fmt: skip
+    assert main(select) == 0
+    assert json.loads(listed.read_text())["clip_scope"] == "every carried head"
+    capsys.readouterr()
+    release = [
+        "release", *ws.model_args(), "--data", str(ws.private), "--shots", "2", "--quiet",
+        "--selection", "private", "--heads", "2", "--candidate-heads", str(listed),
+        "--order", "release-first", "--out", str(tmp_path / "artifact"),
+        "--ledger", str(tmp_path / "ledger.sqlite"), "--signing-key", str(ws.signing_key),
+    ]  # fmt: skip
+
+    # Act: as candidates, taking C' from the file
+    code = main(release)
+
+    # Assert: refused before anything is reserved, saying what to do
+    err = capsys.readouterr().err
+    assert code == 2
+    assert "--clip-norm must be given" in err
+    assert "every carried head's layers" in err
+    assert not (tmp_path / "ledger.sqlite").exists()
+    assert not (tmp_path / "artifact").exists()
+
+    # Act / Assert: with a C' of its own, the file's heads are candidates as any list
+    assert main([*release, "--clip-norm", "1"]) == 0
