@@ -15,7 +15,8 @@ suppressed, so every path does the same work). The paths alternate within each r
 - **http**: the whole endpoint (:class:`client.service.http_server.HttpEndpoint`) on
   127.0.0.1, every request patched, its clients in a process of their own
   (``benchmarks/_serving_clients.py``, keep-alive ``http.client`` connections, images as
-  data URIs). ``http`` against ``batcher`` is the HTTP layer's own cost.
+  data URIs); its front process (HTTP, JSON, images) runs beside the service's (the model).
+  ``http`` against ``batcher`` is the HTTP layer's own cost.
 - **http-floor**: the same endpoint with the model taken out (:class:`AnsweringAtOnce`):
   every request parsed, checked, prepared and started as in ``http``, then answered at once
   without a forward pass. Its throughput is the most the endpoint's own work allows.
@@ -28,7 +29,7 @@ and count the rows of each decoding step, in every path; the worker's own time (
 loop's Python; the rest of the wall time the model had nothing to do. Forward passes alone
 are timed by batch size too. Ratios are medians over ``--repeats`` of each repeat's
 side-by-side ratio. One torch thread in every path: the cores are shared with the clients, the
-endpoint's threads and other work, and a pool of one thread a core then waits on its slowest
+endpoint's front process and other work, and a pool of one thread a core then waits on its slowest
 thread at every operation. Writes docs/benchmarks/serving.md::
 
     .venv/bin/python benchmarks/serving.py --model tiny pretrained [--repeats 3]
@@ -39,6 +40,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -364,10 +366,12 @@ def _http(
         stats = endpoint.batcher.stats
         before, worked = clock.snapshot(), stats.worker_seconds
         prep = (stats.prepare_seconds, stats.prepared, stats.prepare_calls)
+        front = _process_cpu(endpoint.front)
         done = subprocess.run(  # noqa: S603 (our own script, no input of anyone's)
             [sys.executable, str(REPO / "benchmarks" / "_serving_clients.py")],
             input=json.dumps(job), capture_output=True, text=True, check=True,
         )  # fmt: skip
+        front = _process_cpu(endpoint.front) - front
     finally:
         endpoint.stop()
     result = json.loads(done.stdout)
@@ -379,7 +383,19 @@ def _http(
         stats.prepare_seconds - prep[0], stats.prepared - prep[1], stats.prepare_calls - prep[2]
     )
     cell = _timed(result["latencies"], elapsed) | profile | prepared
-    return cell | {"client_cpu": result["cpu"] / answered}
+    service = cell["cpu"]  # this process: the model, the batcher, the link's reader
+    return cell | {
+        "client_cpu": result["cpu"] / answered, "front_cpu": front / answered,
+        "service_cpu": service, "cpu": service + front / answered,
+    }  # fmt: skip
+
+
+def _process_cpu(process: subprocess.Popen[bytes] | None) -> float:
+    """CPU seconds (user and system) ``process`` has used so far (Linux /proc)."""
+    if process is None:
+        raise RuntimeError("the endpoint's front process must be running.")
+    fields = Path(f"/proc/{process.pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 # --- forward passes alone ---------------------------------------------------------------------
@@ -556,32 +572,29 @@ def _slashed(values: dict[int, float], spec: str) -> str:
 
 
 def _floor_line(results: dict[tuple[str, int], list[Cell]]) -> str:
-    """The endpoint without its model, and what its work leaves of plain's throughput in series."""
+    """The endpoint without its model: what each process spends a request, beside the model."""
     floor = {c: _med(results[("http-floor", c)], "throughput") for c in CLIENTS}
     plain = {c: _med(results[("plain", c)], "throughput") for c in CLIENTS}
-    http = {c: _median_ratio(results[("http", c)], results[("plain", c)], "throughput")
-            for c in CLIENTS}  # fmt: skip
-    # Plain's request already holds a preparation; the endpoint's work beyond it (HTTP, JSON,
-    # images, answers) adds to it where the two cannot overlap.
-    beyond = {c: 1 / floor[c] - _med(results[("http-floor", c)], "prepare") for c in CLIENTS}
-    serial = {c: (1 / plain[c]) / (1 / plain[c] + beyond[c]) for c in CLIENTS}
+    front = {c: 1000 * _med(results[("http-floor", c)], "front_cpu") for c in CLIENTS}
+    # The service process's part, beyond preparing the request (which plain's request holds).
+    service = {
+        c: 1000 * (_med(results[("http-floor", c)], "service_cpu")
+                   - _med(results[("http-floor", c)], "prepare"))
+        for c in CLIENTS
+    }  # fmt: skip
     return (
         "- The endpoint's own work, measured without the model (`http-floor`: the same "
         "endpoint, requests prepared and started as the batcher does, each answered at once "
         "with no forward pass): "
         + _slashed(floor, ".0f")
-        + " requests/s at 1 / 8 / 32 clients, i.e. "
-        + _slashed({c: 1000 / floor[c] for c in CLIENTS}, ".1f")
-        + " ms a request, of which "
-        + _slashed({c: 1000 * beyond[c] for c in CLIENTS}, ".1f")
-        + " ms beyond preparing it, beside plain's whole request (preparation included) of "
+        + " requests/s at 1 / 8 / 32 clients; CPU a request, the front's process "
+        + _slashed(front, ".1f")
+        + " ms, the service process beyond preparing the request "
+        + _slashed(service, ".1f")
+        + " ms, beside plain's whole request (preparation included) of "
         + _slashed({c: 1000 / plain[c] for c in CLIENTS}, ".1f")
-        + " ms. Run in series with the model's work (one interpreter lock; a closed loop in "
-        "step leaves the model waiting while the endpoint parses), that work leaves "
-        + _slashed(serial, ".2f")
-        + " of plain's throughput; `http` measured "
-        + _slashed(http, ".2f")
-        + "."
+        + " ms. Only the service process's part runs in turn with the model's work (one "
+        "interpreter lock); the front's runs on the other core."
     )
 
 
@@ -595,7 +608,7 @@ def _causes(measured: dict[str, Any]) -> list[str]:
     http = {c: _median_ratio(results[("http", c)], results[("batcher", c)], "throughput")
             for c in CLIENTS}  # fmt: skip
     added = 1000 * (_med(results[("http", 1)], "p50") - _med(results[("batcher", 1)], "p50"))
-    extra = {c: _med(results[("http", c)], "cpu") - _med(results[("batcher", c)], "cpu")
+    extra = {c: _med(results[("http", c)], "service_cpu") - _med(results[("batcher", c)], "cpu")
              for c in CLIENTS}  # fmt: skip
     invariant = {c: _median_ratio(results[("invariant", c)], results[("plain", c)], "throughput")
                  for c in INVARIANT_CLIENTS}  # fmt: skip
@@ -610,8 +623,8 @@ def _causes(measured: dict[str, Any]) -> list[str]:
         + "; ".join(f"{path} {ms}" for path, ms in model_ms.items())
         + ". With as many passes a request and rows a step as plain's (table), a served "
         "request costs the model more only where its passes ran slower: beside the work of "
-        "the clients' threads (in-process) or the endpoint's (parsing, decoding images), which "
-        "share the worker's interpreter lock and the cores.",
+        "the clients' threads (in-process, under the worker's interpreter lock) or of the "
+        "endpoint's front process and the clients' process (http), which share the cores.",
         "- Preparing a request (render and tokenise its prompt, process its image), ms a "
         "request and in brackets requests prepared in one round, at 1 / 8 / 32 clients: "
         + "; ".join(
@@ -626,19 +639,22 @@ def _causes(measured: dict[str, Any]) -> list[str]:
         + ". Each path prepares in its worker, between passes: plain a batch in one processor "
         "call, the batcher every request waiting when it looks (in one call for those that "
         "tokenise alike).",
-        "- The HTTP layer's own cost (HTTP parsing, JSON, base64 images, the event loop and "
-        "its worker threads, all sharing one interpreter lock with the batcher; the clients in "
-        "a process of their own on the same cores): http against the in-process batcher "
+        "- The HTTP layer's own cost (HTTP parsing, JSON, base64 and image decoding in the "
+        "endpoint's front process, beside the model's process; in the service process, the "
+        "link's frames and naming the release; the clients in a process of their own on the "
+        "same cores): http against the in-process batcher "
         + ", ".join(f"{r:.2f} at {c}" for c, r in http.items())
         + f" clients; at one client it adds {added:.0f} ms to a request's p50. CPU a request "
-        "at 1 / 8 / 32 clients (ms): the endpoint's process over the in-process batcher's "
+        "at 1 / 8 / 32 clients (ms): the front's process "
+        + _slashed({c: 1000 * _med(results[("http", c)], "front_cpu") for c in CLIENTS}, ".1f")
+        + ", the service process over the in-process batcher's "
         + _slashed({c: 1000 * extra[c] for c in CLIENTS}, "+.1f")
         + ", the HTTP clients' own process "
         + _slashed({c: 1000 * _med(results[("http", c)], "client_cpu") for c in CLIENTS}, ".1f")
         + ", beside the model's forward time a request of "
         + _slashed({c: _model_ms(results[("batcher", c)]) for c in CLIENTS}, ".0f")
-        + ": where the HTTP work nears the model's, it shares the cores and the interpreter "
-        "lock with it.",
+        + ": the front's work runs on the other core, beside the model's, not in turn with "
+        "it.",
         _floor_line(results),
         "- Batch-invariant answers (each row alone): "
         + ", ".join(f"{r:.2f}x plain's throughput at {c}" for c, r in invariant.items())
@@ -666,13 +682,15 @@ def _report(measured: dict[str, dict[str, Any]], args: Any) -> str:
         "request's latency includes its wait for the batches before it. `batcher`: the "
         f"endpoint's continuous batcher in-process (at most {args.rows} rows at once), every "
         "row patched with a release (all heads). `http`: the whole endpoint on 127.0.0.1 "
-        "(keep-alive clients in another process, bodies encoded before the clock starts, data "
+        "(its front process parsing HTTP and decoding images beside the model's process; "
+        "keep-alive clients in another process, bodies encoded before the clock starts, data "
         "URIs), patched. `invariant`: the batcher's batch-invariant mode, patched. "
         "`http-floor`: the same endpoint without the model (each request prepared as in "
         "`http`, then answered at once, no forward pass). `CPU ms a request`: this "
         "process's CPU time (the "
-        "model, the batcher, the endpoint's threads, the in-process clients; not the HTTP "
-        "clients' process) over requests answered, which other jobs on the machine inflate far "
+        "model, the batcher, the link's reader, the in-process clients), and for `http` and "
+        "`http-floor` the endpoint's front process's too (HTTP, JSON, images; not the HTTP "
+        "clients' process), over requests answered, which other jobs on the machine inflate far "
         "less than wall time; its `vs plain` is plain's over the path's (above 1: the path "
         "costs less). `rows a step`: mean rows of a decoding step; `passes "
         "a request`: forward passes (prefills and steps) over requests answered. Of the "

@@ -18,22 +18,29 @@ from __future__ import annotations
 import base64
 import binascii
 import re
-from typing import Annotated, Literal
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from client.data.images import rgb_from_bytes
-from client.models import Example, Prompt
-from client.service.inference import InferRequest, check_request
+from client.service.request_limits import InferRequest, check_request
 from dpmtv_common.errors import ConfigError, DataError
+
+if TYPE_CHECKING:
+    from PIL import Image
+
+    from client.models import Prompt
 
 __all__ = [
     "MAX_COMPLETION_TOKENS",
     "ChatRequest",
     "ParsedChat",
     "chat_request_from_json",
+    "decode_images",
     "parse_chat",
     "prompt_from_chat",
+    "prompt_of",
 ]
 
 MAX_COMPLETION_TOKENS = 512
@@ -192,13 +199,38 @@ def prompt_from_chat(parsed: ParsedChat) -> Prompt:
     Raises:
         DataError: An image cannot be decoded.
     """
-    examples = [
-        Example(rgb_from_bytes(data, index), question)
-        for index, (data, question) in enumerate(zip(parsed.images, parsed.questions, strict=True))
-    ]
+    return prompt_of(decode_images(parsed), parsed.questions, parsed.answers)
+
+
+def decode_images(parsed: ParsedChat) -> list[Image.Image]:
+    """Every image of the request, decoded to RGB as a site's files are.
+
+    Raises:
+        DataError: An image cannot be decoded (the message names its index).
+    """
+    return [rgb_from_bytes(data, index) for index, data in enumerate(parsed.images)]
+
+
+def prompt_of(
+    images: Sequence[Image.Image], questions: Sequence[str], answers: Sequence[str]
+) -> Prompt:
+    """The prompt of decoded images and their questions: answered turns, then the query.
+
+    Raises:
+        ConfigError: The images, questions and answers do not pair up (one answer a
+            demonstration: one fewer than the questions).
+    """
+    from client.models import Example, Prompt  # the model's side only: it imports torch
+
+    if len(images) != len(questions) or len(answers) != len(questions) - 1 or not questions:
+        raise ConfigError(
+            f"a prompt must pair each image with a question and answer all but the last, got "
+            f"{len(images)} images, {len(questions)} questions and {len(answers)} answers."
+        )
+    examples = [Example(image, question) for image, question in zip(images, questions, strict=True)]
     demonstrations = [
         Example(example.image, example.question, answer)
-        for example, answer in zip(examples[:-1], parsed.answers, strict=True)
+        for example, answer in zip(examples[:-1], answers, strict=True)
     ]
     return Prompt.of(demonstrations, examples[-1])
 

@@ -1,11 +1,12 @@
 """The OpenAI-compatible routes of the site service: answers only, behind a token.
 
-How this connects: :mod:`client.service.http_server` serves :func:`build_app` beside the
-relay's Unix socket, in the same process (the model is loaded once). Starlette routes the
-requests (no HTTP parsing of ours); :mod:`client.service.chat_format` maps a chat request
-onto a prompt under the bounds of ``dpmtv-site ask``; :mod:`client.service.releases` names
-the releases a request may use; :mod:`client.service.batching` runs the rows of concurrent
-requests together.
+How this connects: the HTTP front process (:mod:`client.service.http_front`) serves
+:func:`build_app`; Starlette routes the requests (no HTTP parsing of ours);
+:mod:`client.service.chat_format` maps a chat request onto a prompt under the bounds of
+``dpmtv-site ask`` and decodes its images here, in the front; the request then goes over the
+link (:class:`FrontLink`, :mod:`client.service.front_link`) to the site service, which names
+the release it may use and runs its row with the batcher
+(:mod:`client.service.http_backend`), and its answer comes back the same way.
 
 Routes: ``POST /v1/chat/completions`` (``stream`` as server-sent events), ``GET /v1/models``
 (and ``/v1/models/{id}``), ``GET /metrics`` (Prometheus text format) and ``GET /health``.
@@ -14,10 +15,12 @@ Every route but ``/health`` (which says ``ok`` and nothing else) needs
 compared in constant time.
 
 Trust: whoever holds the token can query the model with inputs of its own; it reaches no
-data, ledger, key or path of the site. Answers, release ids and counters are all a reply
-ever carries: a failure whose text might name a path is logged and answered with its type.
+data, ledger, key or path of the site (nor does this process: it holds no model, artifact or
+path, only the token and what the link answers). Answers, release ids and counters are all a
+reply ever carries: a failure whose text might name a path is logged by the site service and
+answered with its type.
 
-Bounds: a body is read up to :data:`~client.service.inference.MAX_REQUEST_BYTES` (413
+Bounds: a body is read up to :data:`~client.service.request_limits.MAX_REQUEST_BYTES` (413
 beyond) within 120 s (408); every image is checked from its header before it is decoded
 (400); at most ``max_queue`` requests are admitted (prepared, queued or running): one more
 gets 503 with ``Retry-After``.
@@ -26,18 +29,14 @@ gets 503 with ``Retry-After``.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import hmac
 import json
 import logging
-import secrets
-import threading
 import time
 import uuid
 from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
-from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.applications import Starlette
@@ -46,29 +45,23 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from client.activations.hooks import PatchPolicy
-from client.models import LoadedModel
-from client.release.site import Site
-from client.service.answer_ends import AnswerEnds
-from client.service.batching import Batcher, OverloadedError
 from client.service.chat_format import (
     ChatRequest,
-    ParsedChat,
     chat_request_from_json,
+    decode_images,
     parse_chat,
-    prompt_from_chat,
 )
-from client.service.inference import MAX_REQUEST_BYTES
-from client.service.preparation import RowRequest
-from client.service.releases import ReleaseCatalogue, UnknownModelError
-from client.service.rows import Row
+from client.service.front_link import Frame, FrameReader, LinkError, encode_frame
+from client.service.request_limits import MAX_REQUEST_BYTES
 from dpmtv_common.errors import ConfigError, DataError
 
-__all__ = ["ChatApi", "build_app"]
+__all__ = ["FrontApi", "FrontLink", "build_app"]
 
 _log = logging.getLogger(__name__)
 _BODY_TIMEOUT_S = 120.0  # and its body within this (the relay socket's frame limit)
 _Handler = Callable[[Request], Awaitable[Response]]
+_LINK_GONE = {"kind": "fail", "status": 503, "type": "overloaded_error", "code": "unavailable",
+              "message": "the site service is stopping; retry later."}  # fmt: skip
 
 
 class _HttpError(Exception):
@@ -76,45 +69,128 @@ class _HttpError(Exception):
         super().__init__(message)
         self.status, self.message, self.kind, self.code = status, message, kind, code
 
+    @classmethod
+    def of(cls, fields: dict[str, Any]) -> _HttpError:
+        """The error the site service answered (``http_backend.error_fields``)."""
+        return cls(int(fields["status"]), str(fields["message"]), str(fields["type"]),
+                   fields.get("code"))  # fmt: skip
 
-class _Sink:
-    """One row's tokens, from the worker thread to the request's event loop."""
 
-    def __init__(
-        self, loop: asyncio.AbstractEventLoop, done: Callable[[], None], *, streaming: bool
-    ) -> None:
-        self._loop = loop
-        self._done = done
-        self._streaming = streaming
-        self.tokens: list[int] = []  # appended by the worker thread only
-        self.events: asyncio.Queue[tuple[str, Any]] = asyncio.Queue()
+class FrontLink(asyncio.Protocol):
+    """The front's end of the link, on its event loop: frames out, answers to their requests.
 
-    def _put(self, kind: str, value: Any) -> None:
-        with contextlib.suppress(RuntimeError):  # the loop is closed: nobody is listening
-            self._loop.call_soon_threadsafe(self.events.put_nowait, (kind, value))
+    ``on_lost`` runs once the site service's end closes (it is stopping, or gone): every
+    request still waiting is answered 503 and the front stops.
+    """
 
-    def token(self, token_id: int) -> None:
-        self.tokens.append(token_id)
-        if self._streaming:  # a whole answer wakes its request once, at the end
-            self._put("token", token_id)
+    def __init__(self, on_stop: Callable[[], None]) -> None:
+        self._on_stop = on_stop
+        self._reader = FrameReader()
+        self._transport: asyncio.Transport | None = None
+        self._waiting: dict[int, asyncio.Queue[dict[str, Any]]] = {}
+        self._next_id = 0
+        self.lost = False
 
-    def finish(self, reason: str) -> None:
-        self._done()
-        self._put("finish", reason)
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        """Keep the link's transport to write frames on."""
+        self._transport = transport  # type: ignore[assignment]
 
-    def fail(self, error: Exception) -> None:
-        self._done()
-        self._put("fail", error)
+    def data_received(self, data: bytes) -> None:
+        """Route each whole frame to its request's queue (or stop, when told)."""
+        try:
+            frames = self._reader.feed(data)
+        except LinkError as exc:
+            _log.error("the site service's link failed: %s", exc)
+            if self._transport is not None:
+                self._transport.close()
+            return
+        for frame in frames:
+            self._deliver(frame)
+
+    def _deliver(self, frame: Frame) -> None:
+        message, _ = frame
+        if message.get("kind") == "stop":
+            self._on_stop()
+            return
+        queue = self._waiting.get(int(message.get("id", -1)))
+        if queue is not None:  # else: its request is gone (its client left)
+            queue.put_nowait(message)
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        """The site service's end closed: answer every waiting request 503, and stop."""
+        self.lost = True
+        for queue in self._waiting.values():
+            queue.put_nowait(dict(_LINK_GONE))
+        self._on_stop()
+
+    def send(self, message: dict[str, Any], blobs: tuple[bytes, ...] = ()) -> None:
+        """One frame to the site service (from the event loop's thread)."""
+        if self.lost or self._transport is None:
+            raise _HttpError.of(_LINK_GONE)
+        self._transport.write(encode_frame(message, blobs))
+
+    def open(self) -> tuple[int, asyncio.Queue[dict[str, Any]]]:
+        """A new request id and the queue its answers arrive in (until :meth:`close`)."""
+        self._next_id += 1
+        queue: asyncio.Queue[dict[str, Any]] = asyncio.Queue()
+        self._waiting[self._next_id] = queue
+        return self._next_id, queue
+
+    def close(self, request_id: int) -> None:
+        """Stop routing answers to ``request_id`` (answered, or its client left)."""
+        self._waiting.pop(request_id, None)
+
+    async def ask(self, kind: str) -> dict[str, Any]:
+        """One question to the site service (``models``, ``stats``) and its reply."""
+        request_id, queue = self.open()
+        try:
+            self.send({"kind": kind, "id": request_id})
+            reply = await queue.get()
+        finally:
+            self.close(request_id)
+        if reply["kind"] != "reply":
+            raise _HttpError.of(reply)
+        return reply
 
 
 @dataclass
-class _Metrics:
-    requests: Counter[tuple[str, int]]
+class FrontApi:
+    """The routes' shared state: the token, the admission count, the counters, the link."""
+
+    token: bytes
+    max_queue: int
+    owner: str
+    link: FrontLink
+    admitted: int = 0
+    requests: Counter[tuple[str, int]] = field(default_factory=Counter)
     request_seconds: float = 0.0
     completions: int = 0
 
-    def text(self, batcher: Batcher) -> str:
-        stats = batcher.stats
+    def authorised(self, request: Request) -> bool:
+        """Whether ``request`` carries the site's token (compared in constant time)."""
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        return hmac.compare_digest(given.strip().encode(), self.token)
+
+    def admit(self) -> None:
+        """Count a request in (one event loop: no lock), or refuse it with 503."""
+        if self.admitted >= self.max_queue:
+            raise _HttpError(503, f"requests in progress must stay below {self.max_queue}, got "
+                             "a full service; retry later.", "overloaded_error",
+                             "overloaded")  # fmt: skip
+        self.admitted += 1
+
+    def done(self, started: float | None) -> None:
+        """Count a request out; with ``started``, it was answered whole."""
+        self.admitted -= 1
+        if started is not None:
+            self.completions += 1
+            self.request_seconds += time.monotonic() - started
+
+    async def metrics_text(self) -> str:
+        """The counters, the site service's batcher's included (Prometheus text format)."""
+        stats = await self.link.ask("stats")
         lines = [
             "# TYPE dpmtv_http_requests_total counter",
             *(
@@ -125,134 +201,39 @@ class _Metrics:
             f"dpmtv_completion_seconds_sum {self.request_seconds:.6f}",
             f"dpmtv_completion_seconds_count {self.completions}",
             "# TYPE dpmtv_queue_rows gauge",
-            f"dpmtv_queue_rows {batcher.depth}",
+            f"dpmtv_queue_rows {stats['depth']}",
             "# TYPE dpmtv_batch_mode gauge",
-            f'dpmtv_batch_mode{{mode="{batcher.mode}"}} 1',
-            "# TYPE dpmtv_batch_passes_total counter",
-            f"dpmtv_batch_passes_total {stats.passes}",
-            "# TYPE dpmtv_batch_prefills_total counter",
-            f"dpmtv_batch_prefills_total {stats.prefills}",
-            "# TYPE dpmtv_batch_steps_total counter",
-            f"dpmtv_batch_steps_total {stats.steps}",
-            "# TYPE dpmtv_batch_step_rows_total counter",
-            f"dpmtv_batch_step_rows_total {stats.step_rows}",
-            "# TYPE dpmtv_batch_rows_total counter",
-            f"dpmtv_batch_rows_total {stats.rows_served}",
-            "# TYPE dpmtv_batch_running_rows gauge",
-            f"dpmtv_batch_running_rows {stats.running}",
-            "# TYPE dpmtv_generated_tokens_total counter",
-            f"dpmtv_generated_tokens_total {stats.tokens_generated}",
-            "# TYPE dpmtv_generation_seconds_total counter",
-            f"dpmtv_generation_seconds_total {stats.busy_seconds:.6f}",
-            "# TYPE dpmtv_batch_failures_total counter",
-            f"dpmtv_batch_failures_total {stats.failures}",
+            f'dpmtv_batch_mode{{mode="{stats["mode"]}"}} 1',
         ]
+        for name, key, kind in _BATCH_METRICS:
+            value = stats[key]
+            shown = f"{value:.6f}" if isinstance(value, float) else str(value)
+            lines += [f"# TYPE {name} {kind}", f"{name} {shown}"]
         return "\n".join(lines) + "\n"
 
 
-class ChatApi:
-    """The routes' shared state: the model, the releases, the batcher, the token."""
-
-    def __init__(
-        self,
-        site: Site,
-        batcher: Batcher,
-        token: bytes,
-        *,
-        max_queue: int,
-        plain_name: str,
-        model_lock: threading.Lock,
-    ) -> None:
-        self.site = site
-        self.batcher = batcher
-        self.token = token
-        self.admitted = threading.BoundedSemaphore(max_queue)
-        self.metrics = _Metrics(Counter())
-        self.owner = plain_name
-        self._capped_lock = threading.Lock()
-        self._capped_models: dict[int | None, LoadedModel] = {}
-        self.catalogue = ReleaseCatalogue(
-            site,
-            model_lock=model_lock,
-            answer_ends=AnswerEnds(site.settings),  # refuses private data as public
-            capped=self._capped,
-        )
-
-    def authorised(self, request: Request) -> bool:
-        """Whether ``request`` carries the site's token (compared in constant time)."""
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        return hmac.compare_digest(given.strip().encode(), self.token)
-
-    def admit(
-        self, body: bytes, loop: asyncio.AbstractEventLoop
-    ) -> tuple[ChatRequest, Future[Row], _Sink]:
-        """Parse and check a request and queue it for the batcher to prepare (in a worker thread).
-
-        Returns:
-            The request, its row once prepared (raising what refused it, if anything did:
-            then its sink is never called), and its sink.
-
-        Raises:
-            ConfigError, DataError: The request is malformed or out of bounds.
-            UnknownModelError: It names no servable model.
-            OverloadedError: The batcher's queue is full.
-        """
-        try:
-            chat = chat_request_from_json(body)
-            request = self.row_request(chat, parse_chat(chat))
-        except BaseException:
-            self.batcher.cancel_expected()
-            raise
-        sink = _Sink(loop, self.admitted.release, streaming=chat.stream)
-        prepared = self.batcher.submit(request, sink, expected=True)
-        prepared.add_done_callback(self._release_if_refused)
-        return chat, prepared, sink
-
-    def _release_if_refused(self, prepared: Future[Row]) -> None:
-        """Give back the request's place if the batcher refused it: its sink is never called."""
-        if prepared.exception() is not None:
-            self.admitted.release()
-
-    def row_request(self, chat: ChatRequest, parsed: ParsedChat) -> RowRequest:
-        """Verify the release and decode the images (in a worker thread); the batcher tokenises."""
-        patch, crops = self.catalogue.patch(
-            chat.model, PatchPolicy(chat.policy), instruction=parsed.instruction
-        )
-        temperature = chat.temperature or 0.0
-        return RowRequest(
-            self._capped(crops),
-            prompt_from_chat(parsed),
-            instruction=parsed.instruction,
-            patch=patch,
-            max_new_tokens=chat.answer_tokens,
-            temperature=temperature,
-            seed=chat.seed if chat.seed is not None else secrets.randbits(63),
-        )
-
-    def _capped(self, crops: int | None) -> LoadedModel:
-        """The model with its processor capped at ``crops`` (a copy, kept per cap)."""
-        with self._capped_lock:
-            if crops not in self._capped_models:
-                self._capped_models[crops] = self.site.model().with_image_crops(crops)
-            return self._capped_models[crops]
-
-    def decode(self, token_ids: list[int]) -> str:
-        """The text of generated tokens (special tokens dropped)."""
-        tokenizer = self.site.model().processor.tokenizer
-        return str(tokenizer.decode(token_ids, skip_special_tokens=True))
+_BATCH_METRICS = (
+    ("dpmtv_batch_passes_total", "passes", "counter"),
+    ("dpmtv_batch_prefills_total", "prefills", "counter"),
+    ("dpmtv_batch_steps_total", "steps", "counter"),
+    ("dpmtv_batch_step_rows_total", "step_rows", "counter"),
+    ("dpmtv_batch_rows_total", "rows_served", "counter"),
+    ("dpmtv_batch_running_rows", "running", "gauge"),
+    ("dpmtv_generated_tokens_total", "tokens_generated", "counter"),
+    ("dpmtv_generation_seconds_total", "busy_seconds", "counter"),
+    ("dpmtv_batch_failures_total", "failures", "counter"),
+)
 
 
 def _error_response(error: _HttpError) -> JSONResponse:
     body = {"error": {"message": error.message, "type": error.kind, "code": error.code}}
-    headers = {"Retry-After": "1"} if error.status == 503 else None
+    headers = {"Retry-After": "1"} if error.status == 503 else {}
     if error.status == 401:
         headers = {"WWW-Authenticate": "Bearer"}
     return JSONResponse(body, status_code=error.status, headers=headers)
 
 
-def _route(api: ChatApi, name: str, handler: _Handler, *, auth: bool = True) -> _Handler:
+def _route(api: FrontApi, name: str, handler: _Handler, *, auth: bool = True) -> _Handler:
     """Authorise, turn typed errors into HTTP errors, count the answer."""
 
     async def wrapped(request: Request) -> Response:
@@ -265,18 +246,13 @@ def _route(api: ChatApi, name: str, handler: _Handler, *, auth: bool = True) -> 
             response = await handler(request)
         except _HttpError as exc:
             response = _error_response(exc)
-        except UnknownModelError as exc:
-            response = _error_response(_HttpError(404, str(exc), "invalid_request_error",
-                                                  "model_not_found"))  # fmt: skip
-        except OverloadedError as exc:
-            response = _error_response(_HttpError(503, str(exc), "overloaded_error", "overloaded"))
         except (ConfigError, DataError) as exc:  # the request's own checks: no path of the site
             response = _error_response(_HttpError(400, str(exc), "invalid_request_error"))
         except Exception as exc:  # the text may name a path: logged, answered with its type
             _log.warning("%s failed: %s", name, exc)
             message = f"{type(exc).__name__} (see the site service's log)"
             response = _error_response(_HttpError(500, message, "server_error"))
-        api.metrics.requests[(name, response.status_code)] += 1
+        api.requests[(name, response.status_code)] += 1
         return response
 
     return wrapped
@@ -303,47 +279,57 @@ async def _read_body(request: Request) -> bytes:
     return b"".join(chunks)
 
 
-def build_app(api: ChatApi) -> Starlette:
+def _chat_frame(body: bytes) -> tuple[ChatRequest, dict[str, Any], tuple[bytes, ...]]:
+    """Parse, check and decode a request (in a worker thread): the frame the service gets.
+
+    Raises:
+        ConfigError, DataError: The request is malformed, out of bounds, or an image does not
+            decode.
+    """
+    chat = chat_request_from_json(body)
+    parsed = parse_chat(chat)
+    images = decode_images(parsed)
+    message = {
+        "kind": "chat", "model": chat.model, "policy": chat.policy,
+        "instruction": parsed.instruction, "questions": list(parsed.questions),
+        "answers": list(parsed.answers), "sizes": [list(image.size) for image in images],
+        "max_new_tokens": chat.answer_tokens, "temperature": chat.temperature or 0.0,
+        "seed": chat.seed, "stream": chat.stream,
+    }  # fmt: skip
+    return chat, message, tuple(image.tobytes() for image in images)
+
+
+def build_app(api: FrontApi) -> Starlette:
     """The routes, each authorised and counted."""
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
 
     async def metrics(request: Request) -> Response:
-        return PlainTextResponse(api.metrics.text(api.batcher), media_type="text/plain")
+        return PlainTextResponse(await api.metrics_text(), media_type="text/plain")
 
     async def models(request: Request) -> Response:
-        ids = await run_in_threadpool(api.catalogue.model_ids)
+        ids = (await api.link.ask("models"))["models"]
         data = [{"id": i, "object": "model", "created": 0, "owned_by": api.owner} for i in ids]
         return JSONResponse({"object": "list", "data": data})
 
     async def model(request: Request) -> Response:
         name = str(request.path_params["name"])
-        ids = await run_in_threadpool(api.catalogue.model_ids)
-        if name not in ids:
-            raise UnknownModelError(f"model must be one GET /v1/models lists, got {name[:80]!r}.")
+        if name not in (await api.link.ask("models"))["models"]:
+            raise _HttpError(404, f"model must be one GET /v1/models lists, got {name[:80]!r}.",
+                             "invalid_request_error", "model_not_found")  # fmt: skip
         return JSONResponse({"id": name, "object": "model", "created": 0, "owned_by": api.owner})
 
     async def chat(request: Request) -> Response:
         started = time.monotonic()
         body = await _read_body(request)
-        if not api.admitted.acquire(blocking=False):
-            raise OverloadedError(
-                f"requests in progress must stay below {api.batcher.max_queue}, got a full "
-                "service; retry later."
-            )
-        loop = asyncio.get_running_loop()
-        api.batcher.expect()  # a pass about to start waits for this row (briefly)
-        try:  # one trip to a worker thread: parse, check, decode, queue
-            chat_request, prepared, sink = await run_in_threadpool(api.admit, body, loop)
+        api.admit()
+        try:
+            completion = await _start(api, body, started)
         except BaseException:
-            api.admitted.release()
+            api.done(None)
             raise
-        # The batcher tokenises it with the requests beside it. One it refuses (too long for
-        # the model) is answered here as a bad request, before any byte of a response.
-        row = await asyncio.wrap_future(prepared)
-        completion = _Completion(api, chat_request, row, sink, started)
-        if chat_request.stream:
+        if completion.request.stream:
             return StreamingResponse(completion.events(), media_type="text/event-stream")
         return JSONResponse(await completion.whole())
 
@@ -357,56 +343,82 @@ def build_app(api: ChatApi) -> Starlette:
     return Starlette(routes=routes)
 
 
+async def _start(api: FrontApi, body: bytes, started: float) -> _Completion:
+    """Send the request to the site service; its completion once its row is accepted.
+
+    A row the service refuses (an unknown model, a prompt too long for the model, a full
+    queue) is answered here, before any byte of a response.
+    """
+    link = api.link
+    link.send({"kind": "expect"})  # a batch about to start waits for this row (briefly)
+    try:  # one trip to a worker thread: parse, check, decode
+        chat_request, message, images = await run_in_threadpool(_chat_frame, body)
+    except BaseException:
+        link.send({"kind": "cancel_expected"})
+        raise
+    request_id, answers = link.open()
+    try:
+        link.send({**message, "id": request_id}, images)
+        first = await answers.get()
+    except BaseException:
+        link.close(request_id)
+        raise
+    if first["kind"] != "accepted":
+        link.close(request_id)
+        raise _HttpError.of(first)
+    return _Completion(api, chat_request, int(first["prompt_tokens"]), request_id, answers,
+                       started)  # fmt: skip
+
+
 class _Completion:
     """One request's answer, as one JSON body or as server-sent events."""
 
     def __init__(
-        self, api: ChatApi, request: ChatRequest, row: Row, sink: _Sink, started: float
-    ) -> None:
-        self.api, self.request, self.row, self.sink = api, request, row, sink
-        self.started = started
+        self, api: FrontApi, request: ChatRequest, prompt_tokens: int, request_id: int,
+        answers: asyncio.Queue[dict[str, Any]], started: float,
+    ) -> None:  # fmt: skip
+        self.api, self.request, self.prompt_tokens = api, request, prompt_tokens
+        self._request_id, self._answers, self.started = request_id, answers, started
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
-        self.tokens: list[int] = []
+        self.made = 0
 
     def _usage(self) -> dict[str, int]:
-        made = len(self.tokens)
-        prompt = self.row.prompt_tokens
-        return {"prompt_tokens": prompt, "completion_tokens": made, "total_tokens": prompt + made}
+        prompt = self.prompt_tokens
+        return {"prompt_tokens": prompt, "completion_tokens": self.made,
+                "total_tokens": prompt + self.made}  # fmt: skip
 
-    def _done(self) -> None:
-        self.api.metrics.completions += 1
-        self.api.metrics.request_seconds += time.monotonic() - self.started
-
-    async def _events(self) -> AsyncIterator[tuple[str, Any]]:
-        while True:
-            kind, value = await self.sink.events.get()
-            if kind == "token":
-                self.tokens.append(value)
-            else:
-                self.tokens = list(self.sink.tokens)  # every token, streamed or not
-            yield kind, value
-            if kind != "token":
-                return
+    async def _events(self) -> AsyncIterator[dict[str, Any]]:
+        """The row's answers until it ends; its place is given back however it ends."""
+        answered = False
+        try:
+            while True:
+                event = await self._answers.get()
+                yield event
+                if event["kind"] != "token":
+                    answered = event["kind"] == "finish"
+                    return
+        finally:
+            self.api.link.close(self._request_id)
+            self.api.done(self.started if answered else None)
 
     async def whole(self) -> dict[str, Any]:
-        reason = "length"
-        async for kind, value in self._events():
-            if kind == "fail":
-                raise value
-            if kind == "finish":
-                reason = value
-        self._done()
-        message = {"role": "assistant", "content": self.api.decode(self.tokens)}
-        return {
-            "id": self.id,
-            "object": "chat.completion",
-            "created": self.created,
-            "model": self.request.model,
-            "choices": [{"index": 0, "message": message, "finish_reason": reason,
-                         "logprobs": None}],
-            "usage": self._usage(),
-        }  # fmt: skip
+        async for event in self._events():
+            if event["kind"] == "finish":
+                self.made = int(event["tokens"])
+                message = {"role": "assistant", "content": event["text"]}
+                return {
+                    "id": self.id,
+                    "object": "chat.completion",
+                    "created": self.created,
+                    "model": self.request.model,
+                    "choices": [{"index": 0, "message": message,
+                                 "finish_reason": event["reason"], "logprobs": None}],
+                    "usage": self._usage(),
+                }  # fmt: skip
+            if event["kind"] != "token":
+                raise _HttpError.of(event)
+        raise _HttpError.of(_LINK_GONE)
 
     def _chunk(self, delta: dict[str, str], reason: str | None = None) -> str:
         choice = {"index": 0, "delta": delta, "finish_reason": reason, "logprobs": None}
@@ -422,22 +434,20 @@ class _Completion:
     async def events(self) -> AsyncIterator[str]:
         yield self._chunk({"role": "assistant", "content": ""})
         sent = ""
-        async for kind, value in self._events():
-            if kind == "fail":
-                _log.warning("streamed completion failed: %s", value)
-                error = {"message": f"{type(value).__name__} (see the site service's log)",
-                         "type": "server_error", "code": None}  # fmt: skip
+        async for event in self._events():
+            if event["kind"] not in ("token", "finish"):
+                error = {"message": event["message"], "type": event["type"], "code": None}
                 yield f"data: {json.dumps({'error': error})}\n\n"
                 return
-            text = self.api.decode(self.tokens)
-            if kind == "token" and text.endswith("\ufffd"):  # a character cut mid-bytes
+            text = str(event["text"])
+            if event["kind"] == "token" and text.endswith("\ufffd"):  # a character cut mid-bytes
                 continue
             if text[len(sent) :]:
                 yield self._chunk({"content": text[len(sent) :]})
                 sent = text
-            if kind == "finish":
-                yield self._chunk({}, value)
-        self._done()
+            if event["kind"] == "finish":
+                self.made = int(event["tokens"])
+                yield self._chunk({}, event["reason"])
         options = self.request.stream_options
         if options is not None and options.include_usage:
             body = {"id": self.id, "object": "chat.completion.chunk", "created": self.created,

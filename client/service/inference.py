@@ -18,19 +18,26 @@ from __future__ import annotations
 
 import dataclasses
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Literal
+from typing import TYPE_CHECKING
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict
 
 from client.activations.hooks import PatchPolicy
-from client.data.images import rgb_from_bytes, size_from_bytes
+from client.data.images import rgb_from_bytes
 from client.inference.answers import TaskVectorPatch, check_instruction, generate_answers
 from client.inference.artifact_use import Remedies, usable_artifact
 from client.models import Example, Prompt
 from client.release.site import Site
+from client.service.request_limits import (
+    MAX_IMAGE_BYTES,
+    MAX_IMAGE_PIXELS,
+    MAX_IMAGES,
+    MAX_REQUEST_BYTES,
+    InferRequest,
+    check_request,
+)
 from dpmtv_common.crypto import TrustedKeys
 from dpmtv_common.errors import ConfigError
-from protocol.plan import ReleaseId
 
 if TYPE_CHECKING:
     import torch
@@ -49,42 +56,6 @@ __all__ = [
     "check_request",
 ]
 
-MAX_IMAGES = 8
-"""Images (and questions) one request may carry."""
-MAX_IMAGE_BYTES = 4 << 20
-"""Encoded bytes of one image."""
-MAX_IMAGE_PIXELS = 2048 * 2048
-"""Pixels of one image, read from its header (at most ~16 MiB once decoded to RGBA)."""
-_MAX_QUESTION_CHARS = 2000
-_MAX_INSTRUCTION_CHARS = 8000  # well inside the frame's room for text, beside 8 questions
-MAX_REQUEST_BYTES = (4 * MAX_IMAGES * MAX_IMAGE_BYTES) // 3 + (1 << 20)
-"""The largest request frame: the images in base64 and room for the questions (JSON)."""
-
-
-class InferRequest(BaseModel):
-    """Queries for the model patched with the stored artifact of ``release_id``.
-
-    ``instruction`` is put before each query, as the release's data put it before its prompts;
-    it must be the release's (None: no instruction).
-    """
-
-    model_config = ConfigDict(
-        frozen=True, extra="forbid", ser_json_bytes="base64", val_json_bytes="base64"
-    )
-
-    release_id: ReleaseId
-    questions: Annotated[
-        tuple[Annotated[str, Field(min_length=1, max_length=_MAX_QUESTION_CHARS)], ...],
-        Field(min_length=1, max_length=MAX_IMAGES),
-    ]
-    images: Annotated[
-        tuple[Annotated[bytes, Field(max_length=MAX_IMAGE_BYTES)], ...],
-        Field(min_length=1, max_length=MAX_IMAGES),
-    ]
-    instruction: Annotated[str, Field(max_length=_MAX_INSTRUCTION_CHARS)] | None = None
-    max_new_tokens: Annotated[int, Field(ge=1, le=64)] = 10
-    policy: Literal["prompt-last-token", "every-call"] = "prompt-last-token"
-
 
 class InferAnswers(BaseModel):
     """One answer a query, in order."""
@@ -92,26 +63,6 @@ class InferAnswers(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     answers: tuple[str, ...]
-
-
-def check_request(request: InferRequest) -> None:
-    """Refuse a request whose images do not pair with its questions or are too large.
-
-    Reads each image's header only: no pixel is decoded here. The messages name the image's
-    index and the bound, never a path, so they may be returned to whoever asked.
-
-    Raises:
-        ConfigError: Questions and images differ in number.
-        DataError: An image's header cannot be read, or it has more than
-            :data:`MAX_IMAGE_PIXELS` pixels.
-    """
-    if len(request.questions) != len(request.images):
-        raise ConfigError(
-            f"questions and images must pair up, got {len(request.questions)} and "
-            f"{len(request.images)}."
-        )
-    for index, data in enumerate(request.images):
-        size_from_bytes(data, index, max_pixels=MAX_IMAGE_PIXELS)
 
 
 def answer_queries(

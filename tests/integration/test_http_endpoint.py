@@ -422,7 +422,11 @@ def _healthy(url: str) -> bool:
 
 
 def open_fds(process: subprocess.Popen[str]) -> int:
-    return len(os.listdir(f"/proc/{process.pid}/fd"))
+    """Descriptors the service and its child processes (the HTTP front) hold open."""
+    pids = [str(process.pid)]
+    pids += Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+    assert len(pids) >= 2, "the HTTP front runs as a child process of the service"
+    return sum(len(os.listdir(f"/proc/{pid}/fd")) for pid in pids)
 
 
 def test_two_thousand_idle_connections_do_not_stall_a_real_request(endpoint: Endpoint) -> None:
@@ -447,7 +451,8 @@ def test_two_thousand_idle_connections_do_not_stall_a_real_request(endpoint: End
 
     # Assert: answered once the connections queued before it were accepted (about 2 s with
     # the cores shared by other jobs), not refused nor kept waiting for the idle ones'
-    # 10 s deadline as before; the service holds fewer than --http-max-connections (48) open,
+    # 10 s deadline as before; the service and its front hold fewer than
+    # --http-max-connections (48) open,
     # the oldest idle ones closed for newcomers, not 2,000 descriptors.
     assert len(held) == 2000
     assert health.status_code == 200
@@ -500,7 +505,11 @@ def test_a_unix_socket_endpoint_is_private_answers_and_is_removed_at_stop(
     )
     # Act
     assert endpoint.start() == f"unix:{path}"
+    front = endpoint.front
+    assert front is not None
     try:
+        mapped = Path(f"/proc/{front.pid}/maps").read_text()
+        command_line = Path(f"/proc/{front.pid}/cmdline").read_bytes()
         mode = path.stat().st_mode & 0o777
         transport = httpx.HTTPTransport(uds=str(path))
         with httpx.Client(transport=transport, base_url="http://site") as client:
@@ -519,3 +528,63 @@ def test_a_unix_socket_endpoint_is_private_answers_and_is_removed_at_stop(
     assert reply.status_code == 200
     assert reply.json()["usage"]["completion_tokens"] <= 3
     assert not path.exists()
+    # the HTTP front is a process of its own that holds no model (torch never loaded there)
+    # and was not given the token on its command line; it ends with the endpoint
+    assert "libtorch" not in mapped
+    assert TOKEN.encode() not in command_line
+    assert front.poll() == 0
+
+
+_SERVE_AND_WAIT = """
+import sys, threading, time
+from pathlib import Path
+from client.release.site import Site
+from client.service.http_server import HttpEndpoint, HttpSettings
+from client.settings import SiteSettings
+model, state, token, path = (Path(a) for a in sys.argv[1:5])
+site = Site(SiteSettings(model_path=model, state_dir=state, device="cpu", batch_size=2))
+endpoint = HttpEndpoint(site, threading.Lock(),
+                        HttpSettings(address=f"unix:{path}", token_file=token))
+endpoint.start()
+print(endpoint.front.pid, flush=True)
+time.sleep(600)
+"""
+
+
+def test_the_http_front_does_not_outlive_its_service(world: World, tmp_path: Path) -> None:
+    # Arrange: a service serving HTTP, killed outright (no stop, no signal handler)
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    argv = [str(world.model), str(tmp_path / "state"), str(token_file), str(tmp_path / "s")]
+    service = subprocess.Popen(
+        [sys.executable, "-c", _SERVE_AND_WAIT, *argv], stdout=subprocess.PIPE, text=True
+    )
+    try:
+        assert service.stdout is not None
+        front = int(service.stdout.readline())
+        assert Path(f"/proc/{front}").exists()
+
+        # Act
+        service.kill()
+        service.wait(timeout=30)
+
+        # Assert: the front sees its link close and exits within seconds
+        deadline = time.monotonic() + 30
+        while _running(front):
+            assert time.monotonic() < deadline, "the HTTP front outlived its service"
+            time.sleep(0.1)
+    finally:
+        service.kill()
+        service.wait(timeout=30)
+        if service.stdout is not None:
+            service.stdout.close()
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` runs (an exited process waiting to be reaped does not)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"

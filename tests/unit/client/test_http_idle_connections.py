@@ -6,7 +6,8 @@ import asyncio
 
 import pytest
 
-from client.service.http_server import HttpSettings, IdleConnections
+from client.service.http_guard import IdleConnections
+from client.service.http_server import HttpSettings
 
 
 def connections(count: int) -> list[asyncio.BaseProtocol]:

@@ -1,0 +1,127 @@
+"""The link between the HTTP front process and the site service: framed data, never pickles.
+
+How this connects: the site service (:mod:`client.service.http_server`) starts the HTTP
+front (:mod:`client.service.http_front`) as a process of its own, so that HTTP parsing, JSON,
+base64 and image decoding run beside the model's decoding loop instead of sharing its
+interpreter lock, and talks to it over one Unix socket pair. Each message is a frame:
+
+* 8 bytes: the JSON part's length and the binary part's length (big-endian, 4 bytes each);
+* the JSON object (UTF-8), whose ``"blobs"`` lists the binary parts' lengths in order;
+* the binary parts, concatenated (decoded images' pixels, in the front's chat frames).
+
+Neither side trusts a frame's lengths beyond :data:`MAX_FRAME_BYTES`: a frame that claims
+more, or whose blobs do not add up, ends the link (the front is our own process, so this is
+a bug or a compromise, and both end the endpoint rather than guess).
+
+Light on purpose (no model): the front imports it.
+"""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+from client.service.request_limits import MAX_IMAGE_PIXELS, MAX_IMAGES
+from dpmtv_common.errors import ServiceError
+
+__all__ = ["MAX_FRAME_BYTES", "Frame", "FrameReader", "LinkError", "encode_frame", "read_frame"]
+
+_HEAD = struct.Struct("!II")
+_MAX_JSON_BYTES = 1 << 20  # questions, instruction and answers of one request, with room
+MAX_FRAME_BYTES = _MAX_JSON_BYTES + MAX_IMAGES * MAX_IMAGE_PIXELS * 3
+"""Largest frame: the JSON part and every image of a request decoded to RGB."""
+
+Frame = tuple[dict[str, Any], list[bytes]]
+"""A frame's JSON object and its binary parts."""
+
+
+class LinkError(ServiceError):
+    """A frame broke the link's format (a bug or a compromised peer): the link ends."""
+
+
+def encode_frame(message: dict[str, Any], blobs: Sequence[bytes] = ()) -> bytes:
+    """One frame of ``message`` and ``blobs`` (their lengths recorded under ``"blobs"``)."""
+    text = json.dumps({**message, "blobs": [len(blob) for blob in blobs]}).encode()
+    size = sum(len(blob) for blob in blobs)
+    if len(text) > _MAX_JSON_BYTES or len(text) + size > MAX_FRAME_BYTES:
+        raise LinkError(
+            f"a frame must stay within {_MAX_JSON_BYTES} JSON bytes and {MAX_FRAME_BYTES} in "
+            f"all, got {len(text)} and {len(text) + size}."
+        )
+    return b"".join((_HEAD.pack(len(text), size), text, *blobs))
+
+
+def _lengths(head: bytes) -> tuple[int, int]:
+    text, size = _HEAD.unpack(head)
+    if text > _MAX_JSON_BYTES or text + size > MAX_FRAME_BYTES:
+        raise LinkError(f"a frame must stay within {MAX_FRAME_BYTES} bytes, got {text + size}.")
+    return text, size
+
+
+def _decode(text: bytes, data: bytes) -> Frame:
+    try:
+        message = json.loads(text)
+        lengths = [int(n) for n in message.pop("blobs")]
+    except (ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise LinkError(f"a frame must hold a JSON object with its blobs: {exc}") from None
+    if sum(lengths) != len(data) or min(lengths, default=0) < 0:
+        raise LinkError(f"a frame's blobs must add up to {len(data)} bytes, got {lengths}.")
+    blobs, start = [], 0
+    for length in lengths:
+        blobs.append(data[start : start + length])
+        start += length
+    return message, blobs
+
+
+def read_frame(link: socket.socket) -> Frame | None:
+    """The next frame from a blocking socket; None when the peer closed the link."""
+    head = _read_exactly(link, _HEAD.size)
+    if head is None:
+        return None
+    text, size = _lengths(head)
+    body = _read_exactly(link, text + size) if text + size else b""
+    if body is None:
+        raise LinkError("the link closed inside a frame.")
+    return _decode(body[:text], body[text:])
+
+
+def _read_exactly(link: socket.socket, count: int) -> bytes | None:
+    """``count`` bytes; None at a clean end (nothing read); LinkError at an end mid-way."""
+    buffer = bytearray()
+    while len(buffer) < count:
+        chunk = link.recv(min(count - len(buffer), 1 << 20))
+        if not chunk:
+            if buffer:
+                raise LinkError("the link closed inside a frame.")
+            return None
+        buffer += chunk
+    return bytes(buffer)
+
+
+class FrameReader:
+    """Frames from a byte stream fed piece by piece (an event loop's protocol)."""
+
+    def __init__(self) -> None:
+        self._buffer = bytearray()
+        self._need: tuple[int, int] | None = None
+
+    def feed(self, data: bytes) -> list[Frame]:
+        """Every frame ``data`` completes, in order."""
+        self._buffer += data
+        frames: list[Frame] = []
+        while True:
+            if self._need is None:
+                if len(self._buffer) < _HEAD.size:
+                    return frames
+                self._need = _lengths(bytes(self._buffer[: _HEAD.size]))
+                del self._buffer[: _HEAD.size]
+            text, size = self._need
+            if len(self._buffer) < text + size:
+                return frames
+            body = bytes(self._buffer[: text + size])
+            del self._buffer[: text + size]
+            self._need = None
+            frames.append(_decode(body[:text], body[text:]))

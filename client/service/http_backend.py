@@ -1,0 +1,223 @@
+"""The site service's side of the HTTP endpoint: chat requests in, tokens out, over the link.
+
+How this connects: the HTTP front process (:mod:`client.service.http_front`) parses, checks
+and decodes each request, then sends it over the link (:mod:`client.service.front_link`);
+:class:`HttpBackend` reads the link in one thread of the site service, names the release a
+request asks for (:class:`~client.service.releases.ReleaseCatalogue`: verified before it is
+served, with the instruction its prompts carried), and queues the row with the batcher
+(:mod:`client.service.batching`), whose worker sends its answer back over the link. The
+front never touches the model, an artifact or a path of the site: it learns release ids,
+answers and counters, as an HTTP client does.
+
+Every failure is answered as data (status, type, message): a request's own mistakes (400),
+an unknown model (404), a full queue (503); anything else as its type only (500), its text
+logged here, since it may name a path of the site.
+"""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import socket
+import threading
+from collections.abc import Callable
+from typing import Any
+
+from PIL import Image
+
+from client.activations.hooks import PatchPolicy
+from client.models import LoadedModel
+from client.release.site import Site
+from client.service.answer_ends import AnswerEnds
+from client.service.batching import Batcher, OverloadedError
+from client.service.chat_format import prompt_of
+from client.service.front_link import Frame, LinkError, encode_frame, read_frame
+from client.service.preparation import RowRequest
+from client.service.releases import ReleaseCatalogue, UnknownModelError
+from client.service.rows import Row
+from dpmtv_common.errors import ConfigError, DataError
+
+__all__ = ["HttpBackend", "error_fields"]
+
+_log = logging.getLogger(__name__)
+
+
+def error_fields(exc: BaseException) -> dict[str, Any]:
+    """How a failure is answered: HTTP status, error type and code, a message safe to show."""
+    if isinstance(exc, UnknownModelError):
+        return {"status": 404, "type": "invalid_request_error", "code": "model_not_found",
+                "message": str(exc)}  # fmt: skip
+    if isinstance(exc, OverloadedError):
+        return {"status": 503, "type": "overloaded_error", "code": "overloaded",
+                "message": str(exc)}  # fmt: skip
+    if isinstance(exc, (ConfigError, DataError)):  # the request's own checks: no site path
+        return {"status": 400, "type": "invalid_request_error", "code": None, "message": str(exc)}
+    return {"status": 500, "type": "server_error", "code": None,
+            "message": f"{type(exc).__name__} (see the site service's log)"}  # fmt: skip
+
+
+class _LinkSink:
+    """One row's tokens, from the batcher's worker to the front, as frames."""
+
+    def __init__(self, backend: HttpBackend, request_id: int, *, streaming: bool) -> None:
+        self._backend, self._id, self._streaming = backend, request_id, streaming
+        self._tokens: list[int] = []
+
+    def token(self, token_id: int) -> None:
+        self._tokens.append(token_id)
+        if self._streaming:  # a whole answer is sent once, at the end
+            self._backend.send({"kind": "token", "id": self._id, "text": self._text()})
+
+    def finish(self, reason: str) -> None:
+        self._backend.send({"kind": "finish", "id": self._id, "reason": reason,
+                            "text": self._text(), "tokens": len(self._tokens)})  # fmt: skip
+
+    def fail(self, error: Exception) -> None:
+        _log.warning("a served row failed: %s", error)
+        self._backend.send({"kind": "fail", "id": self._id, **error_fields(error)})
+
+    def _text(self) -> str:
+        return self._backend.decode(self._tokens)
+
+
+class HttpBackend:
+    """Answers the front's frames from the site's model (one reader thread, see module doc).
+
+    Args:
+        site: The site whose model and stored artifacts answer.
+        batcher: Runs the rows.
+        model_lock: The lock every use of the site's model takes.
+        link: The service's end of the link to the front.
+    """
+
+    def __init__(
+        self, site: Site, batcher: Batcher, model_lock: threading.Lock, link: socket.socket
+    ) -> None:
+        self.site = site
+        self.batcher = batcher
+        self._link = link
+        self._send_lock = threading.Lock()
+        self._capped_lock = threading.Lock()
+        self._capped_models: dict[int | None, LoadedModel] = {}
+        self.catalogue = ReleaseCatalogue(
+            site,
+            model_lock=model_lock,
+            answer_ends=AnswerEnds(site.settings),  # refuses private data as public
+            capped=self._capped,
+        )
+        self._handlers: dict[str, Callable[[dict[str, Any], list[bytes]], None]] = {
+            "expect": lambda message, blobs: batcher.expect(),
+            "cancel_expected": lambda message, blobs: batcher.cancel_expected(),
+            "chat": self._chat,
+            "models": self._models,
+            "stats": self._stats,
+        }
+
+    def send(self, message: dict[str, Any], blobs: tuple[bytes, ...] = ()) -> None:
+        """One frame to the front (from any thread); dropped if the front is gone."""
+        frame = encode_frame(message, blobs)
+        with self._send_lock:
+            try:
+                self._link.sendall(frame)
+            except OSError as exc:  # the front ended: its requests' clients are gone too
+                _log.debug("the HTTP front is gone: %s", exc)
+
+    def serve(self, on_ready: Callable[[], None]) -> None:
+        """Answer frames until the front closes the link (the reader thread's body)."""
+        while True:
+            try:
+                frame = read_frame(self._link)
+            except (LinkError, OSError) as exc:
+                _log.error("the HTTP front's link failed: %s", exc)
+                return
+            if frame is None:
+                return
+            self._dispatch(frame, on_ready)
+
+    def _dispatch(self, frame: Frame, on_ready: Callable[[], None]) -> None:
+        message, blobs = frame
+        kind = message.get("kind")
+        if kind == "ready":
+            on_ready()
+            return
+        handler = self._handlers.get(str(kind))
+        if handler is None:
+            _log.error("the HTTP front sent a frame of unknown kind %r", kind)
+            return
+        try:
+            handler(message, blobs)
+        except Exception as exc:  # answered as data; the text is logged (it may name a path)
+            if not isinstance(exc, (ConfigError, DataError, OverloadedError)):
+                _log.warning("an HTTP request failed: %s", exc)
+            if "id" in message:
+                self.send({"kind": "error", "id": message["id"], **error_fields(exc)})
+
+    def _chat(self, message: dict[str, Any], blobs: list[bytes]) -> None:
+        """Name the release, build the row request and queue it (see the module docstring)."""
+        try:
+            request = self._row_request(message, blobs)
+        except BaseException:
+            self.batcher.cancel_expected()
+            raise
+        request_id = int(message["id"])
+        sink = _LinkSink(self, request_id, streaming=bool(message["stream"]))
+        prepared = self.batcher.submit(request, sink, expected=True)
+        prepared.add_done_callback(lambda done: self._prepared(request_id, done))
+
+    def _prepared(self, request_id: int, prepared: Any) -> None:
+        """Tell the front its row is accepted (its prompt's tokens), or why it was refused."""
+        error = prepared.exception()
+        if error is not None:
+            self.send({"kind": "error", "id": request_id, **error_fields(error)})
+            return
+        row: Row = prepared.result()
+        self.send({"kind": "accepted", "id": request_id, "prompt_tokens": row.prompt_tokens})
+
+    def _row_request(self, message: dict[str, Any], blobs: list[bytes]) -> RowRequest:
+        sizes = [(int(w), int(h)) for w, h in message["sizes"]]
+        if len(sizes) != len(blobs):
+            raise ConfigError(f"images must come with their sizes, got {len(blobs)} and {sizes}.")
+        images = [
+            Image.frombytes("RGB", size, data) for size, data in zip(sizes, blobs, strict=True)
+        ]
+        instruction = message["instruction"]
+        prompt = prompt_of(images, list(message["questions"]), list(message["answers"]))
+        patch, crops = self.catalogue.patch(
+            str(message["model"]), PatchPolicy(message["policy"]), instruction=instruction
+        )
+        seed = message["seed"]
+        return RowRequest(
+            self._capped(crops),
+            prompt,
+            instruction=instruction,
+            patch=patch,
+            max_new_tokens=int(message["max_new_tokens"]),
+            temperature=float(message["temperature"]),
+            seed=int(seed) if seed is not None else secrets.randbits(63),
+        )
+
+    def _models(self, message: dict[str, Any], blobs: list[bytes]) -> None:
+        self.send({"kind": "reply", "id": message["id"], "models": self.catalogue.model_ids()})
+
+    def _stats(self, message: dict[str, Any], blobs: list[bytes]) -> None:
+        stats = self.batcher.stats
+        self.send({
+            "kind": "reply", "id": message["id"], "depth": self.batcher.depth,
+            "max_queue": self.batcher.max_queue, "mode": self.batcher.mode,
+            "passes": stats.passes, "prefills": stats.prefills, "steps": stats.steps,
+            "step_rows": stats.step_rows, "rows_served": stats.rows_served,
+            "running": stats.running, "tokens_generated": stats.tokens_generated,
+            "busy_seconds": stats.busy_seconds, "failures": stats.failures,
+        })  # fmt: skip
+
+    def _capped(self, crops: int | None) -> LoadedModel:
+        """The model with its processor capped at ``crops`` (a copy, kept per cap)."""
+        with self._capped_lock:
+            if crops not in self._capped_models:
+                self._capped_models[crops] = self.site.model().with_image_crops(crops)
+            return self._capped_models[crops]
+
+    def decode(self, token_ids: list[int]) -> str:
+        """The text of generated tokens (special tokens dropped)."""
+        tokenizer = self.site.model().processor.tokenizer
+        return str(tokenizer.decode(token_ids, skip_special_tokens=True))

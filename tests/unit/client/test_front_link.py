@@ -1,0 +1,104 @@
+"""The HTTP front's link: frames of JSON and binary parts, read whole or piece by piece."""
+
+from __future__ import annotations
+
+import json
+import socket
+import struct
+
+import pytest
+
+from client.service.batching import OverloadedError
+from client.service.front_link import (
+    MAX_FRAME_BYTES,
+    FrameReader,
+    LinkError,
+    encode_frame,
+    read_frame,
+)
+from client.service.http_backend import error_fields
+from client.service.releases import UnknownModelError
+from dpmtv_common.errors import ConfigError, DataError, ServiceError
+
+MESSAGE = {"kind": "chat", "id": 7, "questions": ["What colour?"], "sizes": [[2, 1]]}
+BLOBS = (b"\x01\x02\x03\x04\x05\x06", b"", b"xyz")
+
+
+def test_a_frame_round_trips_through_a_socket_and_piece_by_piece():
+    frame = encode_frame(MESSAGE, BLOBS)
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.sendall(frame + frame)
+        assert read_frame(theirs) == (MESSAGE, list(BLOBS))
+        assert read_frame(theirs) == (MESSAGE, list(BLOBS))
+        ours.close()
+        assert read_frame(theirs) is None  # a clean end between frames
+    reader = FrameReader()
+    got = [f for byte in frame + frame for f in reader.feed(bytes([byte]))]
+    assert got == [(MESSAGE, list(BLOBS))] * 2
+
+
+def test_a_link_that_ends_inside_a_frame_is_an_error():
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.sendall(encode_frame(MESSAGE, BLOBS)[:-2])
+        ours.close()
+        with pytest.raises(LinkError, match="closed inside a frame"):
+            read_frame(theirs)
+
+
+def _raw(text: bytes, data: bytes = b"") -> bytes:
+    return struct.pack("!II", len(text), len(data)) + text + data
+
+
+@pytest.mark.parametrize(
+    ("frame", "match"),
+    [
+        (struct.pack("!II", 10, MAX_FRAME_BYTES), "within"),  # claims more than any request
+        (_raw(b"not json"), "JSON object"),
+        (_raw(b"[1, 2]"), "JSON object"),
+        (_raw(json.dumps({"kind": "x"}).encode()), "JSON object"),  # no blob lengths
+        (_raw(json.dumps({"blobs": [4]}).encode(), b"abc"), "add up"),
+        (_raw(json.dumps({"blobs": [-1, 4]}).encode(), b"abc"), "add up"),
+    ],
+)
+def test_a_malformed_frame_ends_the_link_whichever_reader(frame, match):
+    with pytest.raises(LinkError, match=match):
+        FrameReader().feed(frame + b"\x00" * 16)
+    ours, theirs = socket.socketpair()
+    with ours, theirs:
+        ours.sendall(frame)
+        ours.close()
+        with pytest.raises(LinkError, match=match):
+            read_frame(theirs)
+
+
+def test_a_frame_beyond_the_largest_request_is_not_sent():
+    with pytest.raises(LinkError, match="must stay within"):
+        encode_frame({"kind": "chat"}, (b"\x00" * MAX_FRAME_BYTES,))
+
+
+@pytest.mark.parametrize(
+    ("error", "status", "kind", "shown"),
+    [
+        (UnknownModelError("model must be one GET /v1/models lists"), 404,
+         "invalid_request_error", "model must be one"),
+        (OverloadedError("queued rows must stay below 6"), 503, "overloaded_error", "below 6"),
+        (ConfigError("messages must end with a user message"), 400, "invalid_request_error",
+         "messages must end"),
+        (DataError("image 0 must be a readable picture"), 400, "invalid_request_error",
+         "image 0"),
+        # anything else is answered with its type only: its text may name a path of the site
+        (ServiceError("/srv/site/artifacts/r1 is unreadable"), 500, "server_error",
+         "ServiceError (see the site service's log)"),
+        (OSError("/srv/site/secret.key: permission denied"), 500, "server_error",
+         "OSError (see the site service's log)"),
+    ],
+)  # fmt: skip
+def test_failures_cross_the_link_as_data_that_names_no_path(error, status, kind, shown):
+    fields = error_fields(error)
+    assert (fields["status"], fields["type"]) == (status, kind)
+    assert shown in fields["message"]
+    if status == 500:
+        assert "/srv" not in fields["message"]
+    json.dumps(fields)  # plain data: nothing pickled
