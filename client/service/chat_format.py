@@ -24,7 +24,14 @@ from typing import TYPE_CHECKING, Annotated, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from client.data.images import rgb_from_bytes
-from client.service.request_limits import InferRequest, check_request
+from client.service.request_limits import (
+    MAX_IMAGE_PIXELS,
+    MAX_IMAGES,
+    MAX_INSTRUCTION_CHARS,
+    MAX_QUESTION_CHARS,
+    InferRequest,
+    check_request,
+)
 from dpmtv_common.errors import ConfigError, DataError
 
 if TYPE_CHECKING:
@@ -34,8 +41,10 @@ if TYPE_CHECKING:
 
 __all__ = [
     "MAX_COMPLETION_TOKENS",
+    "ChatFrame",
     "ChatRequest",
     "ParsedChat",
+    "chat_frame",
     "chat_request_from_json",
     "decode_images",
     "parse_chat",
@@ -137,6 +146,69 @@ class ParsedChat(BaseModel):
     questions: tuple[str, ...]
     images: tuple[bytes, ...]
     answers: tuple[str, ...]  # one per demonstration: len(questions) - 1
+
+
+_Text = Annotated[str, Field(max_length=MAX_QUESTION_CHARS)]
+
+
+class ChatFrame(BaseModel):
+    """A checked, decoded request as the HTTP front sends it to the site service.
+
+    The front builds it (a request beyond a bound is answered 400 there); the service checks
+    it again when it arrives, so a front that misbehaved cannot ask more of the model than a
+    request may (more tokens, images or text, pixels that do not fit their sizes).
+    """
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    kind: Literal["chat"] = "chat"
+    id: int = 0
+    model: Annotated[str, Field(min_length=1, max_length=200)]
+    policy: Literal["prompt-last-token", "every-call"]
+    instruction: Annotated[str, Field(max_length=MAX_INSTRUCTION_CHARS)] | None
+    questions: Annotated[tuple[_Text, ...], Field(min_length=1, max_length=MAX_IMAGES)]
+    answers: Annotated[tuple[_Text, ...], Field(max_length=MAX_IMAGES - 1)]
+    sizes: Annotated[
+        tuple[tuple[Annotated[int, Field(ge=1)], Annotated[int, Field(ge=1)]], ...],
+        Field(min_length=1, max_length=MAX_IMAGES),
+    ]
+    max_new_tokens: Annotated[int, Field(ge=1, le=MAX_COMPLETION_TOKENS)]
+    temperature: Annotated[float, Field(ge=0.0, le=2.0)]
+    seed: int | None
+    stream: bool
+
+    def check_pixels(self, blobs: Sequence[bytes]) -> None:
+        """Each image's RGB bytes must fit its size, within the pixel bound.
+
+        Raises:
+            ConfigError: They do not pair up, or an image is larger than the bound.
+        """
+        lengths = [len(blob) for blob in blobs]
+        wanted = [3 * w * h for w, h in self.sizes]
+        too_large = [f"{w}x{h}" for w, h in self.sizes if w * h > MAX_IMAGE_PIXELS]
+        if lengths != wanted or too_large or len(self.questions) != len(self.sizes):
+            raise ConfigError(
+                f"a chat frame's images must be RGB of their sizes, at most {MAX_IMAGE_PIXELS} "
+                f"pixels, one a question: got {lengths} bytes for sizes {list(self.sizes)} and "
+                f"{len(self.questions)} questions."
+            )
+
+
+def chat_frame(chat: ChatRequest, parsed: ParsedChat, images: Sequence[Image.Image]) -> ChatFrame:
+    """The frame of a parsed request and its decoded images.
+
+    Raises:
+        ConfigError: The request's instruction or answers are longer than a request may carry.
+    """
+    try:
+        return ChatFrame(
+            model=chat.model, policy=chat.policy, instruction=parsed.instruction,
+            questions=parsed.questions, answers=parsed.answers,
+            sizes=tuple(image.size for image in images), max_new_tokens=chat.answer_tokens,
+            temperature=chat.temperature or 0.0, seed=chat.seed, stream=chat.stream,
+        )  # fmt: skip
+    except ValidationError as exc:
+        raise ConfigError(f"request must stay within the inference limits: {_brief(exc)}") from exc
 
 
 def chat_request_from_json(body: bytes) -> ChatRequest:

@@ -47,6 +47,7 @@ from starlette.routing import Route
 
 from client.service.chat_format import (
     ChatRequest,
+    chat_frame,
     chat_request_from_json,
     decode_images,
     parse_chat,
@@ -289,14 +290,8 @@ def _chat_frame(body: bytes) -> tuple[ChatRequest, dict[str, Any], tuple[bytes, 
     chat = chat_request_from_json(body)
     parsed = parse_chat(chat)
     images = decode_images(parsed)
-    message = {
-        "kind": "chat", "model": chat.model, "policy": chat.policy,
-        "instruction": parsed.instruction, "questions": list(parsed.questions),
-        "answers": list(parsed.answers), "sizes": [list(image.size) for image in images],
-        "max_new_tokens": chat.answer_tokens, "temperature": chat.temperature or 0.0,
-        "seed": chat.seed, "stream": chat.stream,
-    }  # fmt: skip
-    return chat, message, tuple(image.tobytes() for image in images)
+    frame = chat_frame(chat, parsed, images)
+    return chat, frame.model_dump(mode="json"), tuple(image.tobytes() for image in images)
 
 
 def build_app(api: FrontApi) -> Starlette:

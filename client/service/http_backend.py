@@ -24,13 +24,14 @@ from collections.abc import Callable
 from typing import Any
 
 from PIL import Image
+from pydantic import ValidationError
 
 from client.activations.hooks import PatchPolicy
 from client.models import LoadedModel
 from client.release.site import Site
 from client.service.answer_ends import AnswerEnds
 from client.service.batching import Batcher, OverloadedError
-from client.service.chat_format import prompt_of
+from client.service.chat_format import ChatFrame, prompt_of
 from client.service.front_link import Frame, LinkError, encode_frame, read_frame
 from client.service.preparation import RowRequest
 from client.service.releases import ReleaseCatalogue, UnknownModelError
@@ -155,12 +156,12 @@ class HttpBackend:
     def _chat(self, message: dict[str, Any], blobs: list[bytes]) -> None:
         """Name the release, build the row request and queue it (see the module docstring)."""
         try:
-            request = self._row_request(message, blobs)
+            frame, request = self._row_request(message, blobs)
         except BaseException:
             self.batcher.cancel_expected()
             raise
         request_id = int(message["id"])
-        sink = _LinkSink(self, request_id, streaming=bool(message["stream"]))
+        sink = _LinkSink(self, request_id, streaming=frame.stream)
         prepared = self.batcher.submit(request, sink, expected=True)
         prepared.add_done_callback(lambda done: self._prepared(request_id, done))
 
@@ -173,27 +174,32 @@ class HttpBackend:
         row: Row = prepared.result()
         self.send({"kind": "accepted", "id": request_id, "prompt_tokens": row.prompt_tokens})
 
-    def _row_request(self, message: dict[str, Any], blobs: list[bytes]) -> RowRequest:
-        sizes = [(int(w), int(h)) for w, h in message["sizes"]]
-        if len(sizes) != len(blobs):
-            raise ConfigError(f"images must come with their sizes, got {len(blobs)} and {sizes}.")
+    def _row_request(
+        self, message: dict[str, Any], blobs: list[bytes]
+    ) -> tuple[ChatFrame, RowRequest]:
+        """A chat frame, checked again (the front is not trusted for it), and its row request."""
+        try:
+            frame = ChatFrame.model_validate(message)
+        except ValidationError as exc:
+            problems = "; ".join(f"{e['loc']}: {e['msg']}" for e in exc.errors()[:3])
+            raise ConfigError(f"a chat frame must hold a checked request: {problems}") from None
+        frame.check_pixels(blobs)
         images = [
-            Image.frombytes("RGB", size, data) for size, data in zip(sizes, blobs, strict=True)
+            Image.frombytes("RGB", size, data)
+            for size, data in zip(frame.sizes, blobs, strict=True)
         ]
-        instruction = message["instruction"]
-        prompt = prompt_of(images, list(message["questions"]), list(message["answers"]))
+        prompt = prompt_of(images, frame.questions, frame.answers)
         patch, crops = self.catalogue.patch(
-            str(message["model"]), PatchPolicy(message["policy"]), instruction=instruction
+            frame.model, PatchPolicy(frame.policy), instruction=frame.instruction
         )
-        seed = message["seed"]
-        return RowRequest(
+        return frame, RowRequest(
             self._capped(crops),
             prompt,
-            instruction=instruction,
+            instruction=frame.instruction,
             patch=patch,
-            max_new_tokens=int(message["max_new_tokens"]),
-            temperature=float(message["temperature"]),
-            seed=int(seed) if seed is not None else secrets.randbits(63),
+            max_new_tokens=frame.max_new_tokens,
+            temperature=frame.temperature,
+            seed=frame.seed if frame.seed is not None else secrets.randbits(63),
         )
 
     def _models(self, message: dict[str, Any], blobs: list[bytes]) -> None:

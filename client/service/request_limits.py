@@ -18,6 +18,8 @@ __all__ = [
     "MAX_IMAGES",
     "MAX_IMAGE_BYTES",
     "MAX_IMAGE_PIXELS",
+    "MAX_INSTRUCTION_CHARS",
+    "MAX_QUESTION_CHARS",
     "MAX_REQUEST_BYTES",
     "InferRequest",
     "check_request",
@@ -29,8 +31,10 @@ MAX_IMAGE_BYTES = 4 << 20
 """Encoded bytes of one image."""
 MAX_IMAGE_PIXELS = 2048 * 2048
 """Pixels of one image, read from its header (at most ~16 MiB once decoded to RGBA)."""
-_MAX_QUESTION_CHARS = 2000
-_MAX_INSTRUCTION_CHARS = 8000  # well inside the frame's room for text, beside 8 questions
+MAX_QUESTION_CHARS = 2000
+"""Characters of one question (and of one answer of a demonstration)."""
+MAX_INSTRUCTION_CHARS = 8000
+"""Characters of the instruction (well inside a frame's room for text, beside 8 questions)."""
 MAX_REQUEST_BYTES = (4 * MAX_IMAGES * MAX_IMAGE_BYTES) // 3 + (1 << 20)
 """The largest request frame: the images in base64 and room for the questions (JSON)."""
 
@@ -48,14 +52,14 @@ class InferRequest(BaseModel):
 
     release_id: ReleaseId
     questions: Annotated[
-        tuple[Annotated[str, Field(min_length=1, max_length=_MAX_QUESTION_CHARS)], ...],
+        tuple[Annotated[str, Field(min_length=1, max_length=MAX_QUESTION_CHARS)], ...],
         Field(min_length=1, max_length=MAX_IMAGES),
     ]
     images: Annotated[
         tuple[Annotated[bytes, Field(max_length=MAX_IMAGE_BYTES)], ...],
         Field(min_length=1, max_length=MAX_IMAGES),
     ]
-    instruction: Annotated[str, Field(max_length=_MAX_INSTRUCTION_CHARS)] | None = None
+    instruction: Annotated[str, Field(max_length=MAX_INSTRUCTION_CHARS)] | None = None
     max_new_tokens: Annotated[int, Field(ge=1, le=64)] = 10
     policy: Literal["prompt-last-token", "every-call"] = "prompt-last-token"
 

@@ -102,3 +102,35 @@ def test_failures_cross_the_link_as_data_that_names_no_path(error, status, kind,
     if status == 500:
         assert "/srv" not in fields["message"]
     json.dumps(fields)  # plain data: nothing pickled
+
+
+def _frame(**changes: object) -> dict[str, object]:
+    fields: dict[str, object] = {
+        "kind": "chat", "id": 1, "model": "r1", "policy": "prompt-last-token",
+        "instruction": None, "questions": ["What colour?"], "answers": [], "sizes": [[2, 1]],
+        "max_new_tokens": 16, "temperature": 0.0, "seed": None, "stream": False,
+    }  # fmt: skip
+    return fields | changes
+
+
+@pytest.mark.parametrize(
+    ("changes", "blobs"),
+    [
+        ({"max_new_tokens": 10**6}, [bytes(6)]),  # more than any request may ask
+        ({"temperature": 9.0}, [bytes(6)]),
+        ({"instruction": "x" * 9000}, [bytes(6)]),
+        ({"questions": ["q"] * 9, "sizes": [[2, 1]] * 9}, [bytes(6)] * 9),
+        ({}, [bytes(5)]),  # pixels that do not fit the size
+        ({}, [bytes(6), bytes(6)]),  # more images than sizes
+        ({"sizes": [[4096, 4096]]}, [bytes(3 * 4096 * 4096)]),  # beyond the pixel bound
+        ({"extra": 1}, [bytes(6)]),
+    ],
+)
+def test_the_service_checks_a_chat_frame_again_whatever_the_front_sent(changes, blobs):
+    from pydantic import ValidationError
+
+    from client.service.chat_format import ChatFrame
+
+    with pytest.raises((ConfigError, ValidationError)):
+        ChatFrame.model_validate(_frame(**changes)).check_pixels(blobs)
+    ChatFrame.model_validate(_frame()).check_pixels([bytes(6)])  # the same frame, within bounds
