@@ -401,21 +401,33 @@ def option_rows(args, loaded, data: TaskData, others: list[ScopeChoice], sites: 
     return rows
 
 
-def release_first_row(args, loaded, data: TaskData, sites: int) -> dict:
-    """Private selection in release-first order (the product's default), central.
+def release_first_rows(args, loaded, data: TaskData, sites: int) -> list[dict]:
+    """Private selection in release-first order (the product's default order), central.
 
-    The Gaussian covers the candidates; each chunk then votes for its top-r heads by
-    attribution against the noisy vector (on its own answer), among the candidates; the k
-    most voted are kept.
-    Its centre, k and C' are chosen for that order from the public tasks alone.
+    The Gaussian covers the candidates (or, the other option, every carried head); each
+    chunk then votes for its top-r heads by attribution against the noisy vector (on its own
+    answer), among them; the k most voted are kept. Each option's centre, k and C' are chosen
+    for it from the public tasks alone; the one they predict best comes first (variant
+    ``release-first``), the other beside it (``release-first, the other option``).
     """
-    choice = choose(args, loaded, data, sites, mode=HeadsMode.PRIVATE, every_head=True)
-    plan = choice_plan(loaded, choice, sites=sites, chunks=len(data.sites[0].activations))
-    label = f"{sites} sites, central, private heads, release-first (attribution votes)"
-    return dp_row(
-        args, loaded, data, label, plan, choice.centre, sites, choice=choice,
-        variant="release-first",
-    )  # fmt: skip
+    every = choose_all(args, loaded, data, sites, mode=HeadsMode.PRIVATE, every_head=True)
+    chosen = best_option(every)
+    log_choice(data, sites, chosen, centred=True)
+    rows = []
+    for choice in [chosen, *(c for c in every if c is not chosen)]:
+        plan = choice_plan(loaded, choice, sites=sites, chunks=len(data.sites[0].activations))
+        among = "every head" if choice.among_every_head else "the public candidates"
+        other = "" if choice is chosen else ", the other option"
+        label = (
+            f"{sites} sites, central, private heads, release-first among {among} "
+            f"(attribution votes{other})"
+        )
+        variant = "release-first" if choice is chosen else "release-first, the other option"
+        rows.append(
+            dp_row(args, loaded, data, label, plan, choice.centre, sites, choice=choice,
+                   variant=variant)
+        )  # fmt: skip
+    return rows
 
 
 def sweep_rows(args, loaded, data: TaskData, choice: ScopeChoice, sites: int) -> list[dict]:

@@ -62,7 +62,7 @@ from _headline_data import (
     site_activations,
 )
 from headline import MODELS, baselines, choice_plan, choose, dp_row, log, make_plan, size_rows
-from headline import release_first_row as headline_release_first_row
+from headline import release_first_rows as headline_release_first_rows
 from label_skew import skewed_sites
 
 from client.activations.chunking import make_chunks
@@ -202,11 +202,12 @@ def other_mode_row(
     return row, choice
 
 
-def release_first_row(args, loaded: LoadedModel, data: TaskData, sites: int) -> dict:
-    """headline.py's release-first private row (no noise-free diagnostics: draws pick heads)."""
-    return headline_release_first_row(args, loaded, data, sites) | {
-        "noise_free": None, "unclipped": None,
-    }  # fmt: skip
+def release_first_rows(args, loaded: LoadedModel, data: TaskData, sites: int) -> list[dict]:
+    """headline.py's release-first private rows (no noise-free diagnostics: draws pick heads)."""
+    return [
+        row | {"noise_free": None, "unclipped": None}
+        for row in headline_release_first_rows(args, loaded, data, sites)
+    ]
 
 
 def every_head_row(
@@ -269,7 +270,7 @@ def run_task(args, loaded: LoadedModel, root: Path, task: str) -> dict:
             row.update(without_noise(loaded, data, choice, sites))
         rows += [*size, side]
         if sites in args.release_first_sites:
-            rows.append(release_first_row(args, loaded, data, sites))
+            rows += release_first_rows(args, loaded, data, sites)
         if sites in args.every_head_sites:
             private = choices[sites] if choices[sites].mode is HeadsMode.PRIVATE else other
             rows.append(every_head_row(args, loaded, data, private, sites))
@@ -319,9 +320,12 @@ def render(results: dict) -> str:
         "row (not private, n/a for private selection, whose heads each draw picks): the same "
         "sites' centred clipped mean with zero noise, and their plain mean, in the row's heads. "
         "Private rows are select-first (each chunk's shift votes, among the 2k public "
-        "candidates unless said otherwise) except those marked release-first: the product's "
-        "default order, every head noised once, then each chunk votes by attribution against "
-        "the noisy vector on its own answer, among every head, with C' chosen for whole layers.",
+        "candidates unless said otherwise) except those marked release-first: the Gaussian "
+        "noises the candidates once (or, where said, every carried head), then each chunk "
+        "votes by attribution against the noisy vector on its own answer, among them, with "
+        "C' chosen for their layers. The two release-first options are each chosen on the "
+        "public tasks (k, C'); the one the public tasks predict better comes first, the "
+        "other is marked 'the other option' (what `select-heads --picks-among` forces).",
     ]
     for task in results["tasks"]:
         base = task["baselines"]
