@@ -253,8 +253,12 @@ class Batcher:
         """
         with self._ready:
             while not self._stopped:
-                if self._pending:  # the worker prepares them first
-                    return []
+                if self._pending:  # the worker prepares them first, with those announced
+                    wait = self._wait_for_announced(running)
+                    if wait <= 0:
+                        return []
+                    self._ready.wait(wait)
+                    continue
                 room = self.rows - running
                 mates = self._mates() if room > 0 else []
                 if running:
@@ -275,6 +279,19 @@ class Batcher:
                     return self._pop(mates[:room])
                 self._ready.wait(opened + self.gather_s - now)
             return [] if running else None
+
+    def _wait_for_announced(self, running: int) -> float:
+        """Seconds to wait for announced requests before preparing those waiting (0: none).
+
+        With nothing running, requests announced (:meth:`expect`) but not yet submitted are
+        waited for, up to ``gather_s`` from the oldest waiting one's arrival, so that rows
+        that arrive together are prepared in one processor call, not one call each as they
+        trickle in. With rows running, the waiting ones are prepared at once: they join at
+        the next step.
+        """
+        if running or not self._expected:
+            return 0.0
+        return self._pending[0].queued + self.gather_s - time.monotonic()
 
     def _pop(self, tickets: list[Ticket]) -> list[Ticket]:
         for ticket in tickets:

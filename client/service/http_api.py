@@ -29,6 +29,8 @@ gets 503 with ``Retry-After``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import functools
 import hmac
 import json
 import logging
@@ -56,10 +58,14 @@ from client.service.front_link import Frame, FrameReader, LinkError, encode_fram
 from client.service.request_limits import MAX_REQUEST_BYTES
 from dpmtv_common.errors import ConfigError, DataError
 
-__all__ = ["FrontApi", "FrontLink", "build_app"]
+__all__ = ["FrontApi", "FrontLink", "announce_chat", "build_app"]
 
 _log = logging.getLogger(__name__)
 _BODY_TIMEOUT_S = 120.0  # and its body within this (the relay socket's frame limit)
+# A body this small is parsed and its images decoded on the event loop: a thread's round trip
+# would cost more than the work (about a millisecond), and larger images would hold the loop.
+_INLINE_BODY_BYTES = 64 << 10
+_ANNOUNCED = "dpmtv.announced"  # in a request's scope: the service expects it
 _Handler = Callable[[Request], Awaitable[Response]]
 _LINK_GONE = {"kind": "fail", "status": 503, "type": "overloaded_error", "code": "unavailable",
               "message": "the site service is stopping; retry later."}  # fmt: skip
@@ -182,6 +188,11 @@ class FrontApi:
                              "overloaded")  # fmt: skip
         self.admitted += 1
 
+    def withdraw(self) -> None:
+        """Withdraw a row announced to the site service that will not come."""
+        with contextlib.suppress(_HttpError):  # the link is gone: nothing to withdraw from
+            self.link.send({"kind": "cancel_expected"})
+
     def done(self, started: float | None) -> None:
         """Count a request out; with ``started``, it was answered whole."""
         self.admitted -= 1
@@ -253,10 +264,27 @@ def _route(api: FrontApi, name: str, handler: _Handler, *, auth: bool = True) ->
             _log.warning("%s failed: %s", name, exc)
             message = f"{type(exc).__name__} (see the site service's log)"
             response = _error_response(_HttpError(500, message, "server_error"))
+        finally:
+            if request.scope.pop(_ANNOUNCED, False):  # announced, but no chat handler took it
+                api.withdraw()
         api.requests[(name, response.status_code)] += 1
         return response
 
     return wrapped
+
+
+def announce_chat(link: FrontLink, scope: dict[str, Any]) -> None:
+    """Tell the site service of a chat request as soon as its head arrives.
+
+    The front's event loop reads every connection's bytes before it runs any handler, so
+    requests that arrive together are announced together, and the batcher starts their rows
+    in one batch instead of starting the first alone while the front parses the others.
+    Withdrawn if the request is refused before it reaches the service.
+    """
+    if scope.get("method") == "POST" and scope.get("path") == "/v1/chat/completions":
+        with contextlib.suppress(_HttpError):  # the link is gone: nothing to announce to
+            link.send({"kind": "expect"})
+            scope[_ANNOUNCED] = True
 
 
 async def _read_body(request: Request) -> bytes:
@@ -315,41 +343,58 @@ def build_app(api: FrontApi) -> Starlette:
                              "invalid_request_error", "model_not_found")  # fmt: skip
         return JSONResponse({"id": name, "object": "model", "created": 0, "owned_by": api.owner})
 
-    async def chat(request: Request) -> Response:
-        started = time.monotonic()
-        body = await _read_body(request)
-        api.admit()
-        try:
-            completion = await _start(api, body, started)
-        except BaseException:
-            api.done(None)
-            raise
-        if completion.request.stream:
-            return StreamingResponse(completion.events(), media_type="text/event-stream")
-        return JSONResponse(await completion.whole())
-
     routes = [
         Route("/health", _route(api, "health", health, auth=False), methods=["GET"]),
         Route("/metrics", _route(api, "metrics", metrics), methods=["GET"]),
         Route("/v1/models", _route(api, "models", models), methods=["GET"]),
         Route("/v1/models/{name:path}", _route(api, "models", model), methods=["GET"]),
-        Route("/v1/chat/completions", _route(api, "chat", chat), methods=["POST"]),
+        Route(
+            "/v1/chat/completions",
+            _route(api, "chat", functools.partial(_chat, api)),
+            methods=["POST"],
+        ),
     ]
     return Starlette(routes=routes)
 
 
-async def _start(api: FrontApi, body: bytes, started: float) -> _Completion:
+async def _chat(api: FrontApi, request: Request) -> Response:
+    """``POST /v1/chat/completions``: admitted, sent to the site service, answered."""
+    started = time.monotonic()
+    announced = bool(request.scope.pop(_ANNOUNCED, False))
+    try:
+        body = await _read_body(request)
+        api.admit()
+    except BaseException:
+        if announced:
+            api.withdraw()
+        raise
+    try:
+        completion = await _start(api, body, started, announced=announced)
+    except BaseException:
+        api.done(None)
+        raise
+    if completion.request.stream:
+        return StreamingResponse(completion.events(), media_type="text/event-stream")
+    return JSONResponse(await completion.whole())
+
+
+async def _start(api: FrontApi, body: bytes, started: float, *, announced: bool) -> _Completion:
     """Send the request to the site service; its completion once its row is accepted.
 
     A row the service refuses (an unknown model, a prompt too long for the model, a full
-    queue) is answered here, before any byte of a response.
+    queue) is answered here, before any byte of a response. ``announced``: the service was
+    told of it when its head arrived (:func:`announce_chat`).
     """
     link = api.link
-    link.send({"kind": "expect"})  # a batch about to start waits for this row (briefly)
-    try:  # one trip to a worker thread: parse, check, decode
-        chat_request, message, images = await run_in_threadpool(_chat_frame, body)
+    if not announced:
+        link.send({"kind": "expect"})  # a batch about to start waits for this row (briefly)
+    try:  # parse, check, decode: a small body at once, a large one in a worker thread
+        if len(body) <= _INLINE_BODY_BYTES:
+            chat_request, message, images = _chat_frame(body)
+        else:
+            chat_request, message, images = await run_in_threadpool(_chat_frame, body)
     except BaseException:
-        link.send({"kind": "cancel_expected"})
+        api.withdraw()
         raise
     request_id, answers = link.open()
     try:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import logging
 import socket
 import sys
@@ -25,7 +26,7 @@ import sys
 import uvicorn
 
 from client.service.front_link import read_frame
-from client.service.http_api import FrontApi, FrontLink, build_app
+from client.service.http_api import FrontApi, FrontLink, announce_chat, build_app
 from client.service.http_guard import GuardedH11, IdleConnections
 
 __all__ = ["main"]
@@ -58,13 +59,15 @@ async def _serve(listener: socket.socket, link_socket: socket.socket) -> None:
         link=link,
     )
     idle = IdleConnections(int(settings["idle_per_client"]))  # type: ignore[call-overload]
+    announce = staticmethod(functools.partial(announce_chat, link))
+    protocol = type("_EndpointH11", (GuardedH11,), {"idle": idle, "on_head": announce})
     config = uvicorn.Config(
         build_app(api),
         lifespan="off",
         log_config=None,
         access_log=False,
         server_header=False,
-        http=type("_EndpointH11", (GuardedH11,), {"idle": idle}),
+        http=protocol,
         ws="none",  # no websockets served (nor their library imported)
         loop="asyncio",
         limit_concurrency=int(settings["max_connections"]),  # type: ignore[call-overload]

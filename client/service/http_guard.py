@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import asyncio
 from collections import Counter, OrderedDict
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
+from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
@@ -19,6 +20,7 @@ __all__ = ["HEAD_TIMEOUT_S", "GuardedH11", "IdleConnections"]
 HEAD_TIMEOUT_S = 10.0
 """A request's head must arrive whole within this."""
 _IDLE_GRACE_S = 1.0  # a fresh connection's head usually arrives within milliseconds
+_HEAD_SEEN = "dpmtv.head_seen"
 
 
 class IdleConnections:
@@ -94,7 +96,8 @@ class GuardedH11(H11Protocol):
     connection is closed (as the relay's socket does with a trickled frame).
     """
 
-    idle: IdleConnections  # set per endpoint (HttpEndpoint)
+    idle: IdleConnections  # set per endpoint (the front)
+    on_head: Callable[[dict[str, Any]], None] | None = None  # each request's ASGI scope, once
     _head_deadline: asyncio.TimerHandle | None = None
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
@@ -116,6 +119,10 @@ class GuardedH11(H11Protocol):
         if self.cycle is not None and not self.cycle.response_complete:  # a head arrived
             self._disarm_head_deadline()
             self.idle.busy(self)
+            scope = self.cycle.scope
+            if self.on_head is not None and not scope.get(_HEAD_SEEN):
+                scope[_HEAD_SEEN] = True  # type: ignore[literal-required]
+                self.on_head(scope)  # type: ignore[arg-type]
 
     def on_response_complete(self) -> None:
         """An answer sent: the kept-alive connection is idle again."""

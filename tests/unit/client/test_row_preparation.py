@@ -223,3 +223,29 @@ def test_stopping_refuses_the_requests_not_yet_prepared_without_calling_their_si
         future.result(timeout=5)
     assert not sink.done.is_set()
     assert not future.cancel()  # a caller cannot withdraw a request the worker may run
+
+
+def test_requests_announced_together_are_prepared_in_one_call_as_they_trickle_in(loaded):
+    # Arrange: three requests announced at once (their heads arrived), submitted 30 ms apart
+    # as the HTTP front parses them one by one, with nothing running
+    batcher = Batcher(loaded, threading.Lock(), rows=4, max_queue=8, gather_s=1.0)
+    sinks = [Collected() for _ in range(3)]
+    batcher.start()
+    try:
+        for _ in sinks:
+            batcher.expect()
+        # Act
+        for colour, sink in zip(("red", "blue", "green"), sinks, strict=True):
+            batcher.submit(request(loaded, colour), sink, expected=True)
+            threading.Event().wait(0.03)
+        for sink in sinks:
+            assert sink.done.wait(60)
+        # ... and one not announced: prepared at once (nothing awaited)
+        alone = Collected()
+        batcher.submit(request(loaded, "red"), alone)
+        assert alone.done.wait(60)
+    finally:
+        batcher.stop()
+    # Assert: one preparation call for the three, one for the last
+    assert (batcher.stats.prepare_calls, batcher.stats.prepared) == (2, 4)
+    assert batcher.stats.prefills == 2
