@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from collections.abc import MutableMapping
 from typing import Any
 
 import pytest
@@ -34,12 +35,12 @@ def _link() -> tuple[FrontLink, _Recorded]:
 
 async def _call(api: FrontApi, scope: dict[str, Any], body: bytes = b"{}") -> int:
     """One request through the app; its status."""
-    sent: list[dict[str, Any]] = []
+    sent: list[MutableMapping[str, Any]] = []
 
     async def receive() -> dict[str, Any]:
         return {"type": "http.request", "body": body, "more_body": False}
 
-    async def send(message: dict[str, Any]) -> None:
+    async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message)
 
     full = {"headers": [], "query_string": b"", "root_path": "", "http_version": "1.1",
@@ -50,7 +51,8 @@ async def _call(api: FrontApi, scope: dict[str, Any], body: bytes = b"{}") -> in
 
 def test_a_chat_request_is_announced_when_its_head_arrives_and_nothing_else_is():
     link, transport = _link()
-    chat, health = dict(CHAT), {"type": "http", "method": "GET", "path": "/health"}
+    chat: dict[str, Any] = dict(CHAT)
+    health: dict[str, Any] = {"type": "http", "method": "GET", "path": "/health"}
     announce_chat(link, chat)
     announce_chat(link, health)
     assert [frame["kind"] for frame in transport.frames] == ["expect"]
