@@ -598,6 +598,29 @@ def _floor_line(results: dict[tuple[str, int], list[Cell]]) -> str:
     )
 
 
+def _split_line(results: dict[tuple[str, int], list[Cell]]) -> str:
+    """Where http's wall time a request goes beside plain's, where http falls furthest behind."""
+    ratios = {c: _median_ratio(results[("http", c)], results[("plain", c)], "throughput")
+              for c in CLIENTS}  # fmt: skip
+    worst = min(ratios, key=lambda c: ratios[c])
+
+    def split(path: str) -> str:
+        cells = results[(path, worst)]
+        wall = 1000 / _med(cells, "throughput")  # ms of wall time a request
+        parts = ", ".join(
+            f"{part} {wall * _med(cells, part):.2f}" for part in ("forward", "loop", "idle")
+        )
+        return f"{path} {wall:.2f} ({parts}; {_med(cells, 'passes'):.2f} passes)"
+
+    return (
+        f"- Where `http` falls furthest behind plain ({ratios[worst]:.2f} at {worst} clients), "
+        "the wall time a request, ms: "
+        + "; ".join(split(path) for path in ("plain", "batcher", "http"))
+        + ". Each path's forward passes, decoding loop and idle time, measured as in the "
+        "table."
+    )
+
+
 def _causes(measured: dict[str, Any]) -> list[str]:
     results, costs = measured["results"], measured["costs"]
     per_row = {rows: costs[f"step {rows}"] / rows for rows in (1, 8, 32)}
@@ -656,6 +679,7 @@ def _causes(measured: dict[str, Any]) -> list[str]:
         + ": the front's work runs on the other core, beside the model's, not in turn with "
         "it.",
         _floor_line(results),
+        _split_line(results),
         "- Batch-invariant answers (each row alone): "
         + ", ".join(f"{r:.2f}x plain's throughput at {c}" for c, r in invariant.items())
         + " clients.",
