@@ -172,6 +172,7 @@ class HttpEndpoint:
         self._where: str | None = None
         self._link: socket.socket | None = None
         self._thread: threading.Thread | None = None
+        self._stopping = False
 
     def start(self) -> str:
         """Bind, start the batcher, the front process and the link's reader; say where."""
@@ -193,11 +194,26 @@ class HttpEndpoint:
                       "idle_per_client": self.settings.idle_per_client(),
                       "owner": self._site.settings.name})  # fmt: skip
         self._thread = threading.Thread(
-            target=backend.serve, args=(ready.set,), name="dpmtv-http-link", daemon=True
+            target=self._serve, args=(backend, ready), name="dpmtv-http-link", daemon=True
         )
         self._thread.start()
         self._wait_ready(ready)
         return self._where
+
+    def _serve(self, backend: HttpBackend, ready: threading.Event) -> None:
+        """Answer the front until its link closes; say so loudly if nobody stopped it."""
+        backend.serve(ready.set)
+        if self._stopping or self.front is None:
+            return
+        try:
+            code = self.front.wait(5)
+        except subprocess.TimeoutExpired:
+            code = None
+        _log.error(
+            "the HTTP front ended unexpectedly (exit code %s): the HTTP endpoint is down until "
+            "the service restarts; the rest of the service runs on (see the log above).",
+            code,
+        )
 
     def _wait_ready(self, ready: threading.Event) -> None:
         front = self.front
@@ -224,6 +240,7 @@ class HttpEndpoint:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop taking connections, finish what runs, stop the front and release the socket."""
+        self._stopping = True
         if self._link is not None:
             with contextlib.suppress(OSError):  # the front is gone already
                 self._link.sendall(encode_frame({"kind": "stop"}))

@@ -10,6 +10,7 @@ answering.
 
 from __future__ import annotations
 
+import logging
 import os
 
 os.environ.setdefault("FLWR_TELEMETRY_ENABLED", "0")  # read when flwr is first imported
@@ -588,3 +589,39 @@ def _running(pid: int) -> bool:
     except FileNotFoundError:
         return False
     return state != "Z"
+
+
+def test_a_front_that_dies_is_reported_and_the_service_runs_on(
+    world: World, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # Arrange: the endpoint in this process; its front killed outright
+    from client.release.site import Site
+    from client.service.http_server import HttpEndpoint, HttpSettings
+    from client.settings import SiteSettings
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    settings = SiteSettings(
+        model_path=world.model, state_dir=tmp_path / "state", device="cpu", batch_size=2
+    )
+    endpoint = HttpEndpoint(
+        Site(settings),
+        threading.Lock(),
+        HttpSettings(address=f"unix:{tmp_path / 'http.sock'}", token_file=token_file),
+    )
+    endpoint.start()
+    assert endpoint.front is not None
+    try:
+        # Act
+        with caplog.at_level(logging.ERROR, logger="client.service.http_server"):
+            endpoint.front.kill()
+            deadline = time.monotonic() + 30
+            while "HTTP front ended unexpectedly" not in caplog.text:
+                assert time.monotonic() < deadline, caplog.text
+                time.sleep(0.05)
+    finally:
+        endpoint.stop(timeout=10)
+    # Assert: said, with its exit code
+    assert "exit code -9" in caplog.text
+    assert "down until the service restarts" in caplog.text
