@@ -106,9 +106,10 @@ class HttpBackend:
             answer_ends=AnswerEnds(site.settings),  # refuses private data as public
             capped=self._capped,
         )
+        self._announced = 0  # rows the front announced and has not sent (the reader's own)
         self._handlers: dict[str, Callable[[dict[str, Any], list[bytes]], None]] = {
-            "expect": lambda message, blobs: batcher.expect(),
-            "cancel_expected": lambda message, blobs: batcher.cancel_expected(),
+            "expect": self._expect,
+            "cancel_expected": self._cancel_expected,
             "chat": self._chat,
             "models": self._models,
             "stats": self._stats,
@@ -123,17 +124,40 @@ class HttpBackend:
             except OSError as exc:  # the front ended: its requests' clients are gone too
                 _log.debug("the HTTP front is gone: %s", exc)
 
+    def close(self) -> None:
+        """Close the service's end of the link (the front is gone)."""
+        with self._send_lock:
+            self._link.close()
+
     def serve(self, on_ready: Callable[[], None]) -> None:
-        """Answer frames until the front closes the link (the reader thread's body)."""
-        while True:
-            try:
-                frame = read_frame(self._link)
-            except (LinkError, OSError) as exc:
-                _log.error("the HTTP front's link failed: %s", exc)
-                return
-            if frame is None:
-                return
-            self._dispatch(frame, on_ready)
+        """Answer frames until the front closes the link (the reader thread's body).
+
+        Rows the front announced and never sent are withdrawn when the link ends, so the
+        batcher waits for none of them.
+        """
+        try:
+            while True:
+                try:
+                    frame = read_frame(self._link)
+                except (LinkError, OSError) as exc:
+                    _log.error("the HTTP front's link failed: %s", exc)
+                    return
+                if frame is None:
+                    return
+                self._dispatch(frame, on_ready)
+        finally:
+            for _ in range(self._announced):
+                self.batcher.cancel_expected()
+            self._announced = 0
+
+    def _expect(self, message: dict[str, Any], blobs: list[bytes]) -> None:
+        self._announced += 1
+        self.batcher.expect()
+
+    def _cancel_expected(self, message: dict[str, Any], blobs: list[bytes]) -> None:
+        if self._announced > 0:  # only this front's own announcements
+            self._announced -= 1
+            self.batcher.cancel_expected()
 
     def _dispatch(self, frame: Frame, on_ready: Callable[[], None]) -> None:
         message, blobs = frame
@@ -155,14 +179,17 @@ class HttpBackend:
 
     def _chat(self, message: dict[str, Any], blobs: list[bytes]) -> None:
         """Name the release, build the row request and queue it (see the module docstring)."""
+        expected = self._announced > 0  # it was announced (the front announces every chat)
+        self._announced -= int(expected)
         try:
             frame, request = self._row_request(message, blobs)
         except BaseException:
-            self.batcher.cancel_expected()
+            if expected:
+                self.batcher.cancel_expected()
             raise
         request_id = int(message["id"])
         sink = _LinkSink(self, request_id, streaming=frame.stream)
-        prepared = self.batcher.submit(request, sink, expected=True)
+        prepared = self.batcher.submit(request, sink, expected=expected)
         prepared.add_done_callback(lambda done: self._prepared(request_id, done))
 
     def _prepared(self, request_id: int, prepared: Any) -> None:

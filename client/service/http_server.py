@@ -30,6 +30,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -45,6 +46,9 @@ __all__ = ["HttpEndpoint", "HttpSettings", "IdleConnections", "parse_address", "
 _log = logging.getLogger(__name__)
 _MIN_TOKEN_CHARS = 24
 _START_TIMEOUT_S = 60.0  # the front imports its libraries, then listens
+_RESTARTS = 3
+"""A front that dies is started again at most this often within :data:`_RESTART_WINDOW_S`."""
+_RESTART_WINDOW_S = 60.0
 
 
 @dataclass(frozen=True)
@@ -143,6 +147,10 @@ def read_token(path: Path) -> bytes:
 class HttpEndpoint:
     """The endpoint's socket, its front process, and the batcher and backend beside the model.
 
+    The service keeps the listening socket: a front that dies is started again on it (at most
+    :data:`_RESTARTS` times in :data:`_RESTART_WINDOW_S`), and connections made meanwhile wait
+    in its backlog.
+
     Args:
         site: The site whose model answers.
         model_lock: The lock every use of the site's model takes.
@@ -170,22 +178,33 @@ class HttpEndpoint:
                                batch_invariant=settings.batch_invariant)  # fmt: skip
         self.front: subprocess.Popen[bytes] | None = None
         self._where: str | None = None
+        self._listener: socket.socket | None = None
         self._link: socket.socket | None = None
         self._thread: threading.Thread | None = None
+        self._lock = threading.Lock()  # a restart and a stop never interleave
         self._stopping = False
+        self._deaths: list[float] = []
 
     def start(self) -> str:
         """Bind, start the batcher, the front process and the link's reader; say where."""
-        listener = _listen(self._target, self.settings.socket_mode)
-        self._where = _where(self._target, listener)
-        ours, theirs = socket.socketpair()
-        self._link = ours
+        self._listener = _listen(self._target, self.settings.socket_mode)
+        self._where = _where(self._target, self._listener)
         self.batcher.start()
+        with self._lock:
+            ready = self._launch()
+        self._wait_ready(ready)
+        return self._where
+
+    def _launch(self) -> threading.Event:
+        """Start a front on the listening socket, and the thread that answers its link."""
+        if self._listener is None:
+            raise ServiceError("the HTTP endpoint must be bound before its front starts.")
+        ours, theirs = socket.socketpair()
         try:
-            self.front = _start_front(listener, theirs)
-        finally:  # the front holds its own copies now
+            self.front = _start_front(self._listener, theirs)
+        finally:  # the front holds its own copy now
             theirs.close()
-            listener.close()
+        self._link = ours
         ready = threading.Event()
         backend = HttpBackend(self._site, self.batcher, self._model_lock, ours)
         backend.send({"kind": "init", "token": self._token.decode(),
@@ -194,26 +213,41 @@ class HttpEndpoint:
                       "idle_per_client": self.settings.idle_per_client(),
                       "owner": self._site.settings.name})  # fmt: skip
         self._thread = threading.Thread(
-            target=self._serve, args=(backend, ready), name="dpmtv-http-link", daemon=True
-        )
+            target=self._serve, args=(backend, ready, self.front), name="dpmtv-http-link",
+            daemon=True,
+        )  # fmt: skip
         self._thread.start()
-        self._wait_ready(ready)
-        return self._where
+        return ready
 
-    def _serve(self, backend: HttpBackend, ready: threading.Event) -> None:
-        """Answer the front until its link closes; say so loudly if nobody stopped it."""
+    def _serve(
+        self, backend: HttpBackend, ready: threading.Event, front: subprocess.Popen[bytes]
+    ) -> None:
+        """Answer the front until its link closes; a front that died is started again."""
         backend.serve(ready.set)
-        if self._stopping or self.front is None:
-            return
-        try:
-            code = self.front.wait(5)
-        except subprocess.TimeoutExpired:
-            code = None
-        _log.error(
-            "the HTTP front ended unexpectedly (exit code %s): the HTTP endpoint is down until "
-            "the service restarts; the rest of the service runs on (see the log above).",
-            code,
-        )
+        with self._lock:
+            if self._stopping:
+                return
+            backend.close()
+            try:
+                code = front.wait(5)
+            except subprocess.TimeoutExpired:
+                front.kill()
+                code = front.wait(5)
+            now = time.monotonic()
+            self._deaths = [t for t in self._deaths if now - t < _RESTART_WINDOW_S] + [now]
+            if len(self._deaths) > _RESTARTS:
+                _log.error(
+                    "the HTTP front ended unexpectedly (exit code %s), %d times within %g s: "
+                    "not started again; the HTTP endpoint is down until the service restarts, "
+                    "the rest of the service runs on (see the log above).",
+                    code, len(self._deaths), _RESTART_WINDOW_S,
+                )  # fmt: skip
+                return
+            _log.error(
+                "the HTTP front ended unexpectedly (exit code %s): starting it again (see the "
+                "log above).", code,
+            )  # fmt: skip
+            self._launch()
 
     def _wait_ready(self, ready: threading.Event) -> None:
         front = self.front
@@ -240,22 +274,26 @@ class HttpEndpoint:
 
     def stop(self, timeout: float = 30.0) -> None:
         """Stop taking connections, finish what runs, stop the front and release the socket."""
-        self._stopping = True
-        if self._link is not None:
+        with self._lock:
+            self._stopping = True
+            front, link, thread = self.front, self._link, self._thread
+        if link is not None:
             with contextlib.suppress(OSError):  # the front is gone already
-                self._link.sendall(encode_frame({"kind": "stop"}))
-        if self.front is not None:
+                link.sendall(encode_frame({"kind": "stop"}))
+        if front is not None:
             try:
-                self.front.wait(timeout)
+                front.wait(timeout)
             except subprocess.TimeoutExpired:
                 _log.warning("the HTTP front did not stop within %g s: killed", timeout)
-                self.front.kill()
-                self.front.wait(5)
-        if self._link is not None:
-            self._link.close()
-        if self._thread is not None:
-            self._thread.join(timeout)
+                front.kill()
+                front.wait(5)
+        if link is not None:
+            link.close()
+        if thread is not None:
+            thread.join(timeout)
         self.batcher.stop(timeout)
+        if self._listener is not None:
+            self._listener.close()
         if isinstance(self._target, Path):
             self._target.unlink(missing_ok=True)
 

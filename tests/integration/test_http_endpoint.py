@@ -26,7 +26,7 @@ import sys
 import threading
 import time
 import zlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -591,37 +591,56 @@ def _running(pid: int) -> bool:
     return state != "Z"
 
 
-def test_a_front_that_dies_is_reported_and_the_service_runs_on(
-    world: World, tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
-    # Arrange: the endpoint in this process; its front killed outright
+def test_a_front_that_dies_is_started_again_until_it_dies_too_often(
+    world: World, tmp_path: Path, caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:  # fmt: skip
+    # Arrange: the endpoint in this process, one restart allowed a minute
     from client.release.site import Site
-    from client.service.http_server import HttpEndpoint, HttpSettings
+    from client.service import http_server
     from client.settings import SiteSettings
 
+    monkeypatch.setattr(http_server, "_RESTARTS", 1)
     token_file = tmp_path / "token"
     token_file.write_text(TOKEN)
     token_file.chmod(0o600)
     settings = SiteSettings(
         model_path=world.model, state_dir=tmp_path / "state", device="cpu", batch_size=2
     )
-    endpoint = HttpEndpoint(
+    path = tmp_path / "http.sock"
+    endpoint = http_server.HttpEndpoint(
         Site(settings),
         threading.Lock(),
-        HttpSettings(address=f"unix:{tmp_path / 'http.sock'}", token_file=token_file),
+        http_server.HttpSettings(address=f"unix:{path}", token_file=token_file),
     )
     endpoint.start()
-    assert endpoint.front is not None
+    first = endpoint.front
+    assert first is not None
+    transport = httpx.HTTPTransport(uds=str(path))
+    headers = {"Authorization": f"Bearer {TOKEN}"}
     try:
-        # Act
         with caplog.at_level(logging.ERROR, logger="client.service.http_server"):
-            endpoint.front.kill()
-            deadline = time.monotonic() + 30
-            while "HTTP front ended unexpectedly" not in caplog.text:
-                assert time.monotonic() < deadline, caplog.text
-                time.sleep(0.05)
+            # Act: killed once, it comes back on the same socket and answers
+            first.kill()
+            _wait_for(lambda: "starting it again" in caplog.text)
+            with httpx.Client(transport=transport, base_url="http://site", timeout=60) as client:
+                models = client.get("/v1/models", headers=headers)
+            second = endpoint.front
+            # ... killed again within the minute, it stays down, and says so
+            assert second is not None
+            second.kill()
+            _wait_for(lambda: "not started again" in caplog.text)
     finally:
         endpoint.stop(timeout=10)
-    # Assert: said, with its exit code
+    # Assert
+    assert models.status_code == 200
+    assert second.pid != first.pid
     assert "exit code -9" in caplog.text
     assert "down until the service restarts" in caplog.text
+
+
+def _wait_for(condition: Callable[[], bool], seconds: float = 60) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline
+        time.sleep(0.05)

@@ -134,3 +134,41 @@ def test_the_service_checks_a_chat_frame_again_whatever_the_front_sent(changes, 
     with pytest.raises((ConfigError, ValidationError)):
         ChatFrame.model_validate(_frame(**changes)).check_pixels(blobs)
     ChatFrame.model_validate(_frame()).check_pixels([bytes(6)])  # the same frame, within bounds
+
+
+class _CountingBatcher:
+    def __init__(self) -> None:
+        self.expected = 0
+
+    def expect(self) -> None:
+        self.expected += 1
+
+    def cancel_expected(self) -> None:
+        self.expected = max(0, self.expected - 1)
+
+
+def test_rows_a_front_announced_and_never_sent_are_withdrawn_when_its_link_ends():
+    import threading
+
+    from client.service.http_backend import HttpBackend
+
+    # Arrange: the service's side of a link, without a model (only its frame handling)
+    ours, theirs = socket.socketpair()
+    backend = HttpBackend.__new__(HttpBackend)
+    batcher = _CountingBatcher()
+    backend.batcher = batcher  # type: ignore[assignment]
+    backend._link, backend._send_lock, backend._announced = ours, threading.Lock(), 0
+    backend._handlers = {"expect": backend._expect, "cancel_expected": backend._cancel_expected}
+
+    batcher.expected = 5  # rows announced by others (an earlier front)
+
+    # Act: three announced and four withdrawn (one not this front's to withdraw), two more
+    # announced, then the front dies
+    for kind in ["expect"] * 3 + ["cancel_expected"] * 4 + ["expect"] * 2:
+        theirs.sendall(encode_frame({"kind": kind}))
+    theirs.close()
+    backend.serve(on_ready=lambda: None)
+
+    # Assert: only the others' are left for the batcher to wait for
+    assert batcher.expected == 5
+    ours.close()
