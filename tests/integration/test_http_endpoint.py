@@ -206,6 +206,36 @@ def test_the_openai_client_gets_answers_plain_and_patched(endpoint: Endpoint) ->
     assert patched != {plain}
 
 
+def test_a_large_image_is_decoded_off_the_front_s_event_loop_and_answered_alike(
+    endpoint: Endpoint,
+) -> None:
+    # Arrange: the same pixels as a small PNG and as one carrying 96 KiB of text (a body past
+    # the size parsed on the front's event loop: decoded in a worker thread)
+    small = data_uri("red")
+    padded = "data:image/png;base64," + base64.b64encode(_png_with_text(96 << 10)).decode()
+
+    def answer(url: str) -> str:
+        reply = endpoint.client().chat.completions.create(
+            model="r1", messages=[user("What colour is this?", url)], max_tokens=6
+        )
+        return reply.choices[0].message.content or ""
+
+    # Act / Assert: the same pixels give the same greedy answer, whichever way they came
+    assert len(padded) > 64 << 10
+    assert answer(padded) == answer(small)
+
+
+def _png_with_text(extra: int) -> bytes:
+    """A 40 x 40 red PNG carrying ``extra`` bytes of text metadata (same pixels, a larger body)."""
+    from PIL import PngImagePlugin
+
+    info = PngImagePlugin.PngInfo()
+    info.add_text("comment", "x" * extra)
+    buffer = io.BytesIO()
+    Image.new("RGB", (40, 40), "red").save(buffer, format="PNG", pnginfo=info)
+    return buffer.getvalue()
+
+
 def test_streaming_sends_the_same_answer_in_pieces(endpoint: Endpoint) -> None:
     # Arrange
     client = endpoint.client()
