@@ -1,13 +1,13 @@
 """Batched generation across requests: a bounded queue and one worker that schedules rows.
 
-How this connects: the HTTP endpoint (:mod:`client.service.http_api`) turns each chat request
-into one :class:`~client.service.preparation.RowRequest` (its parsed prompt, the release's
-patch or none, its sampling settings) and hands it to :class:`Batcher` with a sink that
-receives the row's tokens. One worker thread prepares the requests waiting in its queue
-together (:func:`~client.service.preparation.prepare_rows`: one processor call for those that
-tokenise alike, each cut back into its own :class:`~client.service.rows.Row`), then runs the
-rows under the service's model lock (the lock every other use of the model takes, so no
-release's hooks ever see a served row) in one of three modes:
+How this connects: the HTTP endpoint's side in the service (:mod:`client.service.http_backend`)
+turns each chat request into one :class:`~client.service.preparation.RowRequest` (its parsed
+prompt, the release's patch or none, its sampling settings) and hands it to :class:`Batcher`
+with a sink that receives the row's tokens. One worker thread prepares the requests waiting
+in its queue together (:func:`~client.service.preparation.prepare_rows`: one processor call for
+those that tokenise alike, each cut back into its own :class:`~client.service.rows.Row`), then
+runs the rows under the service's model lock (the lock every other use of the model takes, so
+no release's hooks ever see a served row) in one of three modes:
 
 - ``continuous`` (the default where the family allows it): rows join the running batch at the
   next decoding step and leave when they finish (:mod:`client.service.decoding`), up to
