@@ -206,11 +206,11 @@ def test_the_openai_client_gets_answers_plain_and_patched(endpoint: Endpoint) ->
     assert patched != {plain}
 
 
-def test_a_large_image_is_decoded_off_the_front_s_event_loop_and_answered_alike(
+def test_a_body_past_the_front_s_inline_size_is_answered_as_the_small_one(
     endpoint: Endpoint,
 ) -> None:
     # Arrange: the same pixels as a small PNG and as one carrying 96 KiB of text (a body past
-    # the size parsed on the front's event loop: decoded in a worker thread)
+    # the size the front parses on its event loop: it goes through its worker threads)
     small = data_uri("red")
     padded = "data:image/png;base64," + base64.b64encode(_png_with_text(96 << 10)).decode()
 
@@ -518,22 +518,8 @@ def test_a_unix_socket_endpoint_is_private_answers_and_is_removed_at_stop(
     world: World, tmp_path: Path
 ) -> None:
     # Arrange: the endpoint in this process, on a Unix socket of mode 600
-    from client.release.site import Site
-    from client.service.http_server import HttpEndpoint, HttpSettings
-    from client.settings import SiteSettings
-
-    token_file = tmp_path / "token"
-    token_file.write_text(TOKEN)
-    token_file.chmod(0o600)
-    settings = SiteSettings(
-        model_path=world.model, state_dir=tmp_path / "state", device="cpu", batch_size=2
-    )
     path = tmp_path / "http.sock"
-    endpoint = HttpEndpoint(
-        Site(settings),
-        threading.Lock(),
-        HttpSettings(address=f"unix:{path}", token_file=token_file, socket_mode=0o600),
-    )
+    endpoint = _unix_endpoint(world, tmp_path, path, socket_mode=0o600)
     # Act
     assert endpoint.start() == f"unix:{path}"
     front = endpoint.front
@@ -564,6 +550,22 @@ def test_a_unix_socket_endpoint_is_private_answers_and_is_removed_at_stop(
     assert "libtorch" not in mapped
     assert TOKEN.encode() not in command_line
     assert front.poll() == 0
+
+
+def _unix_endpoint(world: World, tmp_path: Path, path: Path, **bounds: Any) -> Any:
+    """An endpoint in this process on the Unix socket ``path`` (not started)."""
+    from client.release.site import Site
+    from client.service.http_server import HttpEndpoint, HttpSettings
+    from client.settings import SiteSettings
+
+    token_file = tmp_path / "token"
+    token_file.write_text(TOKEN)
+    token_file.chmod(0o600)
+    settings = SiteSettings(
+        model_path=world.model, state_dir=tmp_path / "state", device="cpu", batch_size=2
+    )
+    http = HttpSettings(address=f"unix:{path}", token_file=token_file, **bounds)
+    return HttpEndpoint(Site(settings), threading.Lock(), http)
 
 
 _SERVE_AND_WAIT = """
@@ -626,23 +628,11 @@ def test_a_front_that_dies_is_started_again_until_it_dies_too_often(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:  # fmt: skip
     # Arrange: the endpoint in this process, one restart allowed a minute
-    from client.release.site import Site
     from client.service import http_server
-    from client.settings import SiteSettings
 
     monkeypatch.setattr(http_server, "_RESTARTS", 1)
-    token_file = tmp_path / "token"
-    token_file.write_text(TOKEN)
-    token_file.chmod(0o600)
-    settings = SiteSettings(
-        model_path=world.model, state_dir=tmp_path / "state", device="cpu", batch_size=2
-    )
     path = tmp_path / "http.sock"
-    endpoint = http_server.HttpEndpoint(
-        Site(settings),
-        threading.Lock(),
-        http_server.HttpSettings(address=f"unix:{path}", token_file=token_file),
-    )
+    endpoint = _unix_endpoint(world, tmp_path, path)
     endpoint.start()
     first = endpoint.front
     assert first is not None

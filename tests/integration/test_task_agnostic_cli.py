@@ -170,6 +170,26 @@ def _release(world: Path, out: str, *extra: str) -> list[str]:
     ]  # fmt: skip
 
 
+def _private_release(world: Path, tmp_path: Path, *options: str) -> list[str]:
+    """A private release of the private site's data into ``tmp_path``, with ``options``."""
+    return [
+        "release", *_model(world), "--data", str(world / "private" / "site-0"), "--out",
+        str(tmp_path / "artifact"), *options, "--shots", "2",
+        "--signing-key", str(world / "keys" / "site.key"), "--ledger",
+        str(tmp_path / "ledger.sqlite"), "--quiet",
+    ]  # fmt: skip
+
+
+def _signed(world: Path, tmp_path: Path) -> tuple[Any, ReleasePlan]:
+    """The artifact ``_private_release`` wrote, verified, and its signed plan."""
+    artifact = load_artifact(
+        tmp_path / "artifact",
+        trusted_keys=TrustedKeys.from_files([world / "keys" / "site.pub"]),
+        expected_model_fingerprint=fingerprint_model_dir(world / "model"),
+    )
+    return artifact, ReleasePlan.model_validate_json(json.dumps(artifact.manifest.plan))
+
+
 def test_release_uses_the_centre_its_heads_were_chosen_with_or_refuses(
     world, selected, capsys, tmp_path
 ):
@@ -226,23 +246,13 @@ def test_a_private_release_first_choice_releases_among_its_candidates_as_printed
     assert len(candidates) == 2 * record["heads_k"]
 
     # Act: the release the file describes
-    ledger = tmp_path / "ledger.sqlite"
-    release = [
-        "release", *_model(world), "--data", str(world / "private" / "site-0"), "--out",
-        str(tmp_path / "artifact"), "--selection", "private", "--heads", str(record["heads_k"]),
-        "--candidate-heads", str(out), "--centre", record["centre_file"], "--shots", "2",
-        "--signing-key", str(world / "keys" / "site.key"), "--ledger", str(ledger), "--quiet",
-    ]  # fmt: skip
-    assert main(release) == 0
+    options = ["--selection", "private", "--heads", str(record["heads_k"]),
+               "--candidate-heads", str(out), "--centre", record["centre_file"]]  # fmt: skip
+    assert main(_private_release(world, tmp_path, *options)) == 0
 
     # Assert: the signed plan runs release-first among the file's candidates, with its C';
     # the picks are candidates; σ is the one of a Gaussian over the candidates' layers
-    artifact = load_artifact(
-        tmp_path / "artifact",
-        trusted_keys=TrustedKeys.from_files([world / "keys" / "site.pub"]),
-        expected_model_fingerprint=fingerprint_model_dir(world / "model"),
-    )
-    plan = ReleasePlan.model_validate_json(json.dumps(artifact.manifest.plan))
+    artifact, plan = _signed(world, tmp_path)
     assert plan.order is ReleaseOrder.RELEASE_FIRST
     assert [tuple(h) for h in plan.candidate_heads or ()] == candidates
     assert plan.clip_norm == pytest.approx(record["clip_norm_suggestion"])
@@ -270,21 +280,10 @@ def test_private_picks_among_every_head_release_first_as_printed(world, tmp_path
     options = next(line for line in printed.splitlines() if "--selection private" in line)
 
     # Act: the release exactly as printed
-    release = [
-        "release", *_model(world), "--data", str(world / "private" / "site-0"), "--out",
-        str(tmp_path / "artifact"), *options.split(), "--shots", "2",
-        "--signing-key", str(world / "keys" / "site.key"), "--ledger",
-        str(tmp_path / "ledger.sqlite"), "--quiet",
-    ]  # fmt: skip
-    assert main(release) == 0
+    assert main(_private_release(world, tmp_path, *options.split())) == 0
 
     # Assert: release-first without candidates, C' as suggested, σ over every carried layer
-    artifact = load_artifact(
-        tmp_path / "artifact",
-        trusted_keys=TrustedKeys.from_files([world / "keys" / "site.pub"]),
-        expected_model_fingerprint=fingerprint_model_dir(world / "model"),
-    )
-    plan = ReleasePlan.model_validate_json(json.dumps(artifact.manifest.plan))
+    artifact, plan = _signed(world, tmp_path)
     assert plan.order is ReleaseOrder.RELEASE_FIRST
     assert plan.candidate_heads is None
     assert plan.clip_norm == pytest.approx(record["clip_norm_suggestion"], rel=1e-5)

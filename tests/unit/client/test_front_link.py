@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import socket
 import struct
+from typing import Any
 
 import pytest
 
@@ -147,28 +148,62 @@ class _CountingBatcher:
         self.expected = max(0, self.expected - 1)
 
 
-def test_rows_a_front_announced_and_never_sent_are_withdrawn_when_its_link_ends():
+def _backend(batcher: _CountingBatcher, link: socket.socket) -> Any:
+    """The service's side of a link without a model: its frame handling only."""
     import threading
 
     from client.service.http_backend import HttpBackend
 
-    # Arrange: the service's side of a link, without a model (only its frame handling)
-    ours, theirs = socket.socketpair()
     backend = HttpBackend.__new__(HttpBackend)
-    batcher = _CountingBatcher()
     backend.batcher = batcher  # type: ignore[assignment]
-    backend._link, backend._send_lock, backend._announced = ours, threading.Lock(), 0
-    backend._handlers = {"expect": backend._expect, "cancel_expected": backend._cancel_expected}
+    backend._link, backend._send_lock, backend._announced = link, threading.Lock(), 0
+    backend._handlers = {"expect": backend._expect, "cancel_expected": backend._cancel_expected,
+                         "chat": backend._chat}  # fmt: skip
+    return backend
 
+
+def test_rows_a_front_announced_and_never_sent_are_withdrawn_when_its_link_ends():
+    # Arrange
+    ours, theirs = socket.socketpair()
+    batcher = _CountingBatcher()
+    backend = _backend(batcher, ours)
     batcher.expected = 5  # rows announced by others (an earlier front)
 
     # Act: three announced and four withdrawn (one not this front's to withdraw), two more
     # announced, then the front dies
-    for kind in ["expect"] * 3 + ["cancel_expected"] * 4 + ["expect"] * 2:
-        theirs.sendall(encode_frame({"kind": kind}))
-    theirs.close()
-    backend.serve(on_ready=lambda: None)
+    with ours, theirs:
+        for kind in ["expect"] * 3 + ["cancel_expected"] * 4 + ["expect"] * 2:
+            theirs.sendall(encode_frame({"kind": kind}))
+        theirs.close()
+        backend.serve(on_ready=lambda: None)
 
     # Assert: only the others' are left for the batcher to wait for
     assert batcher.expected == 5
-    ours.close()
+
+
+@pytest.mark.parametrize(
+    ("changes", "blobs"),
+    [
+        ({"max_new_tokens": 10**6}, [bytes(6)]),
+        ({}, [bytes(5)]),  # pixels that do not fit the size
+    ],
+)
+def test_a_chat_frame_beyond_a_request_s_bounds_is_refused_by_the_service(changes, blobs):
+    # Arrange: an announced chat frame that no checked request could be
+    ours, theirs = socket.socketpair()
+    batcher = _CountingBatcher()
+    backend = _backend(batcher, ours)
+
+    # Act
+    with ours, theirs:
+        backend._dispatch((_frame(**changes) | {"id": 3}, blobs), lambda: None)  # unannounced
+        backend._dispatch(({"kind": "expect"}, []), lambda: None)
+        backend._dispatch((_frame(**changes) | {"id": 4}, blobs), lambda: None)
+        ours.close()
+        replies = [read_frame(theirs), read_frame(theirs)]
+
+    # Assert: answered 400 before any release is named or row queued; its announcement gone
+    assert [(r[0]["id"], r[0]["kind"], r[0]["status"]) for r in replies if r] == [
+        (3, "error", 400), (4, "error", 400)
+    ]  # fmt: skip
+    assert batcher.expected == 0
