@@ -14,7 +14,7 @@ suppressed, so every path does the same work). The paths alternate within each r
   stored release (all heads); each client thread prepares its row, as the endpoint does.
 - **http**: the whole endpoint (:class:`client.service.http_server.HttpEndpoint`) on
   127.0.0.1, every request patched, its clients in a process of their own
-  (``benchmarks/_serving_clients.py``, keep-alive ``http.client`` connections, images as
+  (``benchmarks/_serving_clients.py``, keep-alive HTTP/1.1 connections, images as
   data URIs); its front process (HTTP, JSON, images) runs beside the service's (the model).
   ``http`` against ``batcher`` is the HTTP layer's own cost.
 - **http-floor**: the same endpoint with the model taken out (:class:`AnsweringAtOnce`):
@@ -361,7 +361,7 @@ def _http(
            "seconds": args.seconds, "tokens": args.max_tokens, "model": "r1"}  # fmt: skip
     try:
         client = Client(job)  # untimed: the release is verified on first use
-        client.ask(body_of(job, 0))
+        client.ask(client.request(body_of(job, 0)))
         client.close()
         stats = endpoint.batcher.stats
         before, worked = clock.snapshot(), stats.worker_seconds

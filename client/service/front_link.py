@@ -19,15 +19,22 @@ Light on purpose (no model): the front imports it.
 from __future__ import annotations
 
 import json
+import logging
 import socket
 import struct
+import threading
 from collections.abc import Sequence
 from typing import Any
 
 from client.service.request_limits import MAX_IMAGE_PIXELS, MAX_IMAGES
 from dpmtv_common.errors import ServiceError
 
-__all__ = ["MAX_FRAME_BYTES", "Frame", "FrameReader", "LinkError", "encode_frame", "read_frame"]
+__all__ = [
+    "MAX_FRAME_BYTES", "Frame", "FrameReader", "FrameWriter", "LinkError", "encode_frame",
+    "read_frame",
+]  # fmt: skip
+
+_log = logging.getLogger(__name__)
 
 _HEAD = struct.Struct("!II")
 _MAX_JSON_BYTES = 1 << 20  # questions, instruction and answers of one request, with room
@@ -125,3 +132,66 @@ class FrameReader:
             del self._buffer[: text + size]
             self._need = None
             frames.append(_decode(body[:text], body[text:]))
+
+
+class FrameWriter:
+    """Frames to one socket from any thread, written by a thread of their own, in order.
+
+    Why a thread: the site service's batcher worker sends each row's tokens and answer; it
+    must never wait on the socket (a front slow to read would stall the model). Frames
+    queued while a write runs leave together in the next write, so a step that ends eight
+    rows costs the link one system call and the front one wake-up, not eight.
+
+    Once the socket fails (the front is gone) the writer stops and drops what is queued and
+    what comes after: the front's clients are gone with it.
+    """
+
+    def __init__(self, sock: socket.socket, *, name: str) -> None:
+        self._sock = sock
+        self._queue: list[tuple[dict[str, Any], Sequence[bytes]]] = []
+        self._ready = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._run, name=name, daemon=True)
+        self._thread.start()
+
+    def send(self, message: dict[str, Any], blobs: Sequence[bytes] = ()) -> None:
+        """Queue one frame; never blocks (the JSON is encoded on the writer's thread)."""
+        with self._ready:
+            if not self._closed:
+                self._queue.append((message, blobs))
+                self._ready.notify()
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Write what is queued, then stop (the socket stays open: its owner closes it)."""
+        with self._ready:
+            self._closed = True
+            self._ready.notify()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout)
+
+    def _run(self) -> None:
+        while True:
+            with self._ready:
+                while not self._queue and not self._closed:
+                    self._ready.wait()
+                batch, self._queue = self._queue, []
+            if not batch:
+                return
+            try:
+                self._sock.sendall(b"".join(_encoded(batch)))
+            except OSError as exc:
+                _log.debug("the link's writer stops: %s", exc)
+                with self._ready:
+                    self._closed = True
+                    self._queue = []
+                return
+
+
+def _encoded(batch: list[tuple[dict[str, Any], Sequence[bytes]]]) -> list[bytes]:
+    frames = []
+    for message, blobs in batch:
+        try:
+            frames.append(encode_frame(message, blobs))
+        except LinkError as exc:  # a bug of ours: no frame the service builds is this large
+            _log.error("a frame to the HTTP front was dropped: %s", exc)
+    return frames

@@ -32,7 +32,7 @@ from client.release.site import Site
 from client.service.answer_ends import AnswerEnds
 from client.service.batching import Batcher, OverloadedError
 from client.service.chat_format import ChatFrame, prompt_of
-from client.service.front_link import Frame, LinkError, encode_frame, read_frame
+from client.service.front_link import Frame, FrameWriter, LinkError, read_frame
 from client.service.preparation import RowRequest
 from client.service.releases import ReleaseCatalogue, UnknownModelError
 from client.service.rows import Row
@@ -97,7 +97,7 @@ class HttpBackend:
         self.site = site
         self.batcher = batcher
         self._link = link
-        self._send_lock = threading.Lock()
+        self._writer = FrameWriter(link, name="dpmtv-http-link-writer")
         self._capped_lock = threading.Lock()
         self._capped_models: dict[int | None, LoadedModel] = {}
         self.catalogue = ReleaseCatalogue(
@@ -116,18 +116,17 @@ class HttpBackend:
         }
 
     def send(self, message: dict[str, Any], blobs: tuple[bytes, ...] = ()) -> None:
-        """One frame to the front (from any thread); dropped if the front is gone."""
-        frame = encode_frame(message, blobs)
-        with self._send_lock:
-            try:
-                self._link.sendall(frame)
-            except OSError as exc:  # the front ended: its requests' clients are gone too
-                _log.debug("the HTTP front is gone: %s", exc)
+        """One frame to the front, from any thread, never waiting on the link.
+
+        Written by :class:`~client.service.front_link.FrameWriter`; dropped once the front is
+        gone (its clients are gone with it).
+        """
+        self._writer.send(message, blobs)
 
     def close(self) -> None:
-        """Close the service's end of the link (the front is gone)."""
-        with self._send_lock:
-            self._link.close()
+        """Write what is queued, then close the service's end of the link."""
+        self._writer.close()
+        self._link.close()
 
     def serve(self, on_ready: Callable[[], None]) -> None:
         """Answer frames until the front closes the link (the reader thread's body).

@@ -4,7 +4,7 @@ How this connects: :class:`~client.service.http_server.HttpEndpoint` binds the l
 socket, then starts ``python -m client.service.http_front --listen-fd N --link-fd M`` with
 that socket and its end of a Unix socket pair. The front reads its settings (the token among
 them: never on its command line) from the link's first frame, serves the routes of
-:mod:`client.service.http_api` with uvicorn (h11, connections bounded by
+:mod:`client.service.http_api` with uvicorn (httptools, else h11; connections bounded by
 :mod:`client.service.http_guard`), says ``ready`` once it listens, and stops when the site
 service says ``stop`` or its end of the link closes (the service stopped or died: no front
 outlives it).
@@ -27,7 +27,7 @@ import uvicorn
 
 from client.service.front_link import read_frame
 from client.service.http_api import FrontApi, FrontLink, announce_chat, build_app
-from client.service.http_guard import GuardedH11, IdleConnections
+from client.service.http_guard import IdleConnections, guarded_protocol
 
 __all__ = ["main"]
 
@@ -59,8 +59,7 @@ async def _serve(listener: socket.socket, link_socket: socket.socket) -> None:
         link=link,
     )
     idle = IdleConnections(int(settings["idle_per_client"]))  # type: ignore[call-overload]
-    announce = staticmethod(functools.partial(announce_chat, link))
-    protocol = type("_EndpointH11", (GuardedH11,), {"idle": idle, "on_head": announce})
+    protocol = guarded_protocol(idle, functools.partial(announce_chat, link))
     config = uvicorn.Config(
         build_app(api),
         lifespan="off",

@@ -5,14 +5,15 @@ How this connects: ``dpmtv-site serve ... --http 127.0.0.1:8080 --http-token-fil
 ledger. It binds the socket itself (a loopback address, or a Unix socket with the admin's
 mode, unless ``--http-allow-remote``: then put TLS in front, the token travels in clear),
 reads the admin's token, and starts the HTTP front (:mod:`client.service.http_front`) as a
-process of its own on that socket: uvicorn (h11) on the routes of
+process of its own on that socket: uvicorn (on the httptools parser where it is installed,
+else h11) on the routes of
 :mod:`client.service.http_api`, which parse, check and decode each request there and send it
 over a Unix socket pair (:mod:`client.service.front_link`) to this process, where
 :class:`~client.service.http_backend.HttpBackend` names its release and the batcher runs its
 row. The model, the artifacts and every path of the site stay in this process.
 
 uvicorn answers requests beyond ``max_connections`` open connections with 503;
-:class:`~client.service.http_guard.GuardedH11` keeps open connections below that limit (a
+:mod:`client.service.http_guard` keeps open connections below that limit (a
 newcomer closes the oldest connection without a request under way; it is refused only when
 every other one has a request under way), bounds idle ones per client address, and closes
 any whose request head does not arrive whole within 10 s: connections held open without a
@@ -21,7 +22,6 @@ request never keep a real request out.
 
 from __future__ import annotations
 
-import contextlib
 import ipaddress
 import logging
 import os
@@ -36,7 +36,6 @@ from pathlib import Path
 
 from client.release.site import Site
 from client.service.batching import Batcher
-from client.service.front_link import encode_frame
 from client.service.http_backend import HttpBackend
 from client.service.http_guard import IdleConnections
 from dpmtv_common.errors import ConfigError, ServiceError
@@ -179,7 +178,7 @@ class HttpEndpoint:
         self.front: subprocess.Popen[bytes] | None = None
         self._where: str | None = None
         self._listener: socket.socket | None = None
-        self._link: socket.socket | None = None
+        self._backend: HttpBackend | None = None
         self._thread: threading.Thread | None = None
         self._lock = threading.Lock()  # a restart and a stop never interleave
         self._stopping = False
@@ -204,9 +203,9 @@ class HttpEndpoint:
             self.front = _start_front(self._listener, theirs)
         finally:  # the front holds its own copy now
             theirs.close()
-        self._link = ours
         ready = threading.Event()
         backend = HttpBackend(self._site, self.batcher, self._model_lock, ours)
+        self._backend = backend
         backend.send({"kind": "init", "token": self._token.decode(),
                       "max_queue": self.settings.max_queue,
                       "max_connections": self.settings.max_connections,
@@ -276,10 +275,9 @@ class HttpEndpoint:
         """Stop taking connections, finish what runs, stop the front and release the socket."""
         with self._lock:
             self._stopping = True
-            front, link, thread = self.front, self._link, self._thread
-        if link is not None:
-            with contextlib.suppress(OSError):  # the front is gone already
-                link.sendall(encode_frame({"kind": "stop"}))
+            front, backend, thread = self.front, self._backend, self._thread
+        if backend is not None:
+            backend.send({"kind": "stop"})  # dropped if the front is gone already
         if front is not None:
             try:
                 front.wait(timeout)
@@ -287,8 +285,8 @@ class HttpEndpoint:
                 _log.warning("the HTTP front did not stop within %g s: killed", timeout)
                 front.kill()
                 front.wait(5)
-        if link is not None:
-            link.close()
+        if backend is not None:
+            backend.close()
         if thread is not None:
             thread.join(timeout)
         self.batcher.stop(timeout)

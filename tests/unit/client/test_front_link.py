@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import socket
 import struct
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -13,6 +15,7 @@ from client.service.batching import OverloadedError
 from client.service.front_link import (
     MAX_FRAME_BYTES,
     FrameReader,
+    FrameWriter,
     LinkError,
     encode_frame,
     read_frame,
@@ -150,13 +153,13 @@ class _CountingBatcher:
 
 def _backend(batcher: _CountingBatcher, link: socket.socket) -> Any:
     """The service's side of a link without a model: its frame handling only."""
-    import threading
-
+    from client.service.front_link import FrameWriter
     from client.service.http_backend import HttpBackend
 
     backend = HttpBackend.__new__(HttpBackend)
     backend.batcher = batcher  # type: ignore[assignment]
-    backend._link, backend._send_lock, backend._announced = link, threading.Lock(), 0
+    backend._link, backend._announced = link, 0
+    backend._writer = FrameWriter(link, name="test-link-writer")
     backend._handlers = {"expect": backend._expect, "cancel_expected": backend._cancel_expected,
                          "chat": backend._chat}  # fmt: skip
     return backend
@@ -199,7 +202,7 @@ def test_a_chat_frame_beyond_a_request_s_bounds_is_refused_by_the_service(change
         backend._dispatch((_frame(**changes) | {"id": 3}, blobs), lambda: None)  # unannounced
         backend._dispatch(({"kind": "expect"}, []), lambda: None)
         backend._dispatch((_frame(**changes) | {"id": 4}, blobs), lambda: None)
-        ours.close()
+        backend.close()  # what it queued is written first
         replies = [read_frame(theirs), read_frame(theirs)]
 
     # Assert: answered 400 before any release is named or row queued; its announcement gone
@@ -207,3 +210,63 @@ def test_a_chat_frame_beyond_a_request_s_bounds_is_refused_by_the_service(change
         (3, "error", 400), (4, "error", 400)
     ]  # fmt: skip
     assert batcher.expected == 0
+
+
+def test_the_writer_never_waits_on_a_peer_that_does_not_read():
+    # Arrange: a peer that reads nothing, and more frames than the socket's buffers hold
+    ours, theirs = socket.socketpair()
+    writer = FrameWriter(ours, name="test-link-writer")
+    frame = {"kind": "token", "id": 1, "text": "x" * 4096}
+
+    # Act
+    with ours, theirs:
+        started = time.monotonic()
+        for _ in range(2000):  # 8 MB: far beyond a socket pair's buffers
+            writer.send(frame)
+        took = time.monotonic() - started
+
+        # Assert: queued at once; all of it arrives, whole and in order, once the peer reads
+        assert took < 2.0, took
+        got = [read_frame(theirs) for _ in range(2000)]
+        writer.close()
+    assert all(g is not None and g[0] == frame for g in got)
+
+
+def test_the_writer_keeps_each_thread_s_order_and_writes_what_is_queued_before_closing():
+    # Arrange
+    ours, theirs = socket.socketpair()
+    writer = FrameWriter(ours, name="test-link-writer")
+
+    def send(thread: int) -> None:
+        for n in range(300):
+            writer.send({"kind": "token", "id": thread, "n": n}, (bytes([thread]) * n,))
+
+    # Act: three threads at once, then close with frames still queued
+    with ours, theirs:
+        threads = [threading.Thread(target=send, args=(t,)) for t in range(3)]
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        writer.close()
+        ours.shutdown(socket.SHUT_WR)
+        frames = []
+        while (frame := read_frame(theirs)) is not None:
+            frames.append(frame)
+
+    # Assert: every frame, whole, each thread's in its order
+    assert len(frames) == 900
+    for sender in range(3):
+        mine = [(m["n"], blobs) for m, blobs in frames if m["id"] == sender]
+        assert mine == [(n, [bytes([sender]) * n]) for n in range(300)]
+
+
+def test_the_writer_drops_frames_once_its_peer_is_gone_and_raises_nothing():
+    ours, theirs = socket.socketpair()
+    writer = FrameWriter(ours, name="test-link-writer")
+    theirs.close()
+    with ours:
+        for _ in range(100):
+            writer.send({"kind": "token", "id": 1, "text": "x" * 4096})
+        writer.close()
+    assert not writer._thread.is_alive()
