@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import json
 import os
 import statistics
@@ -73,8 +74,9 @@ from client.activations.hooks import PatchPolicy
 from client.models import Example, LoadedModel, Prompt, save_tiny_model
 from client.models.pretrained import default_pretrained_model_dir
 from client.release.site import Site
-from client.service import http_server
+from client.service import http_backend, http_server
 from client.service.batching import Batcher
+from client.service.decoding import ContinuousBatch
 from client.service.http_server import HttpEndpoint, HttpSettings
 from client.service.preparation import RowRequest
 from client.service.releases import ReleaseCatalogue
@@ -146,6 +148,58 @@ def _profile(
         "passes": (clock.passes - passes) / answered,
         "cpu": (time.process_time() - cpu) / answered,
     }
+
+
+@dataclass
+class RoundClock:
+    """Between batches over HTTP: from a batch's last answer sent to its next batch's rows.
+
+    Wraps the service side (its answers to the front, the batcher's submits and joins): a
+    round starts with the first answer after the model starts rows, and ends when it starts
+    rows again; its gap is from the round's last answer leaving the service to the last
+    request submitted before those rows start. With every client answered together (a closed
+    loop in step), that gap is the clients', the front's and the link's work on the next
+    requests, while the model waits.
+    """
+
+    gaps: list[float] = field(default_factory=list)
+    _answered: float | None = None
+    _submitted: float | None = None
+
+    def install(self) -> contextlib.ExitStack:
+        """Wrap the service side's answers, submits and joins (undone on leaving)."""
+        stack = contextlib.ExitStack()
+        wraps = (
+            (http_backend._LinkSink, "finish", self._answer),
+            (Batcher, "submit", self._submit),
+            (ContinuousBatch, "join", self._join),
+        )
+        for owner, name, record in wraps:
+            timed = _after(getattr(owner, name), record)
+            stack.enter_context(mock.patch.object(owner, name, timed))
+        return stack
+
+    def _answer(self) -> None:
+        self._answered = time.perf_counter()
+
+    def _submit(self) -> None:
+        if self._answered is not None:
+            self._submitted = time.perf_counter()
+
+    def _join(self) -> None:
+        if self._answered is not None and self._submitted is not None:
+            self.gaps.append(self._submitted - self._answered)
+        self._answered = self._submitted = None
+
+
+def _after(method: Any, record: Any) -> Any:
+    def wrapped(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(*args, **kwargs)
+        finally:
+            record()
+
+    return wrapped
 
 
 def _timed(latencies: list[float], elapsed: float) -> Cell:
@@ -356,6 +410,7 @@ def _http(
     )  # fmt: skip
     with mock.patch.object(http_server, "Batcher", Batcher if model else AnsweringAtOnce):
         endpoint = HttpEndpoint(site, threading.Lock(), settings)
+    rounds = RoundClock()
     url = endpoint.start() + "/v1/chat/completions"
     job = {"url": url, "token": TOKEN, "clients": clients, "requests": n,
            "seconds": args.seconds, "tokens": args.max_tokens, "model": "r1"}  # fmt: skip
@@ -367,10 +422,11 @@ def _http(
         before, worked = clock.snapshot(), stats.worker_seconds
         prep = (stats.prepare_seconds, stats.prepared, stats.prepare_calls)
         front = _process_cpu(endpoint.front)
-        done = subprocess.run(  # noqa: S603 (our own script, no input of anyone's)
-            [sys.executable, str(REPO / "benchmarks" / "_serving_clients.py")],
-            input=json.dumps(job), capture_output=True, text=True, check=True,
-        )  # fmt: skip
+        with rounds.install():
+            done = subprocess.run(  # noqa: S603 (our own script, no input of anyone's)
+                [sys.executable, str(REPO / "benchmarks" / "_serving_clients.py")],
+                input=json.dumps(job), capture_output=True, text=True, check=True,
+            )  # fmt: skip
         front = _process_cpu(endpoint.front) - front
     finally:
         endpoint.stop()
@@ -384,9 +440,10 @@ def _http(
     )
     cell = _timed(result["latencies"], elapsed) | profile | prepared
     service = cell["cpu"]  # this process: the model, the batcher, the link's reader
+    gap = statistics.median(rounds.gaps) if rounds.gaps else float("nan")
     return cell | {
         "client_cpu": result["cpu"] / answered, "front_cpu": front / answered,
-        "service_cpu": service, "cpu": service + front / answered,
+        "service_cpu": service, "cpu": service + front / answered, "round_gap": gap,
     }  # fmt: skip
 
 
@@ -612,12 +669,19 @@ def _split_line(results: dict[tuple[str, int], list[Cell]]) -> str:
         )
         return f"{path} {wall:.2f} ({parts}; {_med(cells, 'passes'):.2f} passes)"
 
+    http = results[("http", worst)]
+    front = 1000 * _med(http, "front_cpu")
     return (
         f"- Where `http` falls furthest behind plain ({ratios[worst]:.2f} at {worst} clients), "
         "the wall time a request, ms: "
         + "; ".join(split(path) for path in ("plain", "batcher", "http"))
         + ". Each path's forward passes, decoding loop and idle time, measured as in the "
-        "table."
+        f"table. Between batches (`http`, {worst} clients), the last request of a batch "
+        f"reached the batcher a median {1000 * _med(http, 'round_gap'):.1f} ms after the "
+        "last answer of the batch before it left the service, while the model waited: the "
+        "clients answered in one step ask again together, and the front handles their "
+        f"requests one after another ({front:.2f} ms of CPU a request, {worst * front:.1f} "
+        f"ms for {worst})."
     )
 
 
