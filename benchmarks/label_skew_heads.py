@@ -11,11 +11,13 @@ non-private* mean in each head set, so only the head choice differs:
   found among them;
 * the top k by the sites' noise-free vote totals (the private selection's score, no noise),
   among the 2k candidates and among every head;
-* the top k by the sites' attribution votes against the pooled mean, among every head
-  (release-first's score, with the noise-free mean in place of the released vector);
+* the top k by the sites' attribution votes against the pooled mean, among the candidates and
+  among every head (release-first's score, with the noise-free mean in place of the
+  released vector);
 
-and the private release itself (public candidates) at the planned selection share and at
-larger shares (``--shares``), ``--draws`` noise draws each. Reads the sites' activations and
+and the private release itself in release-first order, among the candidates and among every
+head (each option's k and C' chosen on the public tasks), at the planned selection share and
+at larger shares (``--shares``), ``--draws`` noise draws each. Reads the sites' activations and
 votes kept by ``label_skew_release.py --cache-dir CACHE`` (or computes them). Writes
 ``docs/benchmarks/label-skew-heads.md``::
 
@@ -40,15 +42,16 @@ from dpmtv_common.thread_policy import apply_thread_policy
 apply_thread_policy()  # before torch loads
 
 import numpy as np
-from headline import choice_plan, choose, release_draws
+from headline import choice_plan, choose_all, release_draws
 from label_skew_release import prepare, rows_of
 
 from client.models import load_model
 from client.models.pretrained import pretrained_model_path
-from client.public.scope import HeadsMode
+from client.public.scope import HeadsMode, PlannedRelease, ScopeChoice, choose_each
 from client.public.selection import select_heads_attribution
 from client.public.tasks import rank_heads
 from dpmtv_common.heads import HeadSet
+from protocol import ReleasePlan, plan_gumbel_scale, plan_noise_multiplier
 
 
 def parse_args() -> argparse.Namespace:
@@ -73,6 +76,23 @@ def parse_args() -> argparse.Namespace:
     return args
 
 
+def held_out_at(args, loaded, data, choice: ScopeChoice, plan: ReleasePlan, m: int) -> float:
+    """What the public choice predicts for ``choice``'s k and C' under ``plan``'s noise.
+
+    The simulation on held-out public tasks that chose them (then at the planned share), over
+    ``m`` pooled chunks.
+    """
+    planned = PlannedRelease(
+        plan_noise_multiplier(plan), m, draws=args.choice_draws, every_head=True,
+        gumbel_scale=plan_gumbel_scale(plan), among_every_head=choice.among_every_head,
+    )  # fmt: skip
+    (again,) = choose_each(
+        loaded, data.public, planned=[(HeadsMode.PRIVATE, planned)], ks=[choice.k],
+        factors=[choice.factor], mode=HeadsMode.PRIVATE,
+    )  # fmt: skip
+    return again.held_out
+
+
 def main() -> int:
     args = parse_args()
     started = time.monotonic()
@@ -92,12 +112,12 @@ def main() -> int:
             ranked = sorted(pool, key=lambda h: float(votes[h[0], h[1]]), reverse=True)
             return HeadSet.of(sorted(ranked[: args.k]))
 
-        def by_attribution() -> HeadSet:
+        def by_attribution(among) -> HeadSet:
             # Release-first's score without its noise: each chunk's top-k heads by attribution
             # of the pooled mean on its own answer (the production scoring), summed over sites.
             reference = data.pooled_mean.numpy()
             totals = sum(
-                site.attribution_vote(reference, args.k, carried).total for site in data.sites
+                site.attribution_vote(reference, args.k, among).total for site in data.sites
             )
             ranked = np.argsort(-np.asarray(totals), kind="stable")[: args.k]
             return HeadSet.of(
@@ -119,22 +139,34 @@ def main() -> int:
             ),
             "noise-free shift votes, top k of the candidates": by_votes(list(top_2k.heads)),
             "noise-free shift votes, top k of every head": by_votes(every),
-            "attribution votes against the pooled mean, top k of every head": by_attribution(),
+            "attribution votes against the pooled mean, top k of the candidates": by_attribution(
+                sorted(shape.layout().dense_indices(top_2k))
+            ),
+            "attribution votes against the pooled mean, top k of every head": by_attribution(
+                carried
+            ),
         }
         rows = []
         for label, heads in sets.items():
             accuracy = data.test.accuracy(loaded, rows_of(data.pooled_mean, heads))
             shared = len(set(heads.heads) & set(own.heads))
             rows.append(f"| {label} | {len(heads)} | {shared} | {accuracy:.2f} |")
-        choice = choose(args, loaded, data, sites, mode=HeadsMode.PRIVATE, every_head=False)
-        base = choice_plan(loaded, choice, sites=sites, chunks=len(data.sites[0].activations))
         releases = []
-        for share in args.shares:
-            plan = base.model_copy(update={"selection_share": share})
-            scores = release_draws(loaded, data, plan, choice.centre, sites, args.draws)
-            releases.append(
-                f"| {share:g} | {statistics.mean(scores):.2f} ± {statistics.pstdev(scores):.2f} |"
-            )
+        chunks = len(data.sites[0].activations)
+        options = choose_all(args, loaded, data, sites, mode=HeadsMode.PRIVATE, every_head=True)
+        for choice in options:
+            base = choice_plan(loaded, choice, sites=sites, chunks=chunks)
+            among = "every head" if choice.among_every_head else "the candidates"
+            for share in args.shares:
+                plan = base.model_copy(update={"selection_share": share})
+                predicted = held_out_at(args, loaded, data, choice, plan, sites * chunks)
+                scores = release_draws(loaded, data, plan, choice.centre, sites, args.draws)
+                releases.append(
+                    f"| release-first among {among} (k {choice.k}, C' {choice.clip_norm:.3g}) | "
+                    f"{share:g} | {predicted:.2f} | {statistics.mean(scores):.2f} ± "
+                    f"{statistics.pstdev(scores):.2f} | {statistics.median(scores):.2f} |"
+                )
+                print(releases[-1], flush=True)
     command = " ".join([".venv/bin/python", "benchmarks/label_skew_heads.py", *sys.argv[1:]])
     text = [
         "# Label skew: where each head choice loses",
@@ -143,15 +175,19 @@ def main() -> int:
         f"Position on the pretrained decoder, {sites} sites of {args.per_site} examples holding "
         f"{args.classes_per_site} answers each (m = {sites * len(data.sites[0].activations)}), "
         "40 balanced test scenes. The pooled, non-private mean of every site's chunks in each "
-        "head set (only the heads differ); then the private release among the public "
-        f"candidates at each selection share of eps (eps = 1, {args.draws} draws).",
+        "head set (only the heads differ); then the private release in release-first order, "
+        "among the public candidates and among every head (k and C' chosen on the public "
+        f"tasks, {args.choice_draws} simulated draws a tried k and C'), at each selection "
+        f"share of eps (eps = 1, {args.draws} draws), beside what the public choice's "
+        "simulation on held-out public tasks predicts for it.",
         "",
         "| heads | count | of MTV's own | pooled mean's accuracy |",
         "|---|---:|---:|---:|",
         *rows,
         "",
-        "| selection share of eps | private release among the candidates |",
-        "|---:|---:|",
+        "| private release | selection share of eps | held-out prediction (public tasks) | "
+        "accuracy | median |",
+        "|---|---:|---:|---:|---:|",
         *releases,
     ]
     args.out.write_text("\n".join(text) + "\n", encoding="utf-8")
