@@ -671,17 +671,26 @@ def _split_line(results: dict[tuple[str, int], list[Cell]]) -> str:
 
     http = results[("http", worst)]
     front = 1000 * _med(http, "front_cpu")
+    gap = (
+        f" Between batches (`http`, {worst} clients), the last request of a batch reached the "
+        f"batcher a median {1000 * _med(http, 'round_gap'):.1f} ms after the last answer of the "
+        "batch before it left the service"
+    )
+    if worst > 1:
+        gap += (
+            ", with no forward pass meanwhile (the worker prepares the requests that have "
+            f"arrived): the {worst} clients answered in one step ask again together, and the "
+            f"front handles their requests one after another ({front:.2f} ms of CPU a request, "
+            f"{worst * front:.1f} ms for {worst})."
+        )
+    else:
+        gap += " (the client's next request through the front and the link)."
     return (
         f"- Where `http` falls furthest behind plain ({ratios[worst]:.2f} at {worst} clients), "
         "the wall time a request, ms: "
         + "; ".join(split(path) for path in ("plain", "batcher", "http"))
         + ". Each path's forward passes, decoding loop and idle time, measured as in the "
-        f"table. Between batches (`http`, {worst} clients), the last request of a batch "
-        f"reached the batcher a median {1000 * _med(http, 'round_gap'):.1f} ms after the "
-        "last answer of the batch before it left the service, while the model waited: the "
-        "clients answered in one step ask again together, and the front handles their "
-        f"requests one after another ({front:.2f} ms of CPU a request, {worst * front:.1f} "
-        f"ms for {worst})."
+        "table." + gap
     )
 
 
