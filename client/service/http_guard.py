@@ -136,6 +136,12 @@ class _Guard(asyncio.Protocol):
         if not self.transport.is_closing() and not self._heads_arrived():
             self._now_idle()
 
+    def connection_lost(self, exc: Exception | None) -> None:
+        """Gone: no longer idle, no deadline."""
+        self._disarm_head_deadline()
+        self.idle.busy(self)
+        super().connection_lost(exc)
+
     def _heads_arrived(self) -> bool:
         """Whether a request is under way (its head announced, once)."""
         cycle = self.cycle

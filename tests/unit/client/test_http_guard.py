@@ -35,7 +35,8 @@ def served(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
 
         monkeypatch.setattr(http_guard, "_httptools_protocol", missing)
     heads: list[str] = []
-    protocol = guarded_protocol(IdleConnections(4), lambda scope: heads.append(scope["path"]))
+    idle = IdleConnections(8)
+    protocol = guarded_protocol(idle, lambda scope: heads.append(scope["path"]))
     assert request.param.lower() in protocol.__mro__[1].__name__.lower()
     config = uvicorn.Config(_echo_path, http=protocol, lifespan="off", log_config=None,
                             ws="none", limit_concurrency=16)  # fmt: skip
@@ -45,7 +46,7 @@ def served(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> I
     thread.start()
     while not server.started:
         time.sleep(0.01)
-    yield listener.getsockname(), heads
+    yield listener.getsockname(), heads, idle
     server.should_exit = True
     thread.join(10)
     listener.close()
@@ -69,7 +70,7 @@ def _answers(sock: socket.socket, count: int) -> list[bytes]:
 
 
 def test_pipelined_requests_are_each_answered_and_each_head_announced_once(served):
-    address, heads = served
+    address, heads, _ = served
     with socket.create_connection(address, timeout=10) as sock:
         # two requests in one write, then a third on the kept-alive connection
         sock.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\nGET /b HTTP/1.1\r\nHost: x\r\n\r\n")
@@ -82,10 +83,34 @@ def test_pipelined_requests_are_each_answered_and_each_head_announced_once(serve
 
 def test_a_connection_without_a_whole_head_is_closed_at_its_deadline(served, monkeypatch):
     monkeypatch.setattr(http_guard, "HEAD_TIMEOUT_S", 0.3)
-    address, heads = served
+    address, heads, _ = served
     with socket.create_connection(address, timeout=10) as sock:
         sock.sendall(b"GET /a HT")  # a trickled head
         started = time.monotonic()
         assert sock.recv(64) == b""
     assert time.monotonic() - started < 5
     assert heads == []
+
+
+def test_connections_that_close_leave_the_idle_bookkeeping(served):
+    # Arrange: connections held idle, some after an answer (kept alive)
+    address, _, idle = served
+    held = [socket.create_connection(address, timeout=10) for _ in range(6)]
+    for sock in held[:3]:
+        sock.sendall(b"GET /a HTTP/1.1\r\nHost: x\r\n\r\n")
+        assert _answers(sock, 1) == [b"/a"]
+    _wait_for(lambda: len(idle) == 6)
+
+    # Act: every client leaves
+    for sock in held:
+        sock.close()
+
+    # Assert: none of them is still counted idle (else the limits would close dead ones)
+    _wait_for(lambda: len(idle) == 0)
+
+
+def _wait_for(condition: Any, seconds: float = 5.0) -> None:
+    deadline = time.monotonic() + seconds
+    while not condition():
+        assert time.monotonic() < deadline, "the condition never held"
+        time.sleep(0.01)
