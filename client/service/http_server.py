@@ -6,18 +6,17 @@ ledger. It binds the socket itself (a loopback address, or a Unix socket with th
 mode, unless ``--http-allow-remote``: then put TLS in front, the token travels in clear),
 reads the admin's token, and starts the HTTP front (:mod:`client.service.http_front`) as a
 process of its own on that socket: uvicorn (on the httptools parser where it is installed,
-else h11) on the routes of
-:mod:`client.service.http_api`, which parse, check and decode each request there and send it
-over a Unix socket pair (:mod:`client.service.front_link`) to this process, where
-:class:`~client.service.http_backend.HttpBackend` names its release and the batcher runs its
-row. The model, the artifacts and every path of the site stay in this process.
+else h11) on the routes of :mod:`client.service.http_api`, which parse, check and decode each
+request there and send it over a Unix socket pair (:mod:`client.service.front_link`) to this
+process, where :class:`~client.service.http_backend.HttpBackend` names its release and the
+batcher runs its row. The model, the artifacts and every path of the site stay in this process.
 
 uvicorn answers requests beyond ``max_connections`` open connections with 503;
-:mod:`client.service.http_guard` keeps open connections below that limit (a
-newcomer closes the oldest connection without a request under way; it is refused only when
-every other one has a request under way), bounds idle ones per client address, and closes
-any whose request head does not arrive whole within 10 s: connections held open without a
-request never keep a real request out.
+:mod:`client.service.http_guard` keeps open connections below that limit (a newcomer closes the
+oldest connection without a request under way; it is refused only when every other one has a
+request under way), bounds idle ones per client address, and closes any whose request head does
+not arrive whole within 10 s: connections held open without a request never keep a real request
+out.
 """
 
 from __future__ import annotations
