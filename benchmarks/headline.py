@@ -251,13 +251,22 @@ def planned_options(
     def planned(mode: HeadsMode, release_first: bool, among_every_head: bool) -> PlannedRelease:
         heads = HeadSet.of([(0, 0)]) if mode is HeadsMode.PUBLIC else None
         plan = make_plan(loaded, sites=sites, chunks=chunks, clip=1.0, heads=heads, k=k)
-        return PlannedRelease(
-            plan_noise_multiplier(plan), sites * chunks, draws=args.choice_draws,
-            every_head=release_first, gumbel_scale=plan_gumbel_scale(plan),
+        return planned_release(
+            args, plan, sites * chunks, release_first=release_first,
             among_every_head=among_every_head,
         )  # fmt: skip
 
     return [(option.mode, planned(*option)) for option in compared_options(every_head)]
+
+
+def planned_release(
+    args, plan: ReleasePlan, m: int, *, release_first: bool, among_every_head: bool = False
+) -> PlannedRelease:
+    """What the choice simulates for ``plan`` over ``m`` pooled chunks: its z and Gumbel scale."""
+    return PlannedRelease(
+        plan_noise_multiplier(plan), m, draws=args.choice_draws, every_head=release_first,
+        gumbel_scale=plan_gumbel_scale(plan), among_every_head=among_every_head,
+    )  # fmt: skip
 
 
 def choose_all(

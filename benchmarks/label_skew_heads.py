@@ -17,8 +17,10 @@ non-private* mean in each head set, so only the head choice differs:
 
 and the private release itself in release-first order, among the candidates and among every
 head (each option's k and C' chosen on the public tasks), at the planned selection share and
-at larger shares (``--shares``), ``--draws`` noise draws each. Reads the sites' activations and
-votes kept by ``label_skew_release.py --cache-dir CACHE`` (or computes them). Writes
+at larger shares (``--shares``), ``--draws`` noise draws each, beside what a task-agnostic
+consortium has without a release (zero-shot, the public centre alone, a site alone). Reads
+the sites' activations and votes kept by ``label_skew_release.py --cache-dir CACHE`` (or
+computes them). Writes
 ``docs/benchmarks/label-skew-heads.md``::
 
     .venv/bin/python benchmarks/label_skew_heads.py --cache-dir CACHE   # ~5 min with CACHE
@@ -42,16 +44,16 @@ from dpmtv_common.thread_policy import apply_thread_policy
 apply_thread_policy()  # before torch loads
 
 import numpy as np
-from headline import choice_plan, choose_all, release_draws
-from label_skew_release import prepare, rows_of
+from headline import choice_plan, choose_all, planned_release, release_draws
+from label_skew_release import prepare, rows_of, site_alone
 
 from client.models import load_model
 from client.models.pretrained import pretrained_model_path
-from client.public.scope import HeadsMode, PlannedRelease, ScopeChoice, choose_each
+from client.public.scope import HeadsMode, ScopeChoice, choose_each
 from client.public.selection import select_heads_attribution
 from client.public.tasks import rank_heads
 from dpmtv_common.heads import HeadSet
-from protocol import ReleasePlan, plan_gumbel_scale, plan_noise_multiplier
+from protocol import ReleasePlan
 
 
 def parse_args() -> argparse.Namespace:
@@ -82,10 +84,9 @@ def held_out_at(args, loaded, data, choice: ScopeChoice, plan: ReleasePlan, m: i
     The simulation on held-out public tasks that chose them (then at the planned share), over
     ``m`` pooled chunks.
     """
-    planned = PlannedRelease(
-        plan_noise_multiplier(plan), m, draws=args.choice_draws, every_head=True,
-        gumbel_scale=plan_gumbel_scale(plan), among_every_head=choice.among_every_head,
-    )  # fmt: skip
+    planned = planned_release(
+        args, plan, m, release_first=True, among_every_head=choice.among_every_head
+    )
     (again,) = choose_each(
         loaded, data.public, planned=[(HeadsMode.PRIVATE, planned)], ks=[choice.k],
         factors=[choice.factor], mode=HeadsMode.PRIVATE,
@@ -154,6 +155,15 @@ def main() -> int:
         releases = []
         chunks = len(data.sites[0].activations)
         options = choose_all(args, loaded, data, sites, mode=HeadsMode.PRIVATE, every_head=True)
+        alone = site_alone(args, loaded, data, top_k)
+        public_only = data.test.accuracy(loaded, (top_k, options[0].centre.rows(top_k)))
+        baselines = [
+            f"| zero-shot | {data.test.accuracy(loaded):.2f} |",
+            f"| public only (the public centre in the public top k) | {public_only:.2f} |",
+            f"| a site alone: 4-shot ICL with its own examples | {alone['site_alone_icl']:.2f} |",
+            f"| a site alone: its own chunks' mean in the public top k | "
+            f"{alone['site_alone_mtv']:.2f} |",
+        ]
         for choice in options:
             base = choice_plan(loaded, choice, sites=sites, chunks=chunks)
             among = "every head" if choice.among_every_head else "the candidates"
@@ -184,6 +194,10 @@ def main() -> int:
         "| heads | count | of MTV's own | pooled mean's accuracy |",
         "|---|---:|---:|---:|",
         *rows,
+        "",
+        "| without a private release (task-agnostic) | accuracy |",
+        "|---|---:|",
+        *baselines,
         "",
         "| private release | selection share of eps | held-out prediction (public tasks) | "
         "accuracy | median |",

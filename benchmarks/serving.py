@@ -159,7 +159,7 @@ class RoundClock:
     rows again; its gap is from the round's last answer leaving the service to the last
     request submitted before those rows start. With every client answered together (a closed
     loop in step), that gap is the clients', the front's and the link's work on the next
-    requests, while the model waits.
+    requests, with no forward pass meanwhile (the worker prepares those that have arrived).
     """
 
     gaps: list[float] = field(default_factory=list)
