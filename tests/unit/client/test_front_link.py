@@ -212,6 +212,7 @@ def test_a_chat_frame_beyond_a_request_s_bounds_is_refused_by_the_service(change
     assert batcher.expected == 0
 
 
+@pytest.mark.timeout(30)  # a writer that blocks on the socket hangs here: fail, not wait
 def test_the_writer_never_waits_on_a_peer_that_does_not_read():
     # Arrange: a peer that reads nothing, and more frames than the socket's buffers hold
     ours, theirs = socket.socketpair()
