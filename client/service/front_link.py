@@ -18,6 +18,7 @@ Light on purpose (no model): the front imports it.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import socket
@@ -40,6 +41,8 @@ _HEAD = struct.Struct("!II")
 _MAX_JSON_BYTES = 1 << 20  # questions, instruction and answers of one request, with room
 MAX_FRAME_BYTES = _MAX_JSON_BYTES + MAX_IMAGES * MAX_IMAGE_PIXELS * 3
 """Largest frame: the JSON part and every image of a request decoded to RGB."""
+MAX_QUEUED_BYTES = 64 << 20
+"""Most bytes a :class:`FrameWriter` holds for a peer that does not read (written or not)."""
 
 Frame = tuple[dict[str, Any], list[bytes]]
 """A frame's JSON object and its binary parts."""
@@ -142,24 +145,44 @@ class FrameWriter:
     queued while a write runs leave together in the next write, so a step that ends eight
     rows costs the link one system call and the front one wake-up, not eight.
 
+    Bounded: at most ``max_queued`` bytes wait. A front that stays alive but stops reading
+    for that long is broken (it is our own process, and it reads every frame as it comes):
+    the writer then shuts the socket down instead of growing the service's memory, and the
+    endpoint starts a new front (:class:`~client.service.http_server.HttpEndpoint`).
+
     Once the socket fails (the front is gone) the writer stops and drops what is queued and
     what comes after: the front's clients are gone with it.
     """
 
-    def __init__(self, sock: socket.socket, *, name: str) -> None:
+    def __init__(
+        self, sock: socket.socket, *, name: str, max_queued: int = MAX_QUEUED_BYTES
+    ) -> None:
         self._sock = sock
-        self._queue: list[tuple[dict[str, Any], Sequence[bytes]]] = []
+        self._max_queued = max_queued
+        self._queue: list[bytes] = []
+        self._queued = 0  # bytes in the queue
         self._ready = threading.Condition()
         self._closed = False
         self._thread = threading.Thread(target=self._run, name=name, daemon=True)
         self._thread.start()
 
     def send(self, message: dict[str, Any], blobs: Sequence[bytes] = ()) -> None:
-        """Queue one frame; never blocks (the JSON is encoded on the writer's thread)."""
+        """Queue one frame; never blocks.
+
+        Raises:
+            LinkError: The frame is beyond the link's bounds (:func:`encode_frame`); nothing
+                is queued, so its sender can answer the request otherwise.
+        """
+        frame = encode_frame(message, blobs)
         with self._ready:
-            if not self._closed:
-                self._queue.append((message, blobs))
-                self._ready.notify()
+            if self._closed:
+                return
+            if self._queued + len(frame) > self._max_queued:
+                self._give_up(len(frame))
+                return
+            self._queue.append(frame)
+            self._queued += len(frame)
+            self._ready.notify()
 
     def close(self, timeout: float = 5.0) -> None:
         """Write what is queued, then stop (the socket stays open: its owner closes it)."""
@@ -169,6 +192,19 @@ class FrameWriter:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout)
 
+    def _give_up(self, size: int) -> None:
+        """The peer stopped reading: drop the queue and shut the socket (lock held)."""
+        _log.error(
+            "the HTTP front stopped reading its link: %d bytes wait for it, and a frame of %d "
+            "more would pass the bound of %d; the link is shut down (the endpoint starts a new "
+            "front).", self._queued, size, self._max_queued,
+        )  # fmt: skip
+        self._closed = True
+        self._queue, self._queued = [], 0
+        self._ready.notify()
+        with contextlib.suppress(OSError):  # already shut or closed: nothing left to end
+            self._sock.shutdown(socket.SHUT_RDWR)
+
     def _run(self) -> None:
         while True:
             with self._ready:
@@ -177,21 +213,14 @@ class FrameWriter:
                 batch, self._queue = self._queue, []
             if not batch:
                 return
+            data = b"".join(batch)
             try:
-                self._sock.sendall(b"".join(_encoded(batch)))
+                self._sock.sendall(data)
             except OSError as exc:
                 _log.debug("the link's writer stops: %s", exc)
                 with self._ready:
                     self._closed = True
-                    self._queue = []
+                    self._queue, self._queued = [], 0
                 return
-
-
-def _encoded(batch: list[tuple[dict[str, Any], Sequence[bytes]]]) -> list[bytes]:
-    frames = []
-    for message, blobs in batch:
-        try:
-            frames.append(encode_frame(message, blobs))
-        except LinkError as exc:  # a bug of ours: no frame the service builds is this large
-            _log.error("a frame to the HTTP front was dropped: %s", exc)
-    return frames
+            with self._ready:  # counted until written: a peer that stops reading holds them
+                self._queued = max(0, self._queued - len(data))

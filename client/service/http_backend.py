@@ -119,9 +119,16 @@ class HttpBackend:
         """One frame to the front, from any thread, never waiting on the link.
 
         Written by :class:`~client.service.front_link.FrameWriter`; dropped once the front is
-        gone (its clients are gone with it).
+        gone (its clients are gone with it). A frame beyond the link's bounds (a bug of ours:
+        none the service builds comes near them) is answered, when it names a request, with a
+        server error, so that request does not wait for an answer that never comes.
         """
-        self._writer.send(message, blobs)
+        try:
+            self._writer.send(message, blobs)
+        except LinkError as exc:
+            _log.error("a frame to the HTTP front was not sent: %s", exc)
+            if "id" in message:
+                self._writer.send({"kind": "fail", "id": message["id"], **error_fields(exc)})
 
     def close(self) -> None:
         """Write what is queued, then close the service's end of the link."""

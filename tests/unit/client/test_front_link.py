@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import socket
 import struct
@@ -271,3 +272,64 @@ def test_the_writer_drops_frames_once_its_peer_is_gone_and_raises_nothing():
             writer.send({"kind": "token", "id": 1, "text": "x" * 4096})
         writer.close()
     assert not writer._thread.is_alive()
+
+
+@pytest.mark.timeout(30)
+def test_the_writer_shuts_a_peer_that_stops_reading_out_instead_of_holding_more_than_its_bound():
+    # Arrange: a peer that reads nothing, and a writer bounded at 1 MiB
+    ours, theirs = socket.socketpair()
+    bound = 1 << 20
+    writer = FrameWriter(ours, name="test-link-writer", max_queued=bound)
+    frame = {"kind": "token", "id": 1, "text": "x" * 4096}
+    size = len(encode_frame(frame))
+
+    # Act: far more than the bound and the socket pair's buffers together
+    with ours, theirs:
+        for _ in range(4 * bound // size):
+            writer.send(frame)
+            assert writer._queued <= bound  # never more held than the bound
+        writer._thread.join(10)
+
+        # Assert: the writer gave up and shut the link: the peer reads what was written (a
+        # frame the shutdown cut ends the link, as any cut frame does), then the link's end
+        assert not writer._thread.is_alive()
+        assert writer._queued == 0
+        theirs.settimeout(10)
+        got = []
+        with contextlib.suppress(LinkError):
+            while (received := read_frame(theirs)) is not None:
+                got.append(received[0])
+    assert got == [frame] * len(got)
+    assert len(got) * size <= 2 * bound  # what was written, and no more than that
+
+
+def test_a_frame_beyond_the_link_s_bounds_is_refused_by_the_writer_and_queues_nothing():
+    ours, theirs = socket.socketpair()
+    writer = FrameWriter(ours, name="test-link-writer")
+    with ours, theirs:
+        with pytest.raises(LinkError, match="must stay within"):
+            writer.send({"kind": "finish", "id": 1, "text": "x" * (2 << 20)})
+        assert writer._queued == 0
+        writer.send({"kind": "finish", "id": 2, "text": "ok"})  # the link goes on
+        writer.close()
+        assert read_frame(theirs) == ({"kind": "finish", "id": 2, "text": "ok"}, [])
+
+
+def test_an_answer_too_large_for_the_link_reaches_the_front_as_a_server_error_not_silence():
+    # Arrange
+    ours, theirs = socket.socketpair()
+    backend = _backend(_CountingBatcher(), ours)
+
+    # Act: a row's answer beyond the link's bounds, then a small one
+    with ours, theirs:
+        backend.send({"kind": "finish", "id": 9, "reason": "stop", "text": "x" * (2 << 20)})
+        backend.send({"kind": "finish", "id": 10, "reason": "stop", "text": "ok", "tokens": 1})
+        backend.close()
+        first, second = read_frame(theirs), read_frame(theirs)
+
+    # Assert: request 9 is answered (500, its type only), request 10 as sent
+    assert first is not None
+    assert second is not None
+    assert (first[0]["kind"], first[0]["id"], first[0]["status"]) == ("fail", 9, 500)
+    assert first[0]["message"] == "LinkError (see the site service's log)"
+    assert (second[0]["kind"], second[0]["text"]) == ("finish", "ok")
