@@ -549,12 +549,55 @@ def main() -> int:
     parser.add_argument("--rows", type=int, default=8, help="most rows generated at once")
     parser.add_argument("--max-tokens", type=int, default=16)
     parser.add_argument("--out", type=Path, default=REPO / "docs" / "benchmarks" / "serving.md")
+    parser.add_argument(
+        "--render-only", action="store_true",
+        help="rewrite the report from the measurements kept beside it (its .json); measure nothing",
+    )  # fmt: skip
     args = parser.parse_args()
-    measured = {model: _run_model(model, args) for model in args.model}
+    kept = args.out.with_suffix(".json")
+    if args.render_only:
+        measured, args = _measured_from_json(json.loads(kept.read_text()), args.out)
+    else:
+        measured = {}
+        for model in args.model:  # kept as each model ends: a later failure loses none of it
+            measured[model] = _run_model(model, args)
+            kept.write_text(json.dumps(_measured_to_json(measured, args), indent=1) + "\n")
     text = _report(measured, args)
     args.out.write_text(text)
     print(text)
     return 0
+
+
+_REPORT_ARGS = ("repeats", "per_client", "min_requests", "seconds", "rows", "max_tokens")
+
+
+def _measured_to_json(measured: dict[str, dict[str, Any]], args: Any) -> dict[str, Any]:
+    """Every cell of every repeat, the pass costs and the settings the report quotes."""
+    return {
+        "args": {name: getattr(args, name) for name in _REPORT_ARGS},
+        "models": {
+            model: {
+                "costs": data["costs"],
+                "cells": [
+                    {"path": path, "clients": clients, "repeats": cells}
+                    for (path, clients), cells in data["results"].items()
+                ],
+            }
+            for model, data in measured.items()
+        },
+    }
+
+
+def _measured_from_json(kept: dict[str, Any], out: Path) -> tuple[dict[str, Any], Any]:
+    """What :func:`_measured_to_json` kept, as :func:`_report` reads it, and its settings."""
+    measured = {
+        model: {
+            "costs": data["costs"],
+            "results": {(c["path"], int(c["clients"])): c["repeats"] for c in data["cells"]},
+        }
+        for model, data in kept["models"].items()
+    }
+    return measured, argparse.Namespace(**kept["args"], out=out)
 
 
 # --- the report -------------------------------------------------------------------------------
