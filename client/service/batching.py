@@ -23,8 +23,12 @@ no release's hooks ever see a served row) in one of three modes:
 several, so rows are started in groups, and rows that ask together stay together:
 
 - With rows running, waiting rows join at the next step, unless every running row ends within
-  ``join_horizon`` steps: then they start with the next batch, in step with the rows that are
-  ending (whose clients often ask again at once). Running rows never wait.
+  the join horizon: then they start with the next batch, in step with the rows that are ending
+  (whose clients often ask again at once). Running rows never wait. The horizon is what the
+  worker measured (:func:`~client.service.pass_costs.join_horizon`): as many steps as the
+  joining rows' prefill costs every row in waiting, at least ``join_horizon``; so a batch that
+  a late arrival split into two out-of-step groups comes back into step instead of paying a
+  prefill per group every cycle.
 - With none running, waiting rows start once they fill the free rows, or once ``gather_s`` has
   passed (counted from the later of the oldest's arrival and the last batch's end), or at once
   if none of them was waiting for that batch to end and no request is being parsed. A request
@@ -44,6 +48,7 @@ from typing import Literal
 
 from client.models import LoadedModel
 from client.service.decoding import BatchStats, ContinuousBatch, steps_continuously
+from client.service.pass_costs import join_horizon
 from client.service.passes import run_pass
 from client.service.preparation import RowRequest, prepare_rows
 from client.service.rows import Row, RowSink, Ticket
@@ -80,7 +85,8 @@ class Batcher:
         max_queue: Rows that may wait; one more is refused with :class:`OverloadedError`.
         gather_s: How long rows about to start may wait for others (see the module docstring).
         join_horizon: Rows do not join a running batch whose rows all end within this many
-            steps: they start with the next one.
+            steps, nor within the horizon the measured pass costs give (module docstring):
+            they start with the next one.
         batch_invariant: Answer each row alone (see the module docstring).
     """
 
@@ -262,8 +268,12 @@ class Batcher:
                 room = self.rows - running
                 mates = self._mates() if room > 0 else []
                 if running:
-                    late = steps_left <= self.join_horizon  # they start with the next batch
-                    return [] if late or not mates else self._pop(mates[:room])
+                    if not mates:
+                        return []
+                    horizon = join_horizon(self.stats.costs, joining=min(room, len(mates)),
+                                           running=running, floor=self.join_horizon)  # fmt: skip
+                    late = steps_left <= horizon  # they start with the next batch
+                    return [] if late else self._pop(mates[:room])
                 if not mates:
                     self._ready.wait()
                     continue

@@ -38,7 +38,7 @@ import logging
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from threading import Lock
 from typing import Any
 
@@ -48,6 +48,7 @@ from transformers.cache_utils import DynamicLayer
 
 from client.activations.hooks import prompt_length_guard
 from client.models import LoadedModel
+from client.service.pass_costs import PassCosts
 from client.service.rows import (
     Row,
     Step,
@@ -101,11 +102,13 @@ class BatchStats:
     prepare_calls: int = 0
     prepare_seconds: float = 0.0
     running: int = 0
+    costs: PassCosts = field(default_factory=PassCosts)
 
     def count_pass(self, rows: int, seconds: float, *, prefill: bool) -> None:
-        """Count one forward pass of ``rows`` rows."""
+        """Count one forward pass of ``rows`` rows (and fold its time into ``costs``)."""
         self.passes += 1
         self.busy_seconds += seconds
+        self.costs.record(rows, seconds, prefill=prefill)
         if prefill:
             self.prefills += 1
         else:

@@ -27,6 +27,7 @@ from client.models import (
 )
 from client.service.batching import Batcher, OverloadedError
 from client.service.decoding import BatchStats, ContinuousBatch, steps_continuously
+from client.service.pass_costs import PassCosts
 from client.service.rows import Row, RowPatch, Ticket, prepare_row
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
@@ -457,3 +458,50 @@ def test_stopping_fails_the_rows_still_waiting(loaded):
     # Assert
     assert sink.done.is_set()
     assert sink.error is not None
+
+
+class _PinnedCosts(PassCosts):
+    """Pass costs that the passes do not move (none given: the horizon is its floor)."""
+
+    def record(self, rows: int, seconds: float, *, prefill: bool) -> None:
+        pass
+
+
+def _prefills_with_a_full_queue_after_a_split(loaded: LoadedModel, costs: PassCosts) -> list[int]:
+    """Rows of every prefill: 5 rows start, 3 join 4 steps later, 192 more wait behind them."""
+    batcher = Batcher(loaded, threading.Lock(), rows=8, max_queue=256, join_horizon=2)
+    batcher.stats.costs = costs
+    rows = [row(loaded, "red", None, max_new_tokens=16) for _ in range(200)]
+    sinks = [Collected() for _ in rows]
+    with forward_rows(loaded) as seen:
+        with paused_before_pass(loaded, 6) as go:  # the prefill of 5, then 4 steps
+            for item, sink in zip(rows[:5], sinks[:5], strict=True):
+                batcher.submit(item, sink)
+            batcher.start()
+            while len(seen) < 5:
+                threading.Event().wait(0.001)
+            for item, sink in zip(rows[5:], sinks[5:], strict=True):
+                batcher.submit(item, sink)
+            go.set()
+        for sink in sinks:
+            assert sink.done.wait(120)
+    batcher.stop()
+    assert all(len(sink.tokens) == len(sinks[0].tokens) for sink in sinks)  # one answer length
+    return [count for count, positions in seen if positions > 1]
+
+
+@ONE_ARCH
+def test_a_batch_a_late_arrival_split_comes_back_into_step_at_full_load(loaded):
+    # Act: a prefill priced at 4 steps at every size, and unpriced (the horizon is its floor)
+    four_steps = _PinnedCosts(step=1.0, prefills={rows: 4.0 for rows in range(1, 9)})
+    priced = _prefills_with_a_full_queue_after_a_split(loaded, four_steps)
+    floor_only = _prefills_with_a_full_queue_after_a_split(loaded, _PinnedCosts())
+
+    # Assert: priced, the 5 rows that end first wait 4 steps for the 3 that joined late, and
+    # every batch after starts whole (one prefill for 8 rows); with the floor alone the split
+    # stays: groups of 5 and 3 take turns, each with its own prefill
+    assert priced[:2] == [5, 3]
+    assert priced[2:] == [8] * 24
+    assert floor_only[:2] == [5, 3]
+    assert len(floor_only) > 40
+    assert set(floor_only[2:-1]) == {3, 5}
