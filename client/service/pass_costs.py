@@ -54,9 +54,9 @@ def join_horizon(costs: PassCosts, *, joining: int, running: int, floor: int) ->
     each joining row the running rows' remaining steps: ``joining x steps x step``. Waiting is
     cheaper while ``steps <= prefill x (running + joining) / (joining x step)``. It also keeps
     the batch in step: rows that join mid-batch end mid-batch, and when the batch is full the
-    next rows join them there, so a batch split once stays split and pays a prefill per split
-    every cycle after (measured on the tiny test model with a full queue: 1.2-1.3 prefills where
-    one suffices, about 15 % of its throughput).
+    next rows join them there, so with a horizon shorter than the split a batch split once
+    stays split and pays a prefill per group every cycle after, while waiting brings its groups
+    back into one.
 
     Args:
         costs: The measured pass costs.
