@@ -56,6 +56,14 @@ def add_http_options(parser: Any) -> None:
         help="open connections served at once; more are answered 503 (default 256)",
     )
     group.add_argument(
+        "--http-max-request-mib",
+        type=positive_int,
+        default=1024,
+        help="MiB of request bodies and decoded images held at once (a request's images until "
+        "it is answered); a request that would pass it is answered 503, unless it is the only "
+        "one (default 1024; one request holds at most about 150)",
+    )
+    group.add_argument(
         "--http-batch-invariant",
         action="store_true",
         help="answer each request alone, so an answer is bit-identical to plain generate()'s "
@@ -95,6 +103,7 @@ def check_http(args: argparse.Namespace) -> HttpSettings | None:
         allow_remote=args.http_allow_remote,
         max_queue=args.http_max_queue,
         max_connections=args.http_max_connections,
+        max_request_memory=args.http_max_request_mib << 20,
         socket_mode=args.http_socket_mode,
         batch_invariant=args.http_batch_invariant,
     )

@@ -145,7 +145,12 @@ class ParsedChat(BaseModel):
     instruction: str | None
     questions: tuple[str, ...]
     images: tuple[bytes, ...]
+    sizes: tuple[tuple[int, int], ...]  # each image's width and height, from its header
     answers: tuple[str, ...]  # one per demonstration: len(questions) - 1
+
+    def decoded_bytes(self) -> int:
+        """Bytes its images take once decoded to 8-bit RGB (from the headers: none decoded)."""
+        return sum(3 * width * height for width, height in self.sizes)
 
 
 _Text = Annotated[str, Field(max_length=MAX_QUESTION_CHARS)]
@@ -255,12 +260,13 @@ def parse_chat(request: ChatRequest) -> ParsedChat:
         question, image = _user_turn(message, index + len(system))
         questions.append(question)
         images.append(image)
-    _check_bounds(questions, images)
+    sizes = _check_bounds(questions, images)
     instruction = "\n".join(system) if system else None
     return ParsedChat(
         instruction=instruction,
         questions=tuple(questions),
         images=tuple(images),
+        sizes=tuple(sizes),
         answers=tuple(answers),
     )
 
@@ -345,13 +351,13 @@ def _image_bytes(url: str, index: int) -> bytes:
         raise DataError(f"messages[{index}] image_url must hold valid base64: {exc}") from exc
 
 
-def _check_bounds(questions: list[str], images: list[bytes]) -> None:
-    """The bounds of ``dpmtv-site ask``, headers included (no pixel decoded)."""
+def _check_bounds(questions: list[str], images: list[bytes]) -> list[tuple[int, int]]:
+    """The bounds of ``dpmtv-site ask``, headers included (no pixel decoded); the sizes."""
     try:
         request = InferRequest(release_id="http", questions=tuple(questions), images=tuple(images))
     except ValidationError as exc:
         raise ConfigError(f"request must stay within the inference limits: {_brief(exc)}") from exc
-    check_request(request)  # its messages name no memory address
+    return check_request(request)  # its messages name no memory address
 
 
 def _brief(exc: ValidationError) -> str:

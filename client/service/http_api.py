@@ -49,13 +49,14 @@ from starlette.routing import Route
 
 from client.service.chat_format import (
     ChatRequest,
+    ParsedChat,
     chat_frame,
     chat_request_from_json,
     decode_images,
     parse_chat,
 )
 from client.service.front_link import Frame, FrameReader, LinkError, encode_frame
-from client.service.request_limits import MAX_REQUEST_BYTES
+from client.service.request_limits import DEFAULT_REQUEST_MEMORY, MAX_REQUEST_BYTES
 from dpmtv_common.errors import ConfigError, DataError
 
 __all__ = ["FrontApi", "FrontLink", "announce_chat", "build_app"]
@@ -168,7 +169,9 @@ class FrontApi:
     max_queue: int
     owner: str
     link: FrontLink
+    max_memory: int = DEFAULT_REQUEST_MEMORY
     admitted: int = 0
+    held: int = 0  # bytes of request bodies and decoded images held now (see hold())
     requests: Counter[tuple[str, int]] = field(default_factory=Counter)
     request_seconds: float = 0.0
     completions: int = 0
@@ -188,14 +191,36 @@ class FrontApi:
                              "overloaded")  # fmt: skip
         self.admitted += 1
 
+    def hold(self, size: int, what: str, *, own: int = 0) -> None:
+        """Count ``size`` bytes of a request's memory in (one event loop: no lock), or refuse.
+
+        Bodies are held from their head until their request is decoded, decoded images until
+        their request ends (the site service holds them until then): ``max_memory`` bounds
+        both, summed over every request at once. A request is refused with 503 only while
+        others hold memory (``own``: bytes this request already holds), so one request within
+        the per-request bounds always gets through.
+        """
+        if self.held > own and self.held + size > self.max_memory:
+            raise _HttpError(
+                503, f"request bodies and decoded images held at once must stay within "
+                f"{self.max_memory} bytes, got {self.held} held and {size} more for {what}; "
+                "retry later.", "overloaded_error", "overloaded",
+            )  # fmt: skip
+        self.held += size
+
+    def release(self, size: int) -> None:
+        """Count ``size`` bytes :meth:`hold` counted in back out."""
+        self.held -= size
+
     def withdraw(self) -> None:
         """Withdraw a row announced to the site service that will not come."""
         with contextlib.suppress(_HttpError):  # the link is gone: nothing to withdraw from
             self.link.send({"kind": "cancel_expected"})
 
-    def done(self, started: float | None) -> None:
-        """Count a request out; with ``started``, it was answered whole."""
+    def done(self, started: float | None, held: int = 0) -> None:
+        """Count a request out with the ``held`` bytes of its images (``started``: answered)."""
         self.admitted -= 1
+        self.release(held)
         if started is not None:
             self.completions += 1
             self.request_seconds += time.monotonic() - started
@@ -287,39 +312,59 @@ def announce_chat(link: FrontLink, scope: dict[str, Any]) -> None:
             scope[_ANNOUNCED] = True
 
 
-async def _read_body(request: Request) -> bytes:
+async def _read_body(api: FrontApi, request: Request) -> tuple[bytes, int]:
+    """The whole body, and the bytes :meth:`FrontApi.hold` counted in for it (to release).
+
+    A declared length is held before any byte is read; a body without one is held as it
+    arrives.
+    """
     declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
+    size = int(declared) if declared.isdigit() else 0
+    if size > MAX_REQUEST_BYTES:
         raise _HttpError(413, f"request body must be at most {MAX_REQUEST_BYTES} bytes, "
                          f"got {declared}.", "invalid_request_error")  # fmt: skip
-    chunks: list[bytes] = []
-    size = 0
+    api.hold(size, "its body")
+    held, chunks, read = size, [], 0
     try:
         async with asyncio.timeout(_BODY_TIMEOUT_S):
             async for chunk in request.stream():
-                size += len(chunk)
-                if size > MAX_REQUEST_BYTES:
+                read += len(chunk)
+                if read > MAX_REQUEST_BYTES:
                     raise _HttpError(413, f"request body must be at most {MAX_REQUEST_BYTES} "
                                      "bytes.", "invalid_request_error")  # fmt: skip
+                if read > held:  # more than declared (or none declared): hold what came
+                    api.hold(read - held, "its body")
+                    held = read
                 chunks.append(chunk)
     except TimeoutError:
+        api.release(held)
         raise _HttpError(408, f"request body must arrive within {_BODY_TIMEOUT_S:g} s.",
                          "invalid_request_error") from None  # fmt: skip
-    return b"".join(chunks)
+    except BaseException:
+        api.release(held)
+        raise
+    return b"".join(chunks), held
 
 
-def _chat_frame(body: bytes) -> tuple[ChatRequest, dict[str, Any], tuple[bytes, ...]]:
-    """Parse, check and decode a request (in a worker thread): the frame the service gets.
+def _parsed(body: bytes) -> tuple[ChatRequest, ParsedChat]:
+    """Parse and check a request, its images' headers included (in a worker thread if large).
 
     Raises:
-        ConfigError, DataError: The request is malformed, out of bounds, or an image does not
-            decode.
+        ConfigError, DataError: The request is malformed or out of bounds.
     """
     chat = chat_request_from_json(body)
-    parsed = parse_chat(chat)
+    return chat, parse_chat(chat)
+
+
+def _decoded(chat: ChatRequest, parsed: ParsedChat) -> tuple[dict[str, Any], tuple[bytes, ...]]:
+    """Decode a parsed request's images: the frame the service gets, and its pixels.
+
+    Raises:
+        DataError: An image does not decode.
+    """
     images = decode_images(parsed)
     frame = chat_frame(chat, parsed, images)
-    return chat, frame.model_dump(mode="json"), tuple(image.tobytes() for image in images)
+    return frame.model_dump(mode="json"), tuple(image.tobytes() for image in images)
 
 
 def build_app(api: FrontApi) -> Starlette:
@@ -359,55 +404,98 @@ def build_app(api: FrontApi) -> Starlette:
 
 async def _chat(api: FrontApi, request: Request) -> Response:
     """``POST /v1/chat/completions``: admitted, sent to the site service, answered."""
+    completion = await _admitted(api, request)
+    if completion.request.stream:
+        return _Streamed(completion)
+    try:
+        return JSONResponse(await completion.whole())
+    finally:
+        completion.end(answered=False)  # a no-op once its answer came
+
+
+async def _admitted(api: FrontApi, request: Request) -> _Completion:
+    """Read, admit and start a chat request; its body is dropped when this returns."""
     started = time.monotonic()
     announced = bool(request.scope.pop(_ANNOUNCED, False))
     try:
-        body = await _read_body(request)
-        api.admit()
+        body, body_held = await _read_body(api, request)
     except BaseException:
         if announced:
             api.withdraw()
         raise
     try:
-        completion = await _start(api, body, started, announced=announced)
+        api.admit()
+    except BaseException:
+        api.release(body_held)
+        if announced:
+            api.withdraw()
+        raise
+    try:
+        return await _start(api, body, body_held, started, announced=announced)
     except BaseException:
         api.done(None)
         raise
-    if completion.request.stream:
-        return StreamingResponse(completion.events(), media_type="text/event-stream")
-    return JSONResponse(await completion.whole())
+    finally:
+        api.release(body_held)
 
 
-async def _start(api: FrontApi, body: bytes, started: float, *, announced: bool) -> _Completion:
+async def _start(
+    api: FrontApi, body: bytes, body_held: int, started: float, *, announced: bool
+) -> _Completion:
     """Send the request to the site service; its completion once its row is accepted.
 
     A row the service refuses (an unknown model, a prompt too long for the model, a full
     queue) is answered here, before any byte of a response. ``announced``: the service was
-    told of it when its head arrived (:func:`announce_chat`).
+    told of it when its head arrived (:func:`announce_chat`). Its decoded images' bytes are
+    held (:meth:`FrontApi.hold`) from its headers, before any pixel is decoded, until it ends.
     """
     link = api.link
     if not announced:
         link.send({"kind": "expect"})  # a batch about to start waits for this row (briefly)
-    try:  # parse, check, decode: a small body at once, a large one in a worker thread
-        if len(body) <= _INLINE_BODY_BYTES:
-            chat_request, message, images = _chat_frame(body)
+    inline = len(body) <= _INLINE_BODY_BYTES  # else parsed and decoded in a worker thread
+    held = 0
+    try:
+        chat_request, parsed = _parsed(body) if inline else await run_in_threadpool(_parsed, body)
+        api.hold(parsed.decoded_bytes(), "its decoded images", own=body_held)
+        held = parsed.decoded_bytes()
+        if inline:
+            message, images = _decoded(chat_request, parsed)
         else:
-            chat_request, message, images = await run_in_threadpool(_chat_frame, body)
+            message, images = await run_in_threadpool(_decoded, chat_request, parsed)
     except BaseException:
+        api.release(held)
         api.withdraw()
         raise
     request_id, answers = link.open()
     try:
         link.send({**message, "id": request_id}, images)
         first = await answers.get()
+        if first["kind"] != "accepted":
+            raise _HttpError.of(first)
     except BaseException:
         link.close(request_id)
+        api.release(held)
         raise
-    if first["kind"] != "accepted":
-        link.close(request_id)
-        raise _HttpError.of(first)
     return _Completion(api, chat_request, int(first["prompt_tokens"]), request_id, answers,
-                       started)  # fmt: skip
+                       started, held)  # fmt: skip
+
+
+class _Streamed(StreamingResponse):
+    """A completion as server-sent events, ended however its response ends.
+
+    Its client may leave before the stream's first byte: the events are then never iterated
+    and could not end the completion themselves.
+    """
+
+    def __init__(self, completion: _Completion) -> None:
+        super().__init__(completion.events(), media_type="text/event-stream")
+        self._completion = completion
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self._completion.end(answered=False)  # a no-op once its answer came
 
 
 class _Completion:
@@ -415,10 +503,12 @@ class _Completion:
 
     def __init__(
         self, api: FrontApi, request: ChatRequest, prompt_tokens: int, request_id: int,
-        answers: asyncio.Queue[dict[str, Any]], started: float,
+        answers: asyncio.Queue[dict[str, Any]], started: float, held: int,
     ) -> None:  # fmt: skip
         self.api, self.request, self.prompt_tokens = api, request, prompt_tokens
         self._request_id, self._answers, self.started = request_id, answers, started
+        self._held = held  # its decoded images' bytes, released when it ends
+        self._ended = False
         self.id = f"chatcmpl-{uuid.uuid4().hex}"
         self.created = int(time.time())
         self.made = 0
@@ -439,8 +529,15 @@ class _Completion:
                     answered = event["kind"] == "finish"
                     return
         finally:
-            self.api.link.close(self._request_id)
-            self.api.done(self.started if answered else None)
+            self.end(answered=answered)
+
+    def end(self, *, answered: bool) -> None:
+        """Stop its answers and give back its place and memory, once however it ends."""
+        if self._ended:
+            return
+        self._ended = True
+        self.api.link.close(self._request_id)
+        self.api.done(self.started if answered else None, self._held)
 
     async def whole(self) -> dict[str, Any]:
         async for event in self._events():

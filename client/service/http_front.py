@@ -55,6 +55,7 @@ async def _serve(listener: socket.socket, link_socket: socket.socket) -> None:
     api = FrontApi(
         token=str(settings["token"]).encode(),
         max_queue=int(settings["max_queue"]),  # type: ignore[call-overload]
+        max_memory=int(settings["max_request_memory"]),  # type: ignore[call-overload]
         owner=str(settings["owner"]),
         link=link,
     )

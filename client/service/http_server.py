@@ -37,6 +37,7 @@ from client.release.site import Site
 from client.service.batching import Batcher
 from client.service.http_backend import HttpBackend
 from client.service.http_guard import IdleConnections
+from client.service.request_limits import DEFAULT_REQUEST_MEMORY
 from dpmtv_common.errors import ConfigError, ServiceError
 
 __all__ = ["HttpEndpoint", "HttpSettings", "IdleConnections", "parse_address", "read_token"]
@@ -59,6 +60,9 @@ class HttpSettings:
         allow_remote: Bind to a non-loopback address (put TLS in front of it).
         max_queue: Requests admitted at once (being prepared, queued or generated).
         max_connections: Open connections uvicorn serves; more get 503.
+        max_request_memory: Bytes of request bodies and decoded images held at once (a
+            request's images until it ends, the site service's copy included); a request
+            that would pass it gets 503, unless it is the only one.
         socket_mode: Permission bits of a Unix socket.
         batch_invariant: Answer each request alone, bit-identical to plain ``generate()``
             whatever the load, at the price of batching (``client.service.batching``).
@@ -73,6 +77,7 @@ class HttpSettings:
     allow_remote: bool = False
     max_queue: int = 64
     max_connections: int = 256
+    max_request_memory: int = DEFAULT_REQUEST_MEMORY
     socket_mode: int = 0o660
     batch_invariant: bool = False
     max_idle_per_client: int | None = None
@@ -156,10 +161,11 @@ class HttpEndpoint:
     """
 
     def __init__(self, site: Site, model_lock: threading.Lock, settings: HttpSettings) -> None:
-        if settings.max_queue < 1 or settings.max_connections < 1:
+        if min(settings.max_queue, settings.max_connections, settings.max_request_memory) < 1:
             raise ConfigError(
-                "max_queue and max_connections must be >= 1, got "
-                f"{settings.max_queue} and {settings.max_connections}."
+                "max_queue, max_connections and max_request_memory must be >= 1, got "
+                f"{settings.max_queue}, {settings.max_connections} and "
+                f"{settings.max_request_memory}."
             )
         per_client = settings.idle_per_client()
         if not 1 <= per_client <= settings.max_connections:
@@ -208,6 +214,7 @@ class HttpEndpoint:
         backend.send({"kind": "init", "token": self._token.decode(),
                       "max_queue": self.settings.max_queue,
                       "max_connections": self.settings.max_connections,
+                      "max_request_memory": self.settings.max_request_memory,
                       "idle_per_client": self.settings.idle_per_client(),
                       "owner": self._site.settings.name})  # fmt: skip
         self._thread = threading.Thread(

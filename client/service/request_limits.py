@@ -15,6 +15,7 @@ from dpmtv_common.errors import ConfigError
 from protocol.plan import ReleaseId
 
 __all__ = [
+    "DEFAULT_REQUEST_MEMORY",
     "MAX_IMAGES",
     "MAX_IMAGE_BYTES",
     "MAX_IMAGE_PIXELS",
@@ -37,6 +38,8 @@ MAX_INSTRUCTION_CHARS = 8000
 """Characters of the instruction (well inside a frame's room for text, beside 8 questions)."""
 MAX_REQUEST_BYTES = (4 * MAX_IMAGES * MAX_IMAGE_BYTES) // 3 + (1 << 20)
 """The largest request frame: the images in base64 and room for the questions (JSON)."""
+DEFAULT_REQUEST_MEMORY = 1 << 30
+"""Bytes of request bodies and decoded images the HTTP endpoint holds at once, by default."""
 
 
 class InferRequest(BaseModel):
@@ -64,11 +67,14 @@ class InferRequest(BaseModel):
     policy: Literal["prompt-last-token", "every-call"] = "prompt-last-token"
 
 
-def check_request(request: InferRequest) -> None:
+def check_request(request: InferRequest) -> list[tuple[int, int]]:
     """Refuse a request whose images do not pair with its questions or are too large.
 
     Reads each image's header only: no pixel is decoded here. The messages name the image's
     index and the bound, never a path, so they may be returned to whoever asked.
+
+    Returns:
+        Each image's width and height, as its header gives them.
 
     Raises:
         ConfigError: Questions and images differ in number.
@@ -80,5 +86,7 @@ def check_request(request: InferRequest) -> None:
             f"questions and images must pair up, got {len(request.questions)} and "
             f"{len(request.images)}."
         )
-    for index, data in enumerate(request.images):
+    return [
         size_from_bytes(data, index, max_pixels=MAX_IMAGE_PIXELS)
+        for index, data in enumerate(request.images)
+    ]

@@ -3,10 +3,15 @@
 from __future__ import annotations
 
 import asyncio
+import base64
+import contextlib
+import io
+import json
 from collections.abc import MutableMapping
 from typing import Any
 
 import pytest
+from PIL import Image
 
 from client.service.front_link import FrameReader
 from client.service.http_api import FrontApi, FrontLink, announce_chat, build_app
@@ -82,3 +87,136 @@ def test_an_announced_request_refused_in_the_front_is_withdrawn_once(headers, bo
     assert got == status
     assert [frame["kind"] for frame in transport.frames] == ["expect", "cancel_expected"]
     assert api.admitted == 0
+
+
+class _Answering(_Recorded):
+    """A link that answers every chat frame as the site service would: accepted, then ok."""
+
+    def __init__(self, link: FrontLink) -> None:
+        super().__init__()
+        self.link = link
+
+    def write(self, data: bytes) -> None:  # type: ignore[override]
+        before = len(self.frames)
+        super().write(data)
+        for frame in self.frames[before:]:
+            if frame["kind"] == "chat":
+                ident = frame["id"]
+                for reply in ({"kind": "accepted", "id": ident, "prompt_tokens": 3},
+                              {"kind": "finish", "id": ident, "reason": "stop", "text": "ok",
+                               "tokens": 1}):  # fmt: skip
+                    asyncio.get_running_loop().call_soon(self.link._deliver, (reply, []))
+
+
+def _chat_body(side: int) -> bytes:
+    """A chat request for one ``side`` x ``side`` image (decoded: 3 x side**2 bytes)."""
+    image = io.BytesIO()
+    Image.new("RGB", (side, side), "red").save(image, format="PNG")
+    uri = "data:image/png;base64," + base64.b64encode(image.getvalue()).decode()
+    content = [{"type": "text", "text": "What colour?"}, {"type": "image_url",
+                                                            "image_url": {"url": uri}}]  # fmt: skip
+    body = {"model": "r1", "messages": [{"role": "user", "content": content}]}
+    return json.dumps(body).encode()
+
+
+def _api(max_memory: int) -> tuple[FrontApi, _Answering]:
+    link = FrontLink(on_stop=lambda: None)
+    transport = _Answering(link)
+    link.connection_made(transport)
+    return FrontApi(token=TOKEN.encode(), max_queue=4, owner="site", link=link,
+                    max_memory=max_memory), transport  # fmt: skip
+
+
+AUTHORISED = [(b"authorization", f"Bearer {TOKEN}".encode())]
+
+
+def test_a_request_whose_images_would_pass_the_memory_bound_is_503_and_holds_nothing():
+    # Arrange: another request holds 1 byte; this one's body fits beside it, its decoded
+    # image (3 x 64 x 64 bytes, read from its header) does not
+    body = _chat_body(64)
+    api, transport = _api(max_memory=len(body) + 1 + 3 * 64 * 64 - 1)
+    api.held = 1
+    scope = {**CHAT, "headers": [*AUTHORISED, (b"content-length", str(len(body)).encode())]}
+    announce_chat(api.link, scope)
+
+    # Act
+    got = asyncio.run(_call(api, scope, body))
+
+    # Assert: refused before any pixel was decoded or sent; its announcement withdrawn
+    assert got == 503
+    assert [frame["kind"] for frame in transport.frames] == ["expect", "cancel_expected"]
+    assert (api.held, api.admitted) == (1, 0)
+
+
+@pytest.mark.parametrize("declared", [True, False])
+def test_a_body_that_would_pass_the_memory_bound_is_503_declared_or_not(declared):
+    body = _chat_body(8)
+    api, transport = _api(max_memory=len(body))
+    api.held = 1
+    length = [(b"content-length", str(len(body)).encode())] if declared else []
+    assert asyncio.run(_call(api, {**CHAT, "headers": [*AUTHORISED, *length]}, body)) == 503
+    assert (api.held, api.admitted) == (1, 0)
+    assert transport.frames == []
+
+
+def test_a_request_alone_gets_through_whatever_the_bound_and_its_memory_is_released():
+    # Arrange: a bound far below one request's body and image
+    body = _chat_body(64)
+    api, transport = _api(max_memory=10)
+    scope = {**CHAT, "headers": [*AUTHORISED, (b"content-length", str(len(body)).encode())]}
+
+    # Act: alone, then again beside a request holding 1 byte
+    alone = asyncio.run(_call(api, scope, body))
+    after_alone = (api.held, api.admitted)
+    api.held = 1
+    beside = asyncio.run(_call(api, scope, body))
+
+    # Assert: answered alone, everything released; refused beside another
+    assert (alone, beside) == (200, 503)
+    assert after_alone == (0, 0)
+    assert [frame["kind"] for frame in transport.frames] == ["expect", "chat"]
+    assert (api.held, api.admitted) == (1, 0)
+
+
+@pytest.mark.parametrize(
+    ("body", "status"),
+    [
+        (b"{not json", 400),
+        (json.dumps({"model": "r1", "messages": [{"role": "user", "content": [
+            {"type": "text", "text": "What?"},
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}},
+        ]}]}).encode(), 400),  # a header that does not read
+    ],
+)  # fmt: skip
+def test_a_refused_request_releases_what_it_held(body, status):
+    api, _ = _api(max_memory=1 << 20)
+    scope = {**CHAT, "headers": [*AUTHORISED, (b"content-length", str(len(body)).encode())]}
+    assert asyncio.run(_call(api, scope, body)) == status
+    assert (api.held, api.admitted) == (0, 0)
+
+
+def test_a_streamed_request_whose_client_leaves_before_its_stream_starts_gives_back_its_place():
+    # Arrange: the answer's head cannot be sent (the client is gone)
+    body = json.loads(_chat_body(16)) | {"stream": True}
+    raw = json.dumps(body).encode()
+    api, _ = _api(max_memory=1 << 20)
+    scope = {**CHAT, "headers": [*AUTHORISED, (b"content-length", str(len(raw)).encode())],
+             "query_string": b"", "root_path": "", "http_version": "1.1", "scheme": "http",
+             "server": ("test", 80), "client": ("c", 1)}  # fmt: skip
+    messages = iter([{"type": "http.request", "body": raw, "more_body": False}])
+
+    async def receive() -> dict[str, Any]:
+        return next(messages, {"type": "http.disconnect"})
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        raise OSError("the client is gone")
+
+    # Act
+    async def run() -> None:
+        with contextlib.suppress(Exception):
+            await build_app(api)(scope, receive, send)
+
+    asyncio.run(run())
+
+    # Assert: its admission and its images' memory are given back
+    assert (api.admitted, api.held) == (0, 0)

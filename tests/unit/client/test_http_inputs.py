@@ -156,8 +156,10 @@ def test_settings_the_service_does_not_apply_are_refused(extra):
         (["--http", "127.0.0.1:8080"], "--http-token-file must be given with --http"),
         (["--http", "0.0.0.0:8080", "--http-token-file", "TOKEN"], "loopback"),
         (["--http-token-file", "TOKEN"], "must come with --http"),
+        (["--http", "127.0.0.1:8080", "--http-token-file", "TOKEN", "--http-max-request-mib",
+          "0"], "--http-max-request-mib"),
     ],
-)
+)  # fmt: skip
 def test_serve_refuses_bad_http_flags_before_loading_anything(tmp_path, capsys, flags, message):
     # Arrange
     from client.cli.main import main
@@ -192,3 +194,23 @@ def test_batch_invariant_answers_are_a_site_option_off_by_default(tmp_path, flag
     # Assert
     assert settings is not None
     assert settings.batch_invariant is invariant
+
+
+@pytest.mark.parametrize(("flags", "expected"), [([], 1 << 30), (["--http-max-request-mib", "64"],
+                                                                 64 << 20)])  # fmt: skip
+def test_the_request_memory_bound_reaches_the_endpoint_s_settings(tmp_path, flags, expected):
+    import argparse
+
+    from client.cli.http_options import add_http_options, check_http
+    from client.service.request_limits import DEFAULT_REQUEST_MEMORY
+
+    token = tmp_path / "token"
+    token.write_text("t" * 32)
+    token.chmod(0o600)
+    parser = argparse.ArgumentParser()
+    add_http_options(parser)
+    args = parser.parse_args(["--http", "127.0.0.1:0", "--http-token-file", str(token), *flags])
+    settings = check_http(args)
+    assert settings is not None
+    assert settings.max_request_memory == expected
+    assert DEFAULT_REQUEST_MEMORY == 1 << 30  # the option's default is the settings' default
