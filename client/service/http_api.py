@@ -333,7 +333,7 @@ async def _read_body(api: FrontApi, request: Request) -> tuple[bytes, int]:
                     raise _HttpError(413, f"request body must be at most {MAX_REQUEST_BYTES} "
                                      "bytes.", "invalid_request_error")  # fmt: skip
                 if read > held:  # more than declared (or none declared): hold what came
-                    api.hold(read - held, "its body")
+                    api.hold(read - held, "its body", own=held)
                     held = read
                 chunks.append(chunk)
     except TimeoutError:

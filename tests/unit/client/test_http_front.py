@@ -220,3 +220,31 @@ def test_a_streamed_request_whose_client_leaves_before_its_stream_starts_gives_b
 
     # Assert: its admission and its images' memory are given back
     assert (api.admitted, api.held) == (0, 0)
+
+
+def test_a_body_without_a_length_arriving_in_pieces_alone_gets_through_any_bound():
+    # Arrange: a lone request's body in 4 pieces, no declared length, a 10-byte bound
+    body = _chat_body(16)
+    api, _ = _api(max_memory=10)
+    cut = len(body) // 4
+    pieces = [body[:cut], body[cut : 2 * cut], body[2 * cut : 3 * cut], body[3 * cut :]]
+    messages = iter([{"type": "http.request", "body": piece, "more_body": i < 3}
+                     for i, piece in enumerate(pieces)])  # fmt: skip
+    sent: list[MutableMapping[str, Any]] = []
+
+    async def receive() -> dict[str, Any]:
+        return next(messages, {"type": "http.disconnect"})
+
+    async def send(message: MutableMapping[str, Any]) -> None:
+        sent.append(message)
+
+    scope = {**CHAT, "headers": AUTHORISED, "query_string": b"", "root_path": "",
+             "http_version": "1.1", "scheme": "http", "server": ("test", 80),
+             "client": ("c", 1)}  # fmt: skip
+
+    # Act
+    asyncio.run(build_app(api)(scope, receive, send))
+
+    # Assert: its own earlier pieces never count against it
+    assert next(m["status"] for m in sent if m["type"] == "http.response.start") == 200
+    assert (api.admitted, api.held) == (0, 0)
