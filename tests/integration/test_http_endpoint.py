@@ -104,7 +104,7 @@ def endpoint(world: World, tmp_path_factory: pytest.TempPathFactory) -> Iterator
         "--trusted-key", str(world.verify_key),
         "--device", "cpu", "--threads", "1", "--min-sites", "3",
         "--http", "127.0.0.1:0", "--http-token-file", str(token_file),
-        "--http-max-queue", "6", "--http-max-connections", "48",
+        "--http-max-queue", "6", "--http-max-connections", "48", "--http-max-request-mib", "1",
     ]  # fmt: skip
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(
@@ -377,6 +377,36 @@ def test_a_body_too_large_is_413(endpoint: Endpoint) -> None:
         timeout=60,
     )
     assert reply.status_code == 413
+
+
+def test_images_beyond_the_memory_bound_wait_for_a_request_in_progress_to_end(
+    endpoint: Endpoint,
+) -> None:
+    # Arrange: a streamed answer under way holds its 600 x 600 image (1.08 MB decoded), the
+    # whole bound (1 MiB) alone
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    url = f"{endpoint.url}/v1/chat/completions"
+    first = {"model": "r1", "messages": [user("Colour?", data_uri("red", (600, 600)))],
+             "max_tokens": 64, "stream": True}  # fmt: skip
+    second = {"model": "r1", "messages": [user("Colour?", data_uri("blue", (300, 300)))],
+              "max_tokens": 3}  # fmt: skip
+    with httpx.Client(timeout=120) as client:
+        with client.stream("POST", url, json=first, headers=headers) as streamed:
+            lines = streamed.iter_lines()
+            assert next(lines).startswith("data: ")  # accepted: its images are held
+
+            # Act: a second request (270 kB of decoded image) meanwhile, and after it ends
+            during = client.post(url, json=second, headers=headers)
+            rest = list(lines)
+        after = client.post(url, json=second, headers=headers)
+
+    # Assert: refused while the first held the memory, answered once it ended
+    assert streamed.status_code == 200
+    assert "data: [DONE]" in rest
+    assert during.status_code == 503
+    assert during.headers["retry-after"] == "1"
+    assert "decoded images" in during.json()["error"]["message"]
+    assert after.status_code == 200
 
 
 def test_a_burst_of_requests_gets_answers_or_503_and_the_service_keeps_serving(
