@@ -541,6 +541,8 @@ def test_metrics_count_requests_and_passes_and_name_no_path(endpoint: Endpoint) 
     assert 'dpmtv_http_requests_total{route="chat",code="200"}' in reply.text
     assert "dpmtv_batch_passes_total" in reply.text
     assert 'dpmtv_batch_mode{mode="continuous"} 1' in reply.text
+    assert "\ndpmtv_http_held_bytes 0\n" in reply.text  # nothing under way: nothing held
+    assert f"\ndpmtv_http_max_held_bytes {1 << 20}\n" in reply.text  # --http-max-request-mib 1
     assert str(Path.home()) not in reply.text
 
 
