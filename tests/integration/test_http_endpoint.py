@@ -4,8 +4,8 @@ A real ``dpmtv-site serve --http 127.0.0.1:0`` process serves a tiny random LLaV
 stored, signed artifacts; the tests ask it as a hospital application would (the ``openai``
 package, streaming included), and as a hostile one would: no token, a wrong token, an
 unknown release, a file that is not an image, a 200-megapixel header, a body too large, a
-flood of connections and of requests, images beyond the memory bound. Each gets a clear HTTP error, and the service keeps
-answering.
+flood of connections and of requests, images beyond the memory bound. Each gets a clear HTTP
+error, and the service keeps answering.
 """
 
 from __future__ import annotations

@@ -6,12 +6,13 @@ import base64
 import io
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 from PIL import Image
 
 from client.service.chat_format import ChatRequest, chat_request_from_json, parse_chat
-from client.service.http_server import parse_address, read_token
+from client.service.http_server import HttpSettings, parse_address, read_token
 from dpmtv_common.errors import ConfigError, DataError
 
 
@@ -176,9 +177,8 @@ def test_serve_refuses_bad_http_flags_before_loading_anything(tmp_path, capsys, 
     assert not (tmp_path / "ledger.sqlite").exists()
 
 
-@pytest.mark.parametrize(("flags", "invariant"), [([], False), (["--http-batch-invariant"], True)])
-def test_batch_invariant_answers_are_a_site_option_off_by_default(tmp_path, flags, invariant):
-    # Arrange
+def _settings_of(tmp_path: Path, *flags: str) -> Any:
+    """The endpoint's settings ``dpmtv-site serve --http 127.0.0.1:0 ... FLAGS`` gives."""
     import argparse
 
     from client.cli.http_options import add_http_options, check_http
@@ -188,29 +188,19 @@ def test_batch_invariant_answers_are_a_site_option_off_by_default(tmp_path, flag
     token.chmod(0o600)
     parser = argparse.ArgumentParser()
     add_http_options(parser)
-    # Act
     args = parser.parse_args(["--http", "127.0.0.1:0", "--http-token-file", str(token), *flags])
     settings = check_http(args)
-    # Assert
     assert settings is not None
-    assert settings.batch_invariant is invariant
+    return settings
+
+
+@pytest.mark.parametrize(("flags", "invariant"), [([], False), (["--http-batch-invariant"], True)])
+def test_batch_invariant_answers_are_a_site_option_off_by_default(tmp_path, flags, invariant):
+    assert _settings_of(tmp_path, *flags).batch_invariant is invariant
 
 
 @pytest.mark.parametrize(("flags", "expected"), [([], 1 << 30), (["--http-max-request-mib", "64"],
                                                                  64 << 20)])  # fmt: skip
 def test_the_request_memory_bound_reaches_the_endpoint_s_settings(tmp_path, flags, expected):
-    import argparse
-
-    from client.cli.http_options import add_http_options, check_http
-    from client.service.request_limits import DEFAULT_REQUEST_MEMORY
-
-    token = tmp_path / "token"
-    token.write_text("t" * 32)
-    token.chmod(0o600)
-    parser = argparse.ArgumentParser()
-    add_http_options(parser)
-    args = parser.parse_args(["--http", "127.0.0.1:0", "--http-token-file", str(token), *flags])
-    settings = check_http(args)
-    assert settings is not None
-    assert settings.max_request_memory == expected
-    assert DEFAULT_REQUEST_MEMORY == 1 << 30  # the option's default is the settings' default
+    assert _settings_of(tmp_path, *flags).max_request_memory == expected
+    assert HttpSettings("127.0.0.1:0", tmp_path).max_request_memory == 1 << 30  # one default
