@@ -23,7 +23,8 @@ answered with its type.
 Bounds: a body is read up to :data:`~client.service.request_limits.MAX_REQUEST_BYTES` (413
 beyond) within 120 s (408); every image is checked from its header before it is decoded
 (400); at most ``max_queue`` requests are admitted (prepared, queued or running): one more
-gets 503 with ``Retry-After``.
+gets 503 with ``Retry-After``; and the bodies and decoded images held at once stay within
+``max_memory`` bytes (:meth:`FrontApi.hold`; 503 beyond it, unless the request is alone).
 """
 
 from __future__ import annotations
