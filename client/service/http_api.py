@@ -195,9 +195,9 @@ class FrontApi:
     def hold(self, size: int, what: str, *, own: int = 0) -> None:
         """Count ``size`` bytes of a request's memory in (one event loop: no lock), or refuse.
 
-        Bodies are held from their head until their request is decoded, decoded images until
-        their request ends (the site service holds them until then): ``max_memory`` bounds
-        both, summed over every request at once. A request is refused with 503 only while
+        Bodies are held as their bytes arrive until their request is decoded, decoded images
+        until their request ends (the site service holds them until then): ``max_memory``
+        bounds both, summed over every request at once. A request is refused with 503 only while
         others hold memory (``own``: bytes this request already holds), so one request within
         the per-request bounds always gets through.
         """
@@ -320,26 +320,22 @@ def announce_chat(link: FrontLink, scope: dict[str, Any]) -> None:
 async def _read_body(api: FrontApi, request: Request) -> tuple[bytes, int]:
     """The whole body, and the bytes :meth:`FrontApi.hold` counted in for it (to release).
 
-    A declared length is held before any byte is read; a body without one is held as it
-    arrives.
+    A body is held as its bytes arrive, not by the length it declares: a client that declares
+    a large body and sends it slowly holds only what it sent.
     """
     declared = request.headers.get("content-length", "")
-    size = int(declared) if declared.isdigit() else 0
-    if size > MAX_REQUEST_BYTES:
+    if declared.isdigit() and int(declared) > MAX_REQUEST_BYTES:
         raise _HttpError(413, f"request body must be at most {MAX_REQUEST_BYTES} bytes, "
                          f"got {declared}.", "invalid_request_error")  # fmt: skip
-    api.hold(size, "its body")
-    held, chunks, read = size, [], 0
+    held, chunks = 0, []
     try:
         async with asyncio.timeout(_BODY_TIMEOUT_S):
             async for chunk in request.stream():
-                read += len(chunk)
-                if read > MAX_REQUEST_BYTES:
+                if held + len(chunk) > MAX_REQUEST_BYTES:
                     raise _HttpError(413, f"request body must be at most {MAX_REQUEST_BYTES} "
                                      "bytes.", "invalid_request_error")  # fmt: skip
-                if read > held:  # more than declared (or none declared): hold what came
-                    api.hold(read - held, "its body", own=held)
-                    held = read
+                api.hold(len(chunk), "its body", own=held)
+                held += len(chunk)
                 chunks.append(chunk)
     except TimeoutError:
         api.release(held)
