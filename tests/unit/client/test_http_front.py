@@ -38,6 +38,12 @@ def _link() -> tuple[FrontLink, _Recorded]:
     return link, transport
 
 
+def _full(scope: dict[str, Any]) -> dict[str, Any]:
+    """``scope`` with the rest of an HTTP request's ASGI scope."""
+    return {"headers": [], "query_string": b"", "root_path": "", "http_version": "1.1",
+            "scheme": "http", "server": ("test", 80), "client": ("c", 1), **scope}  # fmt: skip
+
+
 async def _call(api: FrontApi, scope: dict[str, Any], body: bytes = b"{}") -> int:
     """One request through the app; its status."""
     sent: list[MutableMapping[str, Any]] = []
@@ -48,9 +54,7 @@ async def _call(api: FrontApi, scope: dict[str, Any], body: bytes = b"{}") -> in
     async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message)
 
-    full = {"headers": [], "query_string": b"", "root_path": "", "http_version": "1.1",
-            "scheme": "http", "server": ("test", 80), "client": ("c", 1), **scope}  # fmt: skip
-    await build_app(api)(full, receive, send)
+    await build_app(api)(_full(scope), receive, send)
     return next(int(m["status"]) for m in sent if m["type"] == "http.response.start")
 
 
@@ -200,9 +204,7 @@ def test_a_streamed_request_whose_client_leaves_before_its_stream_starts_gives_b
     body = json.loads(_chat_body(16)) | {"stream": True}
     raw = json.dumps(body).encode()
     api, _ = _api(max_memory=1 << 20)
-    scope = {**CHAT, "headers": [*AUTHORISED, (b"content-length", str(len(raw)).encode())],
-             "query_string": b"", "root_path": "", "http_version": "1.1", "scheme": "http",
-             "server": ("test", 80), "client": ("c", 1)}  # fmt: skip
+    scope = _full({**CHAT, "headers": [*AUTHORISED, (b"content-length", str(len(raw)).encode())]})
     messages = iter([{"type": "http.request", "body": raw, "more_body": False}])
 
     async def receive() -> dict[str, Any]:
@@ -238,9 +240,7 @@ def test_a_body_without_a_length_arriving_in_pieces_alone_gets_through_any_bound
     async def send(message: MutableMapping[str, Any]) -> None:
         sent.append(message)
 
-    scope = {**CHAT, "headers": AUTHORISED, "query_string": b"", "root_path": "",
-             "http_version": "1.1", "scheme": "http", "server": ("test", 80),
-             "client": ("c", 1)}  # fmt: skip
+    scope = _full({**CHAT, "headers": AUTHORISED})
 
     # Act
     asyncio.run(build_app(api)(scope, receive, send))
@@ -266,9 +266,7 @@ def test_a_body_sent_slowly_holds_what_it_sent_not_what_it_declares():
         pass
 
     headers = [*AUTHORISED, (b"content-length", str(40 << 20).encode())]
-    scope = {**CHAT, "headers": headers, "query_string": b"", "root_path": "",
-             "http_version": "1.1", "scheme": "http", "server": ("test", 80),
-             "client": ("c", 1)}  # fmt: skip
+    scope = _full({**CHAT, "headers": headers})
 
     # Act: look while the rest has not come
     async def run() -> int:
