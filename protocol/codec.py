@@ -19,10 +19,9 @@ a clear :class:`~protocol.errors.VersionMismatchError` instead of field errors.
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
-from flwr.app import Array, ArrayRecord, ConfigRecord, RecordDict
 from pydantic import TypeAdapter, ValidationError
 
 from dpmtv_common.aliases import Float64Array, Int64Array
@@ -30,6 +29,11 @@ from protocol.errors import MessageDecodeError
 from protocol.messages import AnyMessage, ErrorReply, WireMessage
 from protocol.secure_sum import SUM_MESSAGE_KINDS, AnySumMessage
 from protocol.version import PROTOCOL_VERSION, check_compatible
+
+# Flower's record types are imported where records are built, so a process that imports the
+# protocol without exchanging messages (the HTTP front) does not load Flower (0.14 s).
+if TYPE_CHECKING:
+    from flwr.app import RecordDict
 
 __all__ = [
     "MESSAGE_RECORD_KEY",
@@ -83,6 +87,8 @@ def _message_from_envelope(envelope: Mapping[str, Any]) -> AnyMessage | AnySumMe
 
 def message_to_record(msg: WireMessage) -> RecordDict:
     """Encode a message (any of ``protocol.messages``) as a record."""
+    from flwr.app import ConfigRecord, RecordDict
+
     # update() rather than ConfigRecord(dict): its constructor wants the full value union.
     envelope = ConfigRecord()
     envelope.update(_envelope(msg))
@@ -124,6 +130,8 @@ def expect(record: RecordDict, message_type: type[_M]) -> _M:
 
 def with_array(record: RecordDict, key: str, values: Int64Array | Float64Array) -> RecordDict:
     """``record`` with one 1-d int64 or float64 array beside its message (numpy's format)."""
+    from flwr.app import Array, ArrayRecord
+
     array = np.ascontiguousarray(values)
     if array.ndim != 1 or array.dtype.name not in _ARRAY_DTYPES:
         raise TypeError(f"values must be 1-d int64 or float64, got {array.dtype}{array.shape}.")

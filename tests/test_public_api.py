@@ -42,10 +42,12 @@ def test_package_exports_every_public_name_of_its_modules(package_name):
     assert unexported == []
 
 
-def test_shared_layers_import_without_torch_or_transformers():
+@pytest.mark.parametrize("modules", ["dpmtv_common, protocol", "client.service.http_front"])
+def test_shared_layers_and_the_http_front_import_without_torch_transformers_or_flower(modules):
+    # The HTTP front is started again whenever it dies: it loads no model library, nor Flower
     code = (
-        "import sys, dpmtv_common, protocol;"
-        "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))"
+        f"import sys, {modules};"
+        "print(sorted(m for m in ('torch', 'transformers', 'flwr') if m in sys.modules))"
     )
     result = subprocess.run(
         [sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, check=True
