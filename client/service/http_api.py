@@ -457,8 +457,9 @@ async def _start(
     held = 0
     try:
         chat_request, parsed = _parsed(body) if inline else await run_in_threadpool(_parsed, body)
-        api.hold(parsed.decoded_bytes(), "its decoded images", own=body_held)
-        held = parsed.decoded_bytes()
+        decoded = parsed.decoded_bytes()
+        api.hold(decoded, "its decoded images", own=body_held)
+        held = decoded
         if inline:
             message, images = _decoded(chat_request, parsed)
         else:
