@@ -16,6 +16,15 @@ Non-private throughout: a candidate finder, as ``weak_site_candidates.py``. Writ
 ``docs/benchmarks/label-skew.md`` (and ``.json``)::
 
     .venv/bin/python benchmarks/label_skew.py          # ~13 min on 2 cores
+
+``--score answer`` scores the whole first answer span instead (``client.evaluation.run``,
+one generation a query), for answers of more than one token such as ``colour-shape``'s
+sixteen "red circle" pairs, and beside it the share of answers that *lead* the generated text
+(what a reader sees first, whatever follows)::
+
+    .venv/bin/python benchmarks/label_skew.py --tasks colour-shape --classes-per-site 1 \
+        --sites 16 --icl-sites 8 --pool 3200 --score answer \
+        --out docs/benchmarks/label-skew-colour-shape
 """
 
 from __future__ import annotations
@@ -30,6 +39,7 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
@@ -47,9 +57,13 @@ from client.activations.extraction import zero_shot_prompt
 from client.data.records import Record, SiteDataset, load_dataset
 from client.data.synthetic import write_task_datasets
 from client.evaluation.first_token import QuerySet
+from client.evaluation.metrics import normalize_answer
+from client.evaluation.run import EvaluationMode, evaluate
+from client.inference.answers import TaskVectorPatch
 from client.models import LoadedModel, load_model
 from client.models.pretrained import pretrained_model_path
 from client.public.selection import public_activations, select_heads_attribution
+from dpmtv_common.heads import HeadSet
 
 SITE = 100  # examples a site holds
 K = 16  # heads
@@ -87,14 +101,66 @@ def skewed_sites(
     return out
 
 
-def measure(loaded: LoadedModel, root: Path, task: str, per_site: int, seed: int) -> dict:
+class _FirstToken:
+    """First-token accuracy: one forward a query (every task here answers in one token)."""
+
+    def __init__(self, loaded: LoadedModel, test: list[Record]) -> None:
+        self.loaded, self.test = loaded, test
+        self.queries = QuerySet.build(
+            loaded, [zero_shot_prompt(r) for r in test], [r.answer for r in test]
+        )
+
+    def zero_shot(self) -> float:
+        return self.queries.accuracy(self.loaded)
+
+    def icl(self, support: list[Record]) -> float:
+        return icl_accuracy(self.loaded, self.test, support, shots=4, seeds=1)
+
+    def patched(self, heads: HeadSet, values: torch.Tensor) -> float:
+        return self.queries.accuracy(self.loaded, (heads, values))
+
+
+class _Answer:
+    """The whole first answer span (one generation a query), and the share it leads."""
+
+    def __init__(self, loaded: LoadedModel, test: list[Record]) -> None:
+        self.loaded, self.test = loaded, test
+
+    def _scored(self, **how: Any) -> dict[str, float]:
+        result = evaluate(self.loaded, self.test, max_new_tokens=6, **how)
+        leads = [
+            normalize_answer(text).startswith(normalize_answer(record.answer))
+            for text, record in zip(result.predictions, self.test, strict=True)
+        ]
+        return {"answer": result.accuracy, "leads": statistics.mean(leads)}
+
+    def zero_shot(self) -> dict[str, float]:
+        return self._scored(mode=EvaluationMode.ZERO_SHOT)
+
+    def icl(self, support: list[Record]) -> dict[str, float]:
+        return self._scored(mode=EvaluationMode.ICL, support=support, shots=4)
+
+    def patched(self, heads: HeadSet, values: torch.Tensor) -> dict[str, float]:
+        patch = TaskVectorPatch(heads, values.float())
+        return self._scored(mode=EvaluationMode.ARTIFACT, patch=patch)
+
+
+def _mean(scores: list[Any]) -> Any:
+    """The mean of floats, or key by key of dicts of floats."""
+    if isinstance(scores[0], dict):
+        return {key: statistics.mean(s[key] for s in scores) for key in scores[0]}
+    return statistics.mean(scores)
+
+
+def measure(loaded: LoadedModel, root: Path, task: str, per_site: int, args: Any) -> dict:
     write_task_datasets(
-        root, task=task, sites=1, per_site=1600, public=0, test=40, validation=32, seed=seed
-    )
+        root, task=task, sites=1, per_site=args.pool, public=0, test=40, validation=32,
+        seed=args.seed,
+    )  # fmt: skip
     pool = list(load_dataset(root / "site-0").records)
     test = list(load_dataset(root / "test").records)
-    sites = skewed_sites(pool, per_site)
-    queries = QuerySet.build(loaded, [zero_shot_prompt(r) for r in test], [r.answer for r in test])
+    sites = skewed_sites(pool, per_site, sites=args.sites)
+    score = _Answer(loaded, test) if args.score == "answer" else _FirstToken(loaded, test)
     acts = [
         public_activations(
             loaded, make_chunks(SiteDataset(tuple(s), task), shots=4, seed=1).chunks, progress=False
@@ -106,7 +172,7 @@ def measure(loaded: LoadedModel, root: Path, task: str, per_site: int, seed: int
         loaded, pooled, list(load_dataset(root / "validation").records), k=K
     )
 
-    def rows(mean: torch.Tensor, chosen=heads) -> tuple:
+    def rows(mean: torch.Tensor, chosen: HeadSet = heads) -> tuple[HeadSet, torch.Tensor]:
         index = torch.as_tensor(chosen.to_array())
         return chosen, mean[index[:, 0], index[:, 1]]
 
@@ -115,25 +181,41 @@ def measure(loaded: LoadedModel, root: Path, task: str, per_site: int, seed: int
         select_heads_attribution(loaded, acts[i].mean(0), sites[i][:32], k=K) for i in four
     ]
     return {
-        "task": task, "classes_per_site": per_site, "sites": len(sites),
+        "task": task, "classes_per_site": per_site, "sites": len(sites), "score": args.score,
         "m": sum(len(a) for a in acts),
-        "zero_shot": queries.accuracy(loaded),
-        "site_icl": statistics.mean(icl_accuracy(loaded, test, sites[i], shots=4, seeds=1) for i in four),  # noqa: E501
-        "site_mean_pool_heads": statistics.mean(queries.accuracy(loaded, rows(acts[i].mean(0))) for i in four),  # noqa: E501
-        "site_mean_own_heads": statistics.mean(
-            queries.accuracy(loaded, rows(acts[i].mean(0), own_heads[i])) for i in four
+        "zero_shot": score.zero_shot(),
+        "site_icl": _mean([score.icl(sites[i]) for i in range(min(args.icl_sites, len(sites)))]),
+        "site_mean_pool_heads": _mean([score.patched(*rows(acts[i].mean(0))) for i in four]),
+        "site_mean_own_heads": _mean(
+            [score.patched(*rows(acts[i].mean(0), own_heads[i])) for i in four]
         ),
-        "pooled_mean": queries.accuracy(loaded, rows(pooled)),
+        "pooled_mean": score.patched(*rows(pooled)),
     }  # fmt: skip
 
 
+def _cell(value: Any) -> str:
+    if isinstance(value, dict):
+        return f"{value['answer']:.2f} ({value['leads']:.2f})"
+    return f"{value:.2f}"
+
+
 def render(results: dict) -> str:
+    rows = results["rows"]
+    answer = any(r.get("score") == "answer" for r in rows)
+    scoring = (
+        "accuracy of the whole first answer span (`client.evaluation.run.evaluate`) on 40 "
+        "balanced test scenes, and in brackets the share of them whose generated text begins "
+        "with the answer, whatever follows"
+        if answer
+        else "first-token accuracy on 40 balanced test scenes"
+    )
+    classes = "the task's answers" if answer else "the task's four answers"
     lines = [
         "# Label skew: a site alone against the pooled examples (non-private)",
         "",
         f"Generated by `{results['command']}` in {results['seconds'] / 60:.0f} min on 2 cores. "
-        "Pretrained decoder; each site holds 100 examples of only some of the task's four "
-        "answers; first-token accuracy on 40 balanced test scenes. Non-private and with the "
+        f"Pretrained decoder; each site holds 100 examples of only some of {classes}; "
+        f"{scoring}. Non-private and with the "
         "pooled mean's heads chosen on the task's validation queries (an oracle): what a "
         "perfect release could at best give, not what one gives.",
         "",
@@ -141,11 +223,12 @@ def render(results: dict) -> str:
         "alone: its own mean (pooled heads / own heads) | every site's chunks pooled |",
         "|---|---:|---|---:|---:|---:|---:|",
     ]
-    for r in results["rows"]:
+    for r in rows:
         lines.append(
             f"| {r['task']} | {r['classes_per_site']} | {r['sites']} ({r['m']}) | "
-            f"{r['zero_shot']:.2f} | {r['site_icl']:.2f} | {r['site_mean_pool_heads']:.2f} / "
-            f"{r['site_mean_own_heads']:.2f} | {r['pooled_mean']:.2f} |"
+            f"{_cell(r['zero_shot'])} | {_cell(r['site_icl'])} | "
+            f"{_cell(r['site_mean_pool_heads'])} / {_cell(r['site_mean_own_heads'])} | "
+            f"{_cell(r['pooled_mean'])} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -157,6 +240,16 @@ def main() -> int:
     parser.add_argument("--tasks", nargs="+", default=["position", "colour"])
     parser.add_argument("--classes-per-site", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument(
+        "--sites", type=int, default=None,
+        help="sites (default: every combination of classes once, twice with one class a site)",
+    )  # fmt: skip
+    parser.add_argument("--icl-sites", type=int, default=4, help="sites whose ICL is averaged")
+    parser.add_argument("--pool", type=int, default=1600, help="examples drawn to fill the sites")
+    parser.add_argument(
+        "--score", choices=("first-token", "answer"), default="first-token",
+        help="first-token accuracy, or the whole first answer span (answers of several tokens)",
+    )  # fmt: skip
     parser.add_argument("--out", type=Path, default=REPO / "docs/benchmarks/label-skew")
     args = parser.parse_args()
     started = time.monotonic()
@@ -168,9 +261,9 @@ def main() -> int:
     for task in args.tasks:
         for per_site in args.classes_per_site:
             with tempfile.TemporaryDirectory(prefix="dpmtv-skew-") as tmp:
-                row = measure(loaded, Path(tmp), task, per_site, args.seed)
+                row = measure(loaded, Path(tmp), task, per_site, args)
             results["rows"].append(row)
-            print({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()})
+            print(row, flush=True)
             results["seconds"] = round(time.monotonic() - started, 1)
             args.out.with_suffix(".json").write_text(json.dumps(results, indent=1) + "\n")
             args.out.with_suffix(".md").write_text(render(results), encoding="utf-8")

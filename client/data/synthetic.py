@@ -28,7 +28,10 @@ as a word, colour in French or as a fruit, the opposite position). No model here
 to say them for an image, so only in-context learning can give them.
 
 **Many-class family** (``MANY_CLASS_TASKS``): ``colour-shape-code`` answers one of sixteen
-words (``CODE_WORDS``) for each colour-shape pair, a code book with no rule behind it.
+words (``CODE_WORDS``) for each colour-shape pair, a code book with no rule behind it;
+``colour-shape`` answers the pair itself in two words ("red circle"), sixteen classes with a
+rule a model can read off the image. Its first token names only the colour, so it is scored
+by the whole answer (``client.evaluation.run.evaluate``), not by the first token.
 
 **Content-disjoint splits (public rule).** A scene is one of 4 x 4 x 4 x 4 = 256 attribute
 combinations. With each attribute's index (colour, shape and position in the order of
@@ -118,7 +121,7 @@ CODE_WORDS = (
     "cat", "dog", "fish", "bird", "horse", "cow", "lion", "tiger",
     "bear", "wolf", "fox", "frog", "duck", "goat", "sheep", "mouse",
 )  # fmt: skip
-MANY_CLASS_TASKS = ("colour-shape-code",)
+MANY_CLASS_TASKS = ("colour-shape-code", "colour-shape")
 TASKS = TRAINED_TASKS + UNTRAINED_TASKS + WORD_TASKS + MANY_CLASS_TASKS
 IMAGE_SIZE = 64
 SCENE_SPLITS = ("train", "validation", "test")
@@ -148,6 +151,8 @@ class SceneSpec:
         if task in WORD_ANSWERS:
             attribute = task.split("-", 1)[0]
             return WORD_ANSWERS[task][answers[attribute]]
+        if task == "colour-shape":
+            return f"{self.colour} {self.shape}"
         if task == "colour-shape-code":
             return CODE_WORDS[4 * list(COLOURS).index(self.colour) + SHAPES.index(self.shape)]
         if task not in answers:
@@ -156,7 +161,7 @@ class SceneSpec:
 
 
 def task_family(task: str) -> str:
-    """``trained``, ``untrained`` (merged), ``words`` or ``many-class`` (a code book)."""
+    """``trained``, ``untrained`` (merged), ``words`` or ``many-class`` (sixteen classes)."""
     if task in TRAINED_TASKS:
         return "trained"
     if task in UNTRAINED_TASKS:

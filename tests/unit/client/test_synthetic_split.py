@@ -89,6 +89,13 @@ def test_the_code_book_gives_each_colour_shape_pair_its_own_word():
     assert sorted(set(pairs.values())) == sorted(CODE_WORDS)
 
 
+def test_the_pair_task_answers_colour_then_shape_in_sixteen_classes():
+    answers = {s.answer("colour-shape") for s in all_scenes()}
+    assert len(answers) == 16
+    for scene in all_scenes():
+        assert scene.answer("colour-shape") == f"{scene.colour} {scene.shape}"
+
+
 @pytest.mark.parametrize("task", UNTRAINED_TASKS)
 @pytest.mark.parametrize("size", list(EMBEDDED_MODEL_DIRS))
 def test_merged_answers_are_words_of_every_shipped_tokenizer(task, size):
