@@ -6,6 +6,18 @@ from typing import Any
 
 import torch
 
+from client.public.selection import AttributionTerms
+
+
+def ranking_terms(gains: torch.Tensor, dim: int) -> AttributionTerms:
+    """Attribution terms whose gain is ``gains`` (L, H) whatever reference is patched in.
+
+    Public heads are ranked by each task's gains against the centre (``rank_heads``); a test
+    that scripts the ranking gives its tasks these, and keeps its queries' own terms
+    (``PublicTask.chunk_terms``) for the votes.
+    """
+    return AttributionTerms(torch.zeros(*gains.shape, dim), -gains)
+
 
 class ShareOf:
     """Queries each answered right when their favourite head is patched.

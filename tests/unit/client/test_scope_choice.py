@@ -16,6 +16,7 @@ from client.public.scope import (
     heads_transfer,
     held_out_accuracy_by_chunks,
 )
+from client.public.selection import AttributionTerms
 from client.public.tasks import (
     PublicTask,
     centred_clip_scale,
@@ -26,6 +27,7 @@ from client.public.tasks import (
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.testing import SeededNoise
+from tests.unit.client.scope_fakes import ranking_terms
 
 ONE_ARCH = pytest.mark.parametrize("tiny", ["llava"], indirect=True)
 LAYERS, HEADS, DIM = 2, 4, 16  # the tiny LLaVA's text model
@@ -45,7 +47,7 @@ class ScriptedQueries:
 def _task(name: str, *, seed: int, gains: torch.Tensor, chunks: int = 6, offset: float = 0.0):
     generator = torch.Generator().manual_seed(seed)
     acts = torch.randn(chunks, LAYERS, HEADS, DIM, generator=generator) + offset
-    return PublicTask(name, acts, ScriptedQueries(name), gains)  # type: ignore[arg-type]
+    return PublicTask(name, acts, ScriptedQueries(name), gains, ranking_terms(gains, DIM))  # type: ignore[arg-type]
 
 
 def _script(tasks: list[PublicTask], script: Callable[[str, object], float]) -> None:
@@ -91,6 +93,36 @@ def test_heads_are_ranked_with_every_task_weighing_the_same(loaded):
     # Assert: the first choice of each task, not task a's two
     assert top == HeadSet.of([(0, 0), (1, 1)])
     assert without_a == HeadSet.of([(1, 1), (1, 2)])
+
+
+@ONE_ARCH
+def test_heads_are_ranked_by_the_gain_of_the_kept_tasks_centre_not_of_each_own_mean(loaded):
+    # Arrange: task a's answers rise with whatever is patched into heads (0, 0) and (0, 1); its
+    # own mean lies far out in (0, 0), the centre of a and b in (0, 1); b's gains are all zero
+    a_acts = torch.zeros(2, LAYERS, HEADS, DIM)
+    a_acts[:, 0, 0] = 10.0
+    b_acts = torch.zeros(2, LAYERS, HEADS, DIM)
+    b_acts[:, 0, 0], b_acts[:, 0, 1] = -10.0, 10.0
+    rewarded = torch.zeros(LAYERS, HEADS, DIM)
+    rewarded[0, :2] = 1.0
+    a_terms = AttributionTerms(rewarded, torch.zeros(LAYERS, HEADS))
+    b_terms = AttributionTerms(torch.zeros(LAYERS, HEADS, DIM), torch.zeros(LAYERS, HEADS))
+    a = PublicTask("a", a_acts, None, a_terms.gains(a_acts.mean(0)), a_terms)  # type: ignore[arg-type]
+    b = PublicTask("b", b_acts, None, b_terms.gains(b_acts.mean(0)), b_terms)  # type: ignore[arg-type]
+
+    # Act
+    both = rank_heads(loaded, [a, b], k=1)
+    a_alone = rank_heads(loaded, [a, b], k=1, exclude="b")
+
+    # Assert: with b kept the centre's head; a alone, its own mean's
+    assert both == HeadSet.of([(0, 1)])
+    assert a_alone == HeadSet.of([(0, 0)])
+
+
+def test_a_task_without_its_terms_cannot_rank_heads():
+    task = PublicTask("a", torch.zeros(2, LAYERS, HEADS, DIM), None, torch.zeros(LAYERS, HEADS))  # type: ignore[arg-type]
+    with pytest.raises(ConfigError, match="must carry its attribution terms"):
+        rank_heads(None, [task], k=1)  # type: ignore[arg-type]
 
 
 def test_the_centred_mean_clips_each_chunk_s_shift_from_the_centre():

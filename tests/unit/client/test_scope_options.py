@@ -21,7 +21,7 @@ from client.public.tasks import PublicTask, centred_clip_scale, domain_centre
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadLayout, HeadSet
 from dpmtv_common.privacy.testing import SeededNoise
-from tests.unit.client.scope_fakes import ShareOf
+from tests.unit.client.scope_fakes import ShareOf, ranking_terms
 
 ONE_ARCH = pytest.mark.parametrize("tiny", ["llava"], indirect=True)
 LAYERS, HEADS, DIM, CHUNKS = 2, 4, 16, 12  # the tiny LLaVA's text model
@@ -51,8 +51,9 @@ def _task(
     shape = (CHUNKS, LAYERS, HEADS, DIM)
     terms = QueryTerms(zero_shot.reshape(shape), gradients.reshape(shape))
     wanted = {(slot // HEADS, slot % HEADS) for slot in favourites}
-    return PublicTask(name, acts.reshape(shape), ShareOf(wanted, CHUNKS), _ranked(*ranked),  # type: ignore[arg-type]
-                      terms.summed(), terms)  # fmt: skip
+    gains = _ranked(*ranked)
+    return PublicTask(name, acts.reshape(shape), ShareOf(wanted, CHUNKS), gains,  # type: ignore[arg-type]
+                      ranking_terms(gains, DIM), terms)  # fmt: skip
 
 
 def _options(m: int = 100_000, scale: float = 1.0) -> list[tuple[HeadsMode, PlannedRelease]]:
@@ -337,8 +338,9 @@ def _split_task(name: str, seed: int, even: int, odd: int) -> PublicTask:
     shape = (CHUNKS, LAYERS, HEADS, DIM)
     terms = QueryTerms(zero_shot.reshape(shape), gradients.reshape(shape))
     favourites = {(slot // HEADS, slot % HEADS) for slot in (even, odd)}
+    gains = _ranked(even, odd)
     return PublicTask(name, acts.reshape(shape), ShareOf(favourites, CHUNKS),  # type: ignore[arg-type]
-                      _ranked(even, odd), terms.summed(), terms)  # fmt: skip
+                      gains, ranking_terms(gains, DIM), terms)  # fmt: skip
 
 
 @ONE_ARCH

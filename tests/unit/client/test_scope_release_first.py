@@ -22,7 +22,7 @@ from client.public.tasks import (
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.testing import SeededNoise
-from tests.unit.client.scope_fakes import ShareOf
+from tests.unit.client.scope_fakes import ShareOf, ranking_terms
 
 ONE_ARCH = pytest.mark.parametrize("tiny", ["llava"], indirect=True)
 LAYERS, HEADS, DIM = 2, 4, 16  # the tiny LLaVA's text model
@@ -45,8 +45,9 @@ def _task(name: str, seed: int, *, stand_in: tuple[int, ...], attributed: tuple[
     # Zero-shot activations at 0: every head's shift is about as large (no shift vote helps).
     chunk_terms = QueryTerms(torch.zeros_like(acts), gradients.reshape(acts.shape))
     favourites = {(slot // HEADS, slot % HEADS) for slot in attributed}
-    return PublicTask(name, acts, ShareOf(favourites, len(acts)), _slots_gains(*stand_in),  # type: ignore[arg-type]
-                      chunk_terms.summed(), chunk_terms)  # fmt: skip
+    gains = _slots_gains(*stand_in)
+    return PublicTask(name, acts, ShareOf(favourites, len(acts)), gains,  # type: ignore[arg-type]
+                      ranking_terms(gains, DIM), chunk_terms)  # fmt: skip
 
 
 def test_attribution_terms_give_the_summed_gain_of_any_reference():
