@@ -170,10 +170,12 @@ def rank_heads(
     shift to) patched in; its positive gains are scaled to sum to 1 and summed over the tasks.
     With one task the centre is its own mean, so its ranking is its own gains.
 
-    Why the centre, not each task's own mean: on the pretrained decoder's headline data (the
-    other three tasks public, 16 heads, non-private pooled mean of 200 private chunks), heads
-    ranked by own-mean gains answer colour 0.72 and position 0.85, ranked against the centre
-    1.00 and 1.00, MTV's own heads (chosen with the private task's answers) 1.00 and 0.93.
+    Why the centre, not each task's own mean: a centred release patches the centre plus a
+    noisy shift, so the heads are scored with the reference they will be patched around. On
+    the pretrained decoder's headline (the other three tasks
+    public, 16 heads) the pooled non-private mean of the private chunks answers colour 0.97
+    in heads ranked so, 0.72 in heads ranked by each task's own-mean gain
+    (docs/benchmarks/headline-pretrained.md and the run before it).
 
     Raises:
         ConfigError: A kept task carries no attribution terms (:meth:`PublicTask.gains_against`).
