@@ -172,16 +172,17 @@ def rank_heads(
 
     Why the centre, not each task's own mean: a centred release patches the centre plus a
     noisy shift, so the heads are scored with the reference they will be patched around. On
-    the pretrained decoder's headline (the other three tasks
-    public, 16 heads) the pooled non-private mean of the private chunks answers colour 0.97
-    in heads ranked so, 0.72 in heads ranked by each task's own-mean gain
-    (docs/benchmarks/headline-pretrained.md and the run before it).
+    the pretrained decoder's headline (the other three tasks public, 16 heads) the pooled
+    non-private mean of the private chunks answers colour 0.97 in heads ranked so, 0.72 in
+    heads ranked by each task's own-mean gain (docs/benchmarks/headline-pretrained.md and
+    the run before it).
 
     Raises:
         ConfigError: A kept task carries no attribution terms (:meth:`PublicTask.gains_against`).
     """
     kept = _others(tasks, exclude)
-    centre = torch.stack([task.mean.double() for task in kept]).mean(0).float()
+    # Copied (torch.tensor): the centre's array is read-only.
+    centre = torch.tensor(domain_centre(kept).values, dtype=torch.float32)
     total = torch.zeros_like(kept[0].gains)
     for task in kept:
         positive = task.gains_against(centre).clamp(min=0)
