@@ -283,3 +283,38 @@ def test_more_chunks_raise_the_held_out_accuracy_of_the_chosen_scope(loaded):
 
     # Assert
     assert by_chunks[100_000] > by_chunks[5]
+
+
+def _score_by_heads_count(tasks: list[PublicTask], by_count: dict[int, float]):
+    """Accuracy by the number of heads patched; the centre alone (the floor) scores 0.0."""
+
+    def accuracy(name, patch):
+        if patch is None:
+            return 0.0
+        heads, values = patch
+        centre = domain_centre(tasks, exclude=name).rows(heads)
+        return 0.0 if np.allclose(values, centre) else by_count[len(heads)]
+
+    return accuracy
+
+
+@ONE_ARCH
+@pytest.mark.parametrize(
+    ("by_count", "chosen"),
+    [({2: 0.96, 4: 0.95}, 4), ({2: 0.95, 4: 0.96}, 4), ({2: 0.96, 4: 0.5}, 2)],
+)
+def test_of_two_ks_that_score_alike_the_larger_is_chosen(loaded, by_count, chosen):
+    # Arrange: every task ranks the same four heads first; the score depends on k alone
+    tasks = [_task(n, seed=i, gains=_gains(0, 1, 2, 3), offset=3.0) for i, n in enumerate("abc")]
+    _script(tasks, _score_by_heads_count(tasks, by_count))
+    planned = {HeadsMode.PUBLIC: PlannedRelease(1.0, 100_000, draws=1)}
+
+    # Act
+    choice = choose_scope(
+        loaded, tasks, planned=planned, ks=[2, 4], noise=SeededNoise(0), mode=HeadsMode.PUBLIC
+    )
+
+    # Assert: within 90 % of the best gain the larger k; below it the better
+    assert choice.k == chosen
+    assert choice.held_out == pytest.approx(by_count[chosen])
+    assert choice.factor == min(c.factor for c in choice.candidates_tried)

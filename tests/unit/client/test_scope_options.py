@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from client.public.picks import attribution_votes, noisy_pick, shift_votes
-from client.public.scope import HeadsMode, PlannedRelease, choose_scope
+from client.public.scope import HeadsMode, PlannedRelease, best_option, choose_each, choose_scope
 from client.public.selection import QueryTerms
 from client.public.tasks import PublicTask, centred_clip_scale, domain_centre
 from dpmtv_common.errors import ConfigError
@@ -369,3 +369,41 @@ def test_query_halves_cross_and_refuse_a_single_query():
     assert query_halves(5) == (([0, 2, 4], [1, 3]), ([1, 3], [0, 2, 4]))
     with pytest.raises(ConfigError, match="at least two chunks"):
         query_halves(1)
+
+
+@ONE_ARCH
+@pytest.mark.parametrize(
+    ("public", "private", "floor", "expected"),
+    [
+        (0.54, 0.51, 0.0, HeadsMode.PRIVATE),  # keeps 94 % of the gain: the private option
+        (0.54, 0.45, 0.0, HeadsMode.PUBLIC),  # keeps 83 %
+        (0.60, 0.58, 0.30, HeadsMode.PRIVATE),  # gains counted over the centre alone: 93 %
+        (0.60, 0.56, 0.30, HeadsMode.PUBLIC),  # 87 %
+        (0.20, 0.20, 0.20, HeadsMode.PUBLIC),  # nothing gained: nothing spent on picks
+        (0.40, 0.70, 0.0, HeadsMode.PRIVATE),  # the private option is simply the best
+    ],
+)
+def test_a_private_option_that_keeps_most_of_the_best_gain_is_preferred(
+    loaded, public, private, floor, expected
+):
+    # Arrange: one real choice, its held-out figures rewritten per option
+    tasks = [
+        _task(n, i, ranked=(0, 1), shifted=(0, 1), attributed=(0, 1), favourites=(0, 1))
+        for i, n in enumerate("abc")
+    ]
+    every = choose_each(loaded, tasks, planned=_options(), ks=[2], noise=SeededNoise(0))
+    rewritten = [
+        dataclasses.replace(
+            c, held_out=public if c.mode is HeadsMode.PUBLIC else private, public_only=floor
+        )
+        for c in every
+    ]
+
+    # Act
+    chosen = best_option(rewritten)
+
+    # Assert
+    assert chosen.mode is expected
+    assert best_option(rewritten, keep=0.5).mode is (
+        HeadsMode.PRIVATE if private > floor else HeadsMode.PUBLIC
+    )
