@@ -23,8 +23,9 @@ best on the held-out tasks are suggested for the real, private task.
    head), averaged, given the planned release's Gaussian (std 2·z·C'·√L / m, z of the
    planned option) over the scope it covers, and the centre back, patched into the heads
    and scored on the held-out queries. Among the (k, f) keeping ``keep`` of the best gain
-   over the centre alone, the largest k is kept, and within it the smallest f (a smaller
-   C' adds less noise; :func:`_suggest` says why more heads).
+   over the centre alone, the largest k is kept (the best, for private picks among every
+   head; :func:`_suggest` says why), and within it the smallest f (a smaller C' adds less
+   noise).
 
    **In release-first order** (``PlannedRelease.every_head``) the Gaussian covers more than
    is kept: the candidates (private selection: every pick is among them), or every carried
@@ -649,15 +650,18 @@ def _suggest(
 ) -> ScopeChoice:  # fmt: skip
     """Among the (k, f) keeping ``keep`` of the best gain, the largest k, then the smallest f.
 
-    A smaller f adds less noise; a larger k is the safer of two near-equal scores: a
-    vector in too few heads can miss the private task's heads altogether (on the pretrained
-    decoder the pooled position mean answers 0.03 in the public top 8 heads and 1.00 in the
-    top 16), while each head more costs a little noise, which the held-out score counts.
+    A smaller f adds less noise. Where the public ranking fixes the heads a release can
+    reach (public heads; private picks among the 2k candidates), a larger k is the safer of
+    two near-equal scores: too few can miss the private task's heads altogether (on the
+    pretrained decoder the pooled position mean answers 0.03 in the public top 8 heads and
+    1.00 in the top 16), while each head more costs a little noise, which the held-out score
+    counts. Private picks among every carried head reach any head whatever k, so there the
+    best k is kept.
     """
     best = max(tried, key=lambda c: c.accuracy)
     near = floor + keep * (best.accuracy - floor)
     kept = [c for c in tried if c.accuracy >= near or c is best]
-    widest = max(c.heads for c in kept)
+    widest = best.heads if among_every_head else max(c.heads for c in kept)
     chosen = min((c for c in kept if c.heads == widest), key=lambda c: c.factor)
     heads = rank_heads(loaded, tasks, k=chosen.heads)
     candidates = None

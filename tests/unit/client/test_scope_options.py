@@ -407,3 +407,27 @@ def test_a_private_option_that_keeps_most_of_the_best_gain_is_preferred(
     assert best_option(rewritten, keep=0.5).mode is (
         HeadsMode.PRIVATE if private > floor else HeadsMode.PUBLIC
     )
+
+
+@ONE_ARCH
+def test_of_two_ks_that_tie_the_larger_is_kept_unless_picks_range_over_every_head(loaded):
+    # Arrange: every task's own heads (6, 7) are rewarded by attribution and answer its
+    # queries; the public ranking puts them 7th-8th, among the candidates of k = 4 (the top 8)
+    tasks = [
+        _task(n, i, ranked=(0, 1, 2, 3, 4, 5, 6, 7), attributed=(6, 7), favourites=(6, 7))
+        for i, n in enumerate("abc")
+    ]
+
+    # Act: release-first picks among the 2k candidates, and among every carried head
+    candidates = choose_scope(
+        loaded, tasks, planned=_options()[2:], ks=[4, 8], noise=SeededNoise(0)
+    )
+    every = choose_scope(loaded, tasks, planned=[_every_head()], ks=[4, 8], noise=SeededNoise(0))
+
+    # Assert: both reach them with 4 picks as with 8 (a tie); the candidates' reach is fixed
+    # by the public ranking and the larger k is kept, every head's is not and the best
+    # (the first tried) is
+    for choice in (candidates, every):
+        assert {(c.heads, c.accuracy) for c in choice.candidates_tried} == {(4, 1.0), (8, 1.0)}
+    assert candidates.k == 8
+    assert every.k == 4
