@@ -28,7 +28,8 @@ The release at each size is the option the public choice picks, as ``select-head
 votes, Gumbel top-k among the 2k public heads) or private selection release-first (every head
 noised once; each chunk then votes by attribution against the noisy vector, among every
 head), each simulated on the held-out public tasks under that size's planned noise and Gumbel
-picks; the best held-out option is released. Side by side at 10 sites (and at every
+picks; the option ``client.public.scope.best_option`` suggests is released (the best
+held-out, or a private option keeping 90 % of its gain). Side by side at 10 sites (and at every
 ``--every-option-sites`` size), central: each option the choice did not pick, with its own k
 and C' (what the pick is worth, and whether the held-out prediction ranks the options as the
 test does); and the chosen release without the centre (raw activations, C chosen the same

@@ -149,7 +149,7 @@ def _say_model(gains: dict[str, float]) -> None:
 
 def _say_choice(choice: ScopeChoice, expected: dict[int, float]) -> None:
     print(
-        "held-out public accuracy of each option at its best k and C': "
+        "held-out public accuracy of each option at its chosen k and C': "
         + ", ".join(f"{name} {acc:.2f}" for name, acc in choice.options_tried)
     )
     print(
@@ -157,6 +157,12 @@ def _say_choice(choice: ScopeChoice, expected: dict[int, float]) -> None:
         f"{choice.transfer:.2f}); k = {choice.k}; C' = {choice.factor:g} x {choice.scale:.4g} = "
         f"{choice.clip_norm:.4g}"
     )
+    best_name, best = max(choice.options_tried, key=lambda option: option[1])
+    if choice.held_out < best:
+        print(
+            f"({choice.option} keeps --clip-keep of {best_name}'s gain over the centre alone: "
+            "private picks follow the private task's own heads, public heads cannot)"
+        )
     print(f"held-out public accuracy of the centre alone: {choice.public_only:.2f}")
     print(
         "held-out public accuracy of this release: "

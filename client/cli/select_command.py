@@ -56,7 +56,9 @@ def register(sub: Any) -> None:
         help="a labelled PUBLIC dataset of ANOTHER task of the domain (repeat: two or more). "
         "Chooses a centred release with no example of the private task: centre, heads mode, "
         "k (--k and --k/2) and C' by holding each public task out under the planned noise "
-        "(needs --for-epsilon and --for-chunks); writes a centre file beside --out",
+        "(needs --for-epsilon and --for-chunks): of the choices keeping --clip-keep of the "
+        "best held-out gain, private selection over public heads, the larger k, the smaller "
+        "C'; writes a centre file beside --out",
     )
     parser.add_argument(
         "--task", help="the private task's name: says whether a public set carries its answers"
@@ -78,7 +80,9 @@ def register(sub: Any) -> None:
         "--clip-keep",
         type=open_unit_float,
         default=0.9,
-        help="share of the unclipped public gain the suggested C must keep (default 0.9)",
+        help="share of the best public gain a suggestion must keep: the smallest C within it "
+        "(with --public-task also the larger k, and private selection over public heads) "
+        "(default 0.9)",
     )
     parser.add_argument(
         "--for-epsilon",
