@@ -551,11 +551,11 @@ def best_option(choices: Sequence[ScopeChoice], *, keep: float = 0.9) -> ScopeCh
     Held-out accuracies a few hundredths apart do not tell options apart (each is a mean over
     a few public tasks and draws), and the options fail differently when the private task is
     unlike the public ones: public heads are fixed by the other tasks, so a task whose heads
-    lie elsewhere loses them all, while private picks follow the task's own votes. In the
-    headline benchmarks public heads' test accuracy fell more than 0.3 below their held-out
-    prediction in 12 of 30 cells, private options' in 9 of 90. So where the best private
-    option keeps ``keep`` of the best option's gain over the centre alone, it is suggested;
-    where no option gains anything, public heads are (nothing spent on picks).
+    lie elsewhere loses them all, while private picks follow the task's own votes. In each of
+    two runs of the headline benchmarks public heads' test accuracy fell more than 0.3 below
+    their held-out prediction in 12 of 30 cells, private options' in 8-9 of 90. So where the
+    best private option keeps ``keep`` of the best option's gain over the centre alone, it
+    is suggested; where no option gains anything, public heads are (nothing spent on picks).
     """
     best = max(choices, key=lambda c: (c.held_out, c.mode is HeadsMode.PUBLIC))
     gain = best.held_out - best.public_only
