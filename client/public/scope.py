@@ -558,12 +558,16 @@ def best_option(choices: Sequence[ScopeChoice], *, keep: float = 0.9) -> ScopeCh
     is suggested; where no option gains anything, public heads are (nothing spent on picks).
     """
     best = max(choices, key=lambda c: (c.held_out, c.mode is HeadsMode.PUBLIC))
-    gain = best.held_out - best.public_only
     private = [c for c in choices if c.mode is HeadsMode.PRIVATE]
-    if gain <= 0 or not private:
+    if best.held_out <= best.public_only or not private:
         return best
     runner = max(private, key=lambda c: c.held_out)
-    return runner if runner.held_out >= best.public_only + keep * gain else best
+    return runner if runner.held_out >= _near(best.held_out, best.public_only, keep) else best
+
+
+def _near(best: float, floor: float, keep: float) -> float:
+    """The score keeping ``keep`` of the best's gain over ``floor``: at or above it is a tie."""
+    return floor + keep * (best - floor)
 
 
 def choose_each(
@@ -659,7 +663,7 @@ def _suggest(
     best k is kept.
     """
     best = max(tried, key=lambda c: c.accuracy)
-    near = floor + keep * (best.accuracy - floor)
+    near = _near(best.accuracy, floor, keep)
     kept = [c for c in tried if c.accuracy >= near or c is best]
     widest = best.heads if among_every_head else max(c.heads for c in kept)
     chosen = min((c for c in kept if c.heads == widest), key=lambda c: c.factor)
