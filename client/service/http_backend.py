@@ -58,10 +58,19 @@ def error_fields(exc: BaseException) -> dict[str, Any]:
 
 
 class _LinkSink:
-    """One row's tokens, from the batcher's worker to the front, as frames."""
+    """One row's tokens, from the batcher's worker to the front, as frames.
 
-    def __init__(self, backend: HttpBackend, request_id: int, *, streaming: bool) -> None:
+    Its text is decoded by the tokenizer of the model that runs the row, held from the start:
+    the batcher's worker decodes every finished row, and looking the site's model up again
+    there (a check of its files on disk) would cost each answer a pass's worth of time on a
+    small model.
+    """
+
+    def __init__(
+        self, backend: HttpBackend, request_id: int, *, streaming: bool, tokenizer: Any
+    ) -> None:
         self._backend, self._id, self._streaming = backend, request_id, streaming
+        self._tokenizer = tokenizer
         self._tokens: list[int] = []
 
     def token(self, token_id: int) -> None:
@@ -78,7 +87,7 @@ class _LinkSink:
         self._backend.send({"kind": "fail", "id": self._id, **error_fields(error)})
 
     def _text(self) -> str:
-        return self._backend.decode(self._tokens)
+        return str(self._tokenizer.decode(self._tokens, skip_special_tokens=True))
 
 
 class HttpBackend:
@@ -194,7 +203,8 @@ class HttpBackend:
                 self.batcher.cancel_expected()
             raise
         request_id = int(message["id"])
-        sink = _LinkSink(self, request_id, streaming=frame.stream)
+        tokenizer = request.loaded.processor.tokenizer
+        sink = _LinkSink(self, request_id, streaming=frame.stream, tokenizer=tokenizer)
         prepared = self.batcher.submit(request, sink, expected=expected)
         prepared.add_done_callback(lambda done: self._prepared(request_id, done))
 
@@ -256,7 +266,3 @@ class HttpBackend:
                 self._capped_models[crops] = self.site.model().with_image_crops(crops)
             return self._capped_models[crops]
 
-    def decode(self, token_ids: list[int]) -> str:
-        """The text of generated tokens (special tokens dropped)."""
-        tokenizer = self.site.model().processor.tokenizer
-        return str(tokenizer.decode(token_ids, skip_special_tokens=True))

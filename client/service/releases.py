@@ -163,11 +163,14 @@ def _stamp(folder: Path) -> _Stamp:
     if not folder.is_dir() or folder.is_symlink():
         return ()
     try:
-        return tuple(
-            sorted((p.name, p.stat().st_mtime_ns, p.stat().st_size) for p in folder.iterdir())
-        )
+        return tuple(sorted(_file_stamp(p) for p in folder.iterdir()))
     except OSError:
         return ()
+
+
+def _file_stamp(path: Path) -> tuple[str, int, int]:
+    info = path.stat()  # one call a file: every request checks its release's files
+    return path.name, info.st_mtime_ns, info.st_size
 
 
 def servable_artifact(site: Site, folder: Path) -> TaskVectorArtifact:
