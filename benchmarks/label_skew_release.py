@@ -6,15 +6,16 @@ on the pretrained decoder's position task, sites that each hold two of the four 
 product's release there, the headline's way (``headline.py``): every public choice (the centre,
 the heads mode, k, C') from the labelled public sets of the *other* tasks only (task-agnostic:
 no example carries the task's answers), eps = 1, delta = 1e-5, ``--draws`` noise draws a row,
-central and distributed (t = ceil(n/2); public heads only), at each ``--sites`` count; sites
-of ``--per-site`` examples, each holding ``--classes-per-site`` answers (the combinations in
-turn). Side by side, central: the heads mode the public transfer rule did not choose (every
-size); private selection in release-first order, the product's default (the 2k public
-candidates noised, then each chunk votes by attribution against the noisy vector among them;
-``--release-first-sites``);
-private selection among every head, not only the 2k public candidates
-(``--every-head-sites``); and at the largest size the public-heads release in MTV's own heads
-(oracle heads: a diagnostic of what the head choice costs).
+central and distributed (t = ceil(n/2)), at each ``--sites`` count; sites of ``--per-site``
+examples, each holding ``--classes-per-site`` answers (the combinations in turn). The chosen
+release is the option the public choice picks among every option ``select-heads`` compares
+by default (``--chosen-among select-first``: among the select-first ones only, as runs before
+that option chose). Side by side, central: the other heads mode, select-first (every size);
+private selection in release-first order (the 2k public candidates noised, then each chunk
+votes by attribution against the noisy vector among them, and the same among every carried
+head; ``--release-first-sites``); private selection select-first among every head, not only
+the 2k public candidates (``--every-head-sites``); and at the largest size the public-heads
+release in MTV's own heads (oracle heads: a diagnostic of what the head choice costs).
 
 Beside the rows, on the same 40 balanced test scenes (the heads: the k public heads the
 largest consortium's choice ranks first): zero-shot; public only (the centre in those
@@ -76,6 +77,13 @@ from client.release.single_holder import LocalSums
 from dpmtv_common.heads import HeadSet
 
 SHOTS = 4
+CHOSEN_AMONG = ("every-option", "select-first")
+_CHOSEN_TEXT = {
+    "every-option": "every option `select-heads` compares by default (public heads and private "
+    "selection select-first; private selection release-first among the candidates and among "
+    "every carried head)",
+    "select-first": "the select-first options only (public heads and private selection)",
+}
 
 
 def parse_args() -> argparse.Namespace:
@@ -94,6 +102,13 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--release-first-sites", type=int, nargs="*", default=[6, 12, 24, 48],
         help="sizes that also release in release-first order (attribution votes)",
+    )  # fmt: skip
+    parser.add_argument(
+        "--chosen-among", choices=CHOSEN_AMONG, default="every-option",
+        help="what the chosen row's public choice compares: every option select-heads compares "
+        "by default (public heads and private select-first; private release-first among the "
+        "candidates and among every head), or the select-first options only (how runs before "
+        "this option chose; their JSONs render so)",
     )  # fmt: skip
     parser.add_argument("--choice-draws", type=int, default=8, help="noise draws a tried (k, C')")
     parser.add_argument("--public-per-task", type=int, default=150)
@@ -210,12 +225,22 @@ def release_first_rows(args, loaded: LoadedModel, data: TaskData, sites: int) ->
     ]
 
 
+def _select_first_private(
+    args, loaded: LoadedModel, data: TaskData, sites: int, *chosen: ScopeChoice
+) -> ScopeChoice:
+    """The private select-first choice among ``chosen``, else made for it (``every_head_row``)."""
+    for choice in chosen:
+        if choice.mode is HeadsMode.PRIVATE and not choice.every_head:
+            return choice
+    return choose(args, loaded, data, sites, mode=HeadsMode.PRIVATE, every_head=False)
+
+
 def every_head_row(
     args, loaded: LoadedModel, data: TaskData, choice: ScopeChoice, sites: int
 ) -> dict:
-    """Private selection among every head of the model, not only the 2k public candidates.
+    """Private selection select-first among every head, not only the 2k public candidates.
 
-    Same k, C' and centre as the private-mode choice: what the public candidate set costs.
+    Same k, C' and centre as the private select-first choice: what the candidate set costs.
     """
     every = dataclasses.replace(choice, candidates=None)
     label = f"{sites} sites, central, private heads among every head"
@@ -264,7 +289,8 @@ def run_task(args, loaded: LoadedModel, root: Path, task: str) -> dict:
     data = prepare(args, loaded, root, task)
     rows, choices = [], {}
     for sites in sorted(args.sites):
-        size, choices[sites] = size_rows(args, loaded, data, sites, every_head=False)
+        among = None if args.chosen_among == "every-option" else False
+        size, choices[sites] = size_rows(args, loaded, data, sites, every_head=among)
         side, other = other_mode_row(args, loaded, data, choices[sites], sites)
         for row, choice in [(r, choices[sites]) for r in size] + [(side, other)]:
             row.update(without_noise(loaded, data, choice, sites))
@@ -272,7 +298,7 @@ def run_task(args, loaded: LoadedModel, root: Path, task: str) -> dict:
         if sites in args.release_first_sites:
             rows += release_first_rows(args, loaded, data, sites)
         if sites in args.every_head_sites:
-            private = choices[sites] if choices[sites].mode is HeadsMode.PRIVATE else other
+            private = _select_first_private(args, loaded, data, sites, choices[sites], other)
             rows.append(every_head_row(args, loaded, data, private, sites))
         if sites == max(args.sites):
             public = choices[sites] if choices[sites].mode is HeadsMode.PUBLIC else other
@@ -311,7 +337,9 @@ def render(results: dict) -> str:
         f"{a['classes_per_site']} of the task's four answers (the combinations in turn); "
         "first-token accuracy on 40 balanced test scenes no site, public set or training "
         "showed. Every public choice (centre, heads mode, k, C') from labelled public sets of "
-        "the *other* tasks only; eps = 1, delta = 1e-5, "
+        "the *other* tasks only; the chosen rows (central and distributed) release the option "
+        f"the public choice picks among {_CHOSEN_TEXT[a.get('chosen_among', 'select-first')]}; "
+        "eps = 1, delta = 1e-5, "
         f"{a['draws']} noise draws a row. A site alone is averaged over one site of each "
         "class combination. Rows marked oracle or labelled are not available to a "
         "task-agnostic consortium: oracle rows use every private chunk without noise (and MTV's "
