@@ -58,6 +58,7 @@ from client.service.chat_format import (
 )
 from client.service.front_link import Frame, FrameReader, LinkError, encode_frame
 from client.service.request_limits import DEFAULT_REQUEST_MEMORY, MAX_REQUEST_BYTES
+from client.service.write_coalescing import TurnWriter
 from dpmtv_common.errors import ConfigError, DataError
 
 __all__ = ["FrontApi", "FrontLink", "announce_chat", "build_app"]
@@ -96,13 +97,15 @@ class FrontLink(asyncio.Protocol):
         self._on_stop = on_stop
         self._reader = FrameReader()
         self._transport: asyncio.Transport | None = None
+        self._writer: TurnWriter | None = None
         self._waiting: dict[int, asyncio.Queue[dict[str, Any]]] = {}
         self._next_id = 0
         self.lost = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        """Keep the link's transport to write frames on."""
+        """Keep the link's transport to write frames on (a turn's frames in one write)."""
         self._transport = transport  # type: ignore[assignment]
+        self._writer = TurnWriter(self._transport)  # type: ignore[arg-type]
 
     def data_received(self, data: bytes) -> None:
         """Route each whole frame to its request's queue (or stop, when told)."""
@@ -133,10 +136,14 @@ class FrontLink(asyncio.Protocol):
         self._on_stop()
 
     def send(self, message: dict[str, Any], blobs: tuple[bytes, ...] = ()) -> None:
-        """One frame to the site service (from the event loop's thread)."""
-        if self.lost or self._transport is None:
+        """One frame to the site service, from the event loop's thread.
+
+        Written with the others of this turn of the loop
+        (:class:`~client.service.write_coalescing.TurnWriter`).
+        """
+        if self.lost or self._writer is None:
             raise _HttpError.of(_LINK_GONE)
-        self._transport.write(encode_frame(message, blobs))
+        self._writer.send(encode_frame(message, blobs))
 
     def open(self) -> tuple[int, asyncio.Queue[dict[str, Any]]]:
         """A new request id and the queue its answers arrive in (until :meth:`close`)."""

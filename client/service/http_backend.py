@@ -265,4 +265,3 @@ class HttpBackend:
             if crops not in self._capped_models:
                 self._capped_models[crops] = self.site.model().with_image_crops(crops)
             return self._capped_models[crops]
-

@@ -18,6 +18,8 @@ from typing import TYPE_CHECKING, Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+from client.service.write_coalescing import HeadHeldTransport
+
 __all__ = ["HEAD_TIMEOUT_S", "GuardedH11", "IdleConnections", "guarded_protocol"]
 
 HEAD_TIMEOUT_S = 10.0
@@ -110,8 +112,13 @@ class _Guard(asyncio.Protocol):
         connections: Any
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        """A newcomer: idle until its head arrives; room is made for it (class docstring)."""
-        super().connection_made(transport)
+        """A newcomer: idle until its head arrives; room is made for it (class docstring).
+
+        Its responses' heads wait for their bodies, to leave in one send
+        (:class:`~client.service.write_coalescing.HeadHeldTransport`).
+        """
+        held = HeadHeldTransport(transport, self.loop)  # type: ignore[arg-type]
+        super().connection_made(held)  # type: ignore[arg-type]
         self._now_idle()
         limit = self.limit_concurrency
         while limit is not None and _open_count(self.connections) > limit - 1:

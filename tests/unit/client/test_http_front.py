@@ -31,6 +31,9 @@ class _Recorded(asyncio.Transport):
     def write(self, data: bytes) -> None:  # type: ignore[override]
         self.frames += [message for message, _ in self.reader.feed(bytes(data))]
 
+    def is_closing(self) -> bool:
+        return False
+
 
 def _link() -> tuple[FrontLink, _Recorded]:
     link, transport = FrontLink(on_stop=lambda: None), _Recorded()

@@ -1,0 +1,132 @@
+"""The HTTP front's coalesced writes: same bytes, same order, fewer sends, none left behind."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from client.service.write_coalescing import HeadHeldTransport, TurnWriter
+
+HEAD = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"
+
+
+class RecordingTransport:
+    """A transport that records each write (one entry a send)."""
+
+    def __init__(self) -> None:
+        self.writes: list[bytes] = []
+        self.closed = False
+        self.aborted = False
+
+    def write(self, data: bytes) -> None:
+        self.writes.append(bytes(data))
+
+    def is_closing(self) -> bool:
+        return self.closed or self.aborted
+
+    def close(self) -> None:
+        self.closed = True
+
+    def abort(self) -> None:
+        self.aborted = True
+
+    def get_extra_info(self, name: str) -> str:
+        return f"info:{name}"
+
+
+async def _next_turn() -> None:
+    await asyncio.sleep(0)
+    await asyncio.sleep(0)
+
+
+def test_a_response_head_leaves_with_its_body_in_one_send():
+    async def run() -> list[bytes]:
+        inner = RecordingTransport()
+        held = HeadHeldTransport(inner, asyncio.get_running_loop())  # type: ignore[arg-type]
+        held.write(HEAD)
+        assert inner.writes == []  # held for the body
+        held.write(b"{}")
+        await _next_turn()
+        return inner.writes
+
+    assert asyncio.run(run()) == [HEAD + b"{}"]
+
+
+@pytest.mark.parametrize("then", ["nothing", "close"])
+def test_a_head_nothing_follows_leaves_by_the_end_of_its_turn(then):
+    async def run() -> RecordingTransport:
+        inner = RecordingTransport()
+        held = HeadHeldTransport(inner, asyncio.get_running_loop())  # type: ignore[arg-type]
+        held.write(HEAD)
+        if then == "close":
+            held.close()  # written before the connection closes
+            assert inner.writes == [HEAD]
+            assert inner.closed
+        await _next_turn()
+        return inner
+
+    inner = asyncio.run(run())
+    assert inner.writes == [HEAD]
+
+
+def test_writes_that_are_not_heads_pass_at_once_and_the_rest_is_the_transport_s():
+    async def run() -> tuple[RecordingTransport, HeadHeldTransport]:
+        inner = RecordingTransport()
+        held = HeadHeldTransport(inner, asyncio.get_running_loop())  # type: ignore[arg-type]
+        held.write(b"data: {}\n\n")
+        held.write(memoryview(b"5\r\nhello\r\n"))
+        return inner, held
+
+    inner, held = asyncio.run(run())
+    assert inner.writes == [b"data: {}\n\n", b"5\r\nhello\r\n"]
+    assert held.get_extra_info("peername") == "info:peername"
+    held.abort()
+    assert inner.aborted
+
+
+def test_an_aborted_connection_drops_its_held_head():
+    async def run() -> RecordingTransport:
+        inner = RecordingTransport()
+        held = HeadHeldTransport(inner, asyncio.get_running_loop())  # type: ignore[arg-type]
+        held.write(HEAD)
+        held.abort()
+        await _next_turn()
+        return inner
+
+    assert asyncio.run(run()).writes == []
+
+
+def test_frames_of_one_turn_leave_in_one_send_in_order_and_later_ones_apart():
+    async def run() -> list[bytes]:
+        inner = RecordingTransport()
+        writer = TurnWriter(inner)  # type: ignore[arg-type]
+        for frame in (b"a", b"bb", b"ccc"):
+            writer.send(frame)
+        assert inner.writes == []
+        await _next_turn()
+        writer.send(b"d")
+        await _next_turn()
+        return inner.writes
+
+    assert asyncio.run(run()) == [b"abbccc", b"d"]
+
+
+def test_frames_queued_for_a_link_that_closed_are_not_written():
+    async def run() -> list[bytes]:
+        inner = RecordingTransport()
+        writer = TurnWriter(inner)  # type: ignore[arg-type]
+        writer.send(b"a")
+        inner.close()
+        await _next_turn()
+        return inner.writes
+
+    assert asyncio.run(run()) == []
+
+
+def test_a_frame_sent_where_no_loop_runs_is_written_at_once():
+    inner = RecordingTransport()
+    writer = TurnWriter(inner)  # type: ignore[arg-type]
+    writer.send(b"a")
+    writer.send(b"b")
+    assert inner.writes == [b"a", b"b"]
