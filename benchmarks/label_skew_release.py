@@ -9,13 +9,15 @@ no example carries the task's answers), eps = 1, delta = 1e-5, ``--draws`` noise
 central and distributed (t = ceil(n/2)), at each ``--sites`` count; sites of ``--per-site``
 examples, each holding ``--classes-per-site`` answers (the combinations in turn). The chosen
 release is the option the public choice picks among every option ``select-heads`` compares
-by default (``--chosen-among select-first``: among the select-first ones only, as runs before
-that option chose). Side by side, central: the other heads mode, select-first (every size);
-private selection in release-first order (the 2k public candidates noised, then each chunk
-votes by attribution against the noisy vector among them, and the same among every carried
-head; ``--release-first-sites``); private selection select-first among every head, not only
-the 2k public candidates (``--every-head-sites``); and at the largest size the public-heads
-release in MTV's own heads (oracle heads: a diagnostic of what the head choice costs).
+by default, and side by side, central, each option it did not pick, with its own k and C'
+from the public tasks (every size). ``--chosen-among select-first`` chooses as runs before
+that option did, among the select-first ones only, beside the other heads mode (every size)
+and private selection in release-first order (the 2k public candidates noised, then each
+chunk votes by attribution against the noisy vector among them, and the same among every
+carried head; ``--release-first-sites``). Also private selection select-first among every
+head, not only the 2k public candidates (``--every-head-sites``); and at the largest size the
+public-heads release in MTV's own heads (oracle heads: a diagnostic of what the head choice
+costs).
 
 Beside the rows, on the same 40 balanced test scenes (the heads: the k public heads the
 largest consortium's choice ranks first): zero-shot; public only (the centre in those
@@ -62,7 +64,17 @@ from _headline_data import (
     query_set,
     site_activations,
 )
-from headline import MODELS, baselines, choice_plan, choose, dp_row, log, make_plan, size_rows
+from headline import (
+    MODELS,
+    baselines,
+    choice_plan,
+    choose,
+    dp_row,
+    log,
+    make_plan,
+    option_rows,
+    size_rows,
+)
 from headline import release_first_rows as headline_release_first_rows
 from label_skew import skewed_sites
 
@@ -78,6 +90,13 @@ from dpmtv_common.heads import HeadSet
 
 SHOTS = 4
 CHOSEN_AMONG = ("every-option", "select-first")
+_SIDE_TEXT = {
+    "every-option": "Rows marked 'another option' release each option the chosen rows' choice "
+    "did not pick, each with its own k and C' from the public tasks.",
+    "select-first": "The two release-first options are each chosen on the public tasks (k, C'); "
+    "the one the public tasks predict better comes first, the other is marked 'the other "
+    "option' (what `select-heads --picks-among` forces).",
+}
 _CHOSEN_TEXT = {
     "every-option": "every option `select-heads` compares by default (public heads and private "
     "selection select-first; private selection release-first among the candidates and among "
@@ -101,7 +120,8 @@ def parse_args() -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument(
         "--release-first-sites", type=int, nargs="*", default=[6, 12, 24, 48],
-        help="sizes that also release in release-first order (attribution votes)",
+        help="with --chosen-among select-first: sizes that also release in release-first order "
+        "(attribution votes; with every-option, every option not picked is released at every size)",
     )  # fmt: skip
     parser.add_argument(
         "--chosen-among", choices=CHOSEN_AMONG, default="every-option",
@@ -284,24 +304,50 @@ def without_noise(loaded: LoadedModel, data: TaskData, choice: ScopeChoice, site
     }
 
 
+def _every_option_rows(
+    args, loaded: LoadedModel, data: TaskData, sites: int
+) -> tuple[list[dict], ScopeChoice, list[ScopeChoice]]:
+    """The chosen release (every option compared), then each option it did not pick, central."""
+    kept: dict[int, list[ScopeChoice]] = {}
+    size, chosen = size_rows(args, loaded, data, sites, every_head=None, others=kept)
+    others = kept[sites]
+    rows = [row | without_noise(loaded, data, chosen, sites) for row in size]
+    side = option_rows(args, loaded, data, others, sites)
+    rows += [
+        row | without_noise(loaded, data, c, sites) for row, c in zip(side, others, strict=True)
+    ]
+    return rows, chosen, others
+
+
+def _select_first_rows(
+    args, loaded: LoadedModel, data: TaskData, sites: int
+) -> tuple[list[dict], ScopeChoice, list[ScopeChoice]]:
+    """As runs before ``--chosen-among``: the select-first options' pick and the other mode.
+
+    And the release-first options, each chosen apart (``--release-first-sites``).
+    """
+    size, chosen = size_rows(args, loaded, data, sites, every_head=False)
+    side, other = other_mode_row(args, loaded, data, chosen, sites)
+    rows = [row | without_noise(loaded, data, chosen, sites) for row in size]
+    rows.append(side | without_noise(loaded, data, other, sites))
+    if sites in args.release_first_sites:
+        rows += release_first_rows(args, loaded, data, sites)
+    return rows, chosen, [other]
+
+
 def run_task(args, loaded: LoadedModel, root: Path, task: str) -> dict:
     started = time.monotonic()
     data = prepare(args, loaded, root, task)
     rows, choices = [], {}
     for sites in sorted(args.sites):
-        among = None if args.chosen_among == "every-option" else False
-        size, choices[sites] = size_rows(args, loaded, data, sites, every_head=among)
-        side, other = other_mode_row(args, loaded, data, choices[sites], sites)
-        for row, choice in [(r, choices[sites]) for r in size] + [(side, other)]:
-            row.update(without_noise(loaded, data, choice, sites))
-        rows += [*size, side]
-        if sites in args.release_first_sites:
-            rows += release_first_rows(args, loaded, data, sites)
+        by_size = _every_option_rows if args.chosen_among == "every-option" else _select_first_rows
+        size, choices[sites], others = by_size(args, loaded, data, sites)
+        rows += size
         if sites in args.every_head_sites:
-            private = _select_first_private(args, loaded, data, sites, choices[sites], other)
+            private = _select_first_private(args, loaded, data, sites, choices[sites], *others)
             rows.append(every_head_row(args, loaded, data, private, sites))
         if sites == max(args.sites):
-            public = choices[sites] if choices[sites].mode is HeadsMode.PUBLIC else other
+            public = next(c for c in (choices[sites], *others) if c.mode is HeadsMode.PUBLIC)
             rows.append(oracle_heads_row(args, loaded, data, public, sites))
     reference = choices[max(choices)]
     base = baselines(args, loaded, data, reference.heads, reference.centre)
@@ -351,9 +397,7 @@ def render(results: dict) -> str:
         "candidates unless said otherwise) except those marked release-first: the Gaussian "
         "noises the candidates once (or, where said, every carried head), then each chunk "
         "votes by attribution against the noisy vector on its own answer, among them, with "
-        "C' chosen for their layers. The two release-first options are each chosen on the "
-        "public tasks (k, C'); the one the public tasks predict better comes first, the "
-        "other is marked 'the other option' (what `select-heads --picks-among` forces).",
+        "C' chosen for their layers. " + _SIDE_TEXT[a.get("chosen_among", "select-first")],
     ]
     for task in results["tasks"]:
         base = task["baselines"]
