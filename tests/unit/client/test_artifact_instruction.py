@@ -7,6 +7,7 @@ service's ``ask`` (``answer_queries``) and its HTTP endpoint (``ReleaseCatalogue
 from __future__ import annotations
 
 import io
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from client.cli._artifact import artifact_patch
 from client.models import LoadedModel, build_tiny_model, get_adapter, instruction_digest
 from client.release.site import Site
 from client.service.inference import InferRequest, answer_queries
-from client.service.releases import ReleaseCatalogue
+from client.service.releases import ReleaseCatalogue, UnknownModelError
 from client.settings import SiteSettings
 from dpmtv_common.crypto import SigningKey, TrustedKeys
 from dpmtv_common.errors import ConfigError
@@ -155,3 +156,36 @@ def test_the_plain_model_is_served_under_any_instruction(site):
     )
 
     assert (patch, crops) == (None, None)
+
+
+@pytest.mark.parametrize("change", ["mtime", "size"])
+def test_an_artifact_rewritten_in_place_after_it_was_served_is_verified_again(
+    site, tmp_path, change
+):
+    # Arrange: a release served once (and kept verified), then its files rewritten under the
+    # same names: another instruction's (same sizes, a later mtime), or one byte more in one
+    # file with its old mtime put back (a tampered artifact)
+    folder = store(site, instruction_digest(INSTRUCTION))
+    catalogue = ReleaseCatalogue(site)
+    assert catalogue.patch(RELEASE, PatchPolicy.PROMPT_LAST_TOKEN, instruction=INSTRUCTION)
+    files = sorted(p for p in folder.iterdir() if p.is_file())
+    times = {p: p.stat().st_mtime_ns for p in files}
+    if change == "mtime":
+        other = write_signed_artifact(
+            tmp_path / "other", release_id=RELEASE, model_fingerprint=site.model().fingerprint,
+            signing_key=KEY, protocol_version="5.0",
+            instruction_sha256=instruction_digest(INSTRUCTION + " "),
+        )  # fmt: skip
+        for path in files:
+            path.write_bytes((other / path.name).read_bytes())
+            os.utime(path, ns=(times[path] + 10**9, times[path] + 10**9))
+        expected: type[Exception] = ConfigError  # the new manifest's instruction
+    else:
+        with files[0].open("ab") as handle:
+            handle.write(b"\0")
+        os.utime(files[0], ns=(times[files[0]], times[files[0]]))
+        expected = UnknownModelError  # no longer verifies
+
+    # Act / Assert: the change is seen, not the verified copy served
+    with pytest.raises(expected):
+        catalogue.patch(RELEASE, PatchPolicy.PROMPT_LAST_TOKEN, instruction=INSTRUCTION)
