@@ -47,6 +47,7 @@ __all__ = [
 ]  # fmt: skip
 
 TINY_PUBLIC = 20
+PUBLIC_QUERIES = 40  # public_task's default: the queries a public task keeps
 
 
 def public_family(task: str) -> tuple[str, ...]:
@@ -190,6 +191,7 @@ def prepare_task(
     log,
     plan_for_votes: ReleasePlan | None = None,
     cache: Path | None = None,
+    public_queries: int = PUBLIC_QUERIES,
 ) -> TaskData:
     """Write and run everything public and private for ``task`` (module docstring).
 
@@ -202,8 +204,9 @@ def prepare_task(
         test=test, validation=validation, seed=seed,
     )  # fmt: skip
     public = public_tasks(
-        loaded, root, task, shots=shots, public_per_task=public_per_task, seed=seed, log=log
-    )
+        loaded, root, task, shots=shots, public_per_task=public_per_task, seed=seed, log=log,
+        max_queries=public_queries,
+    )  # fmt: skip
     caches, records = [], []
     for index in range(sites):
         dataset = load_dataset(root / task / f"site-{index}")
@@ -236,9 +239,13 @@ def prepare_task(
 
 def public_tasks(
     loaded: LoadedModel, root: Path, task: str, *, shots: int, public_per_task: int, seed: int,
-    log,
+    log, max_queries: int = PUBLIC_QUERIES,
 ) -> list[PublicTask]:  # fmt: skip
-    """The task-agnostic public setting of ``task``: a labelled set of each other family task."""
+    """The task-agnostic public setting of ``task``: a labelled set of each other family task.
+
+    ``max_queries``: the chunks' queries each task keeps (``public_task``), on which the
+    public choices score heads and simulate private selection.
+    """
     public = []
     for offset, other in enumerate(public_family(task), start=1):
         folder = root / f"public-{other}"
@@ -247,7 +254,11 @@ def public_tasks(
             seed=seed + 100 * offset,
         )  # fmt: skip
         dataset = load_dataset(folder / "public")
-        public.append(public_task(loaded, dataset, shots=shots, max_chunks=public_per_task))
+        public.append(
+            public_task(
+                loaded, dataset, shots=shots, max_chunks=public_per_task, max_queries=max_queries
+            )
+        )
         log(f"{task}: public task {other}: {len(public[-1].activations)} chunks")
     return public
 

@@ -68,7 +68,7 @@ from dpmtv_common.thread_policy import apply_thread_policy
 apply_thread_policy()  # before torch loads: its thread pool must not spin on shared cores
 
 import numpy as np
-from _headline_data import SiteActs, TaskData, icl_accuracy, prepare_task
+from _headline_data import PUBLIC_QUERIES, SiteActs, TaskData, icl_accuracy, prepare_task
 from _headline_report import render
 
 from client.activations.chunking import make_chunks
@@ -469,7 +469,7 @@ def run_task(args, loaded: LoadedModel, root: Path, task: str) -> dict:
         loaded, root, task, sites=max(args.curve_sites), per_site=args.per_site,
         shots=args.shots, public_per_task=args.public_per_task, test=args.test,
         validation=args.validation, seed=args.seed, log=log, plan_for_votes=vote_plan,
-        cache=args.cache_dir,
+        cache=args.cache_dir, public_queries=args.public_queries,
     )  # fmt: skip
     rows, choices, others = [], {}, {}
     side = args.side_sites if args.side_sites in args.curve_sites else max(args.curve_sites)
@@ -517,6 +517,10 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--draws", type=int, default=20)
     parser.add_argument("--choice-draws", type=int, default=8, help="noise draws a tried (k, C')")
     parser.add_argument("--public-per-task", type=int, default=150, help="examples a public task")
+    parser.add_argument(
+        "--public-queries", type=int, default=PUBLIC_QUERIES,
+        help="queries a public task keeps to score heads and simulate private selection on",
+    )  # fmt: skip
     parser.add_argument("--validation", type=int, default=32)
     parser.add_argument("--test", type=int, default=40)
     parser.add_argument("--seed", type=int, default=0)

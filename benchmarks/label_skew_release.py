@@ -56,6 +56,7 @@ apply_thread_policy()  # before torch loads
 
 import numpy as np
 from _headline_data import (
+    PUBLIC_QUERIES,
     TINY_PUBLIC,
     SiteActs,
     TaskData,
@@ -132,6 +133,10 @@ def parse_args() -> argparse.Namespace:
     )  # fmt: skip
     parser.add_argument("--choice-draws", type=int, default=8, help="noise draws a tried (k, C')")
     parser.add_argument("--public-per-task", type=int, default=150)
+    parser.add_argument(
+        "--public-queries", type=int, default=PUBLIC_QUERIES,
+        help="queries a public task keeps to score heads and simulate private selection on",
+    )  # fmt: skip
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--cache-dir", type=Path, help="keep the sites' activations between runs")
     parser.add_argument("--render-only", action="store_true", help="rewrite the .md from the .json")
@@ -180,6 +185,7 @@ def prepare(args, loaded: LoadedModel, root: Path, task: str) -> TaskData:
             public_per_task=args.public_per_task,
             seed=args.seed,
             log=log,
+            max_queries=args.public_queries,
         ),
         tiny=load_dataset(root / task / "public"),
         test=query_set(loaded, test_records),
@@ -383,7 +389,10 @@ def render(results: dict) -> str:
         f"{a['classes_per_site']} of the task's four answers (the combinations in turn); "
         "first-token accuracy on 40 balanced test scenes no site, public set or training "
         "showed. Every public choice (centre, heads mode, k, C') from labelled public sets of "
-        "the *other* tasks only; the chosen rows (central and distributed) release the option "
+        f"the *other* tasks only ({a.get('public_per_task', 150)} examples a task; heads "
+        f"scored on the queries of at most {a.get('public_queries', PUBLIC_QUERIES)} of its "
+        "chunks); "
+        "the chosen rows (central and distributed) release the option "
         f"the public choice picks among {_CHOSEN_TEXT[a.get('chosen_among', 'select-first')]}; "
         "eps = 1, delta = 1e-5, "
         f"{a['draws']} noise draws a row. A site alone is averaged over one site of each "
