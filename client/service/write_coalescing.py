@@ -32,8 +32,8 @@ _HEAD_PREFIX = b"HTTP/1."  # every HTTP/1.x response head starts with its status
 class HeadHeldTransport:
     """A connection's transport whose response heads wait for the write that follows them.
 
-    Every attribute but :meth:`write`, :meth:`close` and :meth:`abort` is the wrapped
-    transport's own (reading, flow control, peer address).
+    Every attribute but :meth:`write`, :meth:`writelines`, :meth:`close` and :meth:`abort` is
+    the wrapped transport's own (reading, flow control, peer address).
     """
 
     def __init__(self, transport: asyncio.Transport, loop: asyncio.AbstractEventLoop) -> None:
@@ -56,8 +56,12 @@ class HeadHeldTransport:
             return
         self._transport.write(data)
 
+    def writelines(self, parts: Any) -> None:
+        """As :meth:`write` of the parts joined: never ahead of a held head."""
+        self.write(b"".join(bytes(part) for part in parts))
+
     def flush(self) -> None:
-        """Write a held head now (nothing followed it in its turn)."""
+        """Write a held head now (nothing followed it in its turn); dropped if it closed."""
         held, self._held = self._held, None
         if held is not None and not self._transport.is_closing():
             self._transport.write(held)

@@ -85,6 +85,30 @@ def test_writes_that_are_not_heads_pass_at_once_and_the_rest_is_the_transport_s(
     assert inner.aborted
 
 
+def test_bytes_written_as_lines_after_a_held_head_follow_it_in_one_send():
+    async def run() -> list[bytes]:
+        inner = RecordingTransport()
+        held = HeadHeldTransport(inner, asyncio.get_running_loop())  # type: ignore[arg-type]
+        held.write(HEAD)
+        held.writelines([b"{", memoryview(b"}")])
+        await _next_turn()
+        return inner.writes
+
+    assert asyncio.run(run()) == [HEAD + b"{}"]
+
+
+def test_a_head_held_on_a_connection_that_closed_under_it_is_not_written():
+    async def run() -> RecordingTransport:
+        inner = RecordingTransport()
+        held = HeadHeldTransport(inner, asyncio.get_running_loop())  # type: ignore[arg-type]
+        held.write(HEAD)
+        inner.closed = True  # the peer went away before the turn ended
+        await _next_turn()
+        return inner
+
+    assert asyncio.run(run()).writes == []
+
+
 def test_an_aborted_connection_drops_its_held_head():
     async def run() -> RecordingTransport:
         inner = RecordingTransport()
