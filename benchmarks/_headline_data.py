@@ -34,7 +34,7 @@ from client.evaluation.first_token import QuerySet
 from client.evaluation.run import icl_prompts
 from client.models import LoadedModel
 from client.public.selection import public_activations
-from client.public.tasks import PublicTask, public_task
+from client.public.tasks import MAX_PUBLIC_QUERIES, PublicTask, public_task
 from client.release.single_holder import LocalSums
 from dpmtv_common.centre import ActivationCentre
 from dpmtv_common.heads import HeadLayout, HeadSet
@@ -47,7 +47,7 @@ __all__ = [
 ]  # fmt: skip
 
 TINY_PUBLIC = 20
-PUBLIC_QUERIES = 40  # public_task's default: the queries a public task keeps
+PUBLIC_QUERIES = MAX_PUBLIC_QUERIES  # public_task's default: the queries a public task keeps
 
 
 def public_family(task: str) -> tuple[str, ...]:

@@ -84,6 +84,7 @@ def render(results: dict[str, Any], models: dict[str, tuple]) -> str:
         "release-first, where the Gaussian covers those candidates) comes from labelled "
         "public sets of the *other* tasks of the family only "
         f"({a.get('public_per_task', 150)} examples a task, heads scored on the queries of at "
+        # 40 where the run predates --public-queries (what public_task kept then)
         f"most {a.get('public_queries', 40)} of its chunks; task-agnostic: no example "
         "carries the private "
         "task's answers), by leave-one-public-task-out under each size's planned noise and "

@@ -390,7 +390,8 @@ def render(results: dict) -> str:
         "first-token accuracy on 40 balanced test scenes no site, public set or training "
         "showed. Every public choice (centre, heads mode, k, C') from labelled public sets of "
         f"the *other* tasks only ({a.get('public_per_task', 150)} examples a task; heads "
-        f"scored on the queries of at most {a.get('public_queries', PUBLIC_QUERIES)} of its "
+        # 40 where the run predates --public-queries (what public_task kept then)
+        f"scored on the queries of at most {a.get('public_queries', 40)} of its "
         "chunks); "
         "the chosen rows (central and distributed) release the option "
         f"the public choice picks among {_CHOSEN_TEXT[a.get('chosen_among', 'select-first')]}; "

@@ -48,6 +48,7 @@ from dpmtv_common.heads import HeadSet
 from dpmtv_common.privacy.mechanisms import clip_per_layer
 
 __all__ = [
+    "MAX_PUBLIC_QUERIES",
     "MIN_PUBLIC_TASKS",
     "PublicTask",
     "centred_clip_scale",
@@ -59,6 +60,9 @@ __all__ = [
 
 MIN_PUBLIC_TASKS = 2
 """Leave-one-task-out needs a task to hold out and one to learn from."""
+
+MAX_PUBLIC_QUERIES = 40
+"""Queries a public task keeps by default (:func:`public_task`), to score heads on."""
 
 
 @dataclass(frozen=True)
@@ -108,7 +112,7 @@ def public_task(
     *,
     shots: int,
     max_chunks: int = 60,
-    max_queries: int = 40,
+    max_queries: int = MAX_PUBLIC_QUERIES,
     seed: int = 0,
     batch_size: int = 4,
 ) -> PublicTask:
