@@ -7,7 +7,11 @@ the signature of a trusted key, the tensors' hash, the model's fingerprint, dtyp
 template, and heads that exist in the loaded model. A request is served a release only with
 the instruction the release's prompts carried (its system messages, or none), checked per
 request since each request brings its own. A verified artifact is kept in memory until one of its
-files changes (size or modification time), when it is verified again. A site that names public
+files changes (size or modification time), when it is verified again; its files are looked at
+again at most once every ``recheck_s`` (default :data:`RECHECK_S`), not at every request: a
+listing and a ``stat`` of each file cost a small model's request a few percent of its
+throughput, and what a request meanwhile gets is the copy verified before (a release removed
+or rewritten on disk is seen within that second). A site that names public
 sets in ``answer_end_from`` has each release's ``prompt-last-token`` rows take the answer's end
 learnt from them (:mod:`client.service.answer_ends`). Why an artifact fails
 goes to the log only: the reason may name a path of the site.
@@ -18,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -35,17 +40,35 @@ from dpmtv_common.artifact import ArtifactManifest, TaskVectorArtifact
 from dpmtv_common.errors import ConfigError, DpmtvError
 from protocol.plan import ReleaseId
 
-__all__ = ["PLAIN_MODEL_ID", "ReleaseCatalogue", "UnknownModelError", "servable_artifact"]
+__all__ = [
+    "PLAIN_MODEL_ID",
+    "RECHECK_S",
+    "ReleaseCatalogue",
+    "UnknownModelError",
+    "servable_artifact",
+]
 
 _log = logging.getLogger(__name__)
 
 PLAIN_MODEL_ID = "dpmtv/plain"
 """The model name that serves the model without any patch."""
 
+RECHECK_S = 1.0
+"""Seconds a verified artifact is served before its files are looked at again."""
+
 _Stamp = tuple[tuple[str, int, int], ...]
 _Served = tuple[RowPatch, int | None, ArtifactManifest]
 """A verified release: its row patch, its image-crop cap, and its manifest."""
 _RELEASE_ID: TypeAdapter[str] = TypeAdapter(ReleaseId)
+
+
+@dataclasses.dataclass(frozen=True)
+class _Verified:
+    """A verified release, the files it was verified from, and when they were looked at."""
+
+    stamp: _Stamp
+    served: _Served
+    looked: float
 
 
 class UnknownModelError(ConfigError):
@@ -60,6 +83,11 @@ class ReleaseCatalogue:
         model_lock: The lock every use of the model takes (learning an answer's end runs it).
         answer_ends: Where each release's public answer's end is learnt and kept; None: none.
         capped: The site's model capped at an image-crop cap (the server's copies).
+        recheck_s: Seconds between looks at a verified artifact's files (0: every request).
+        clock: Seconds, monotonic (tests pass their own).
+
+    Raises:
+        ConfigError: ``recheck_s`` is negative.
     """
 
     def __init__(
@@ -69,10 +97,16 @@ class ReleaseCatalogue:
         model_lock: threading.Lock | None = None,
         answer_ends: AnswerEnds | None = None,
         capped: Callable[[int | None], LoadedModel] | None = None,
+        recheck_s: float = RECHECK_S,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
+        if not recheck_s >= 0:  # also refuses NaN
+            raise ConfigError(f"recheck_s must be at least 0 seconds, got {recheck_s!r}.")
         self._site = site
         self._lock = threading.Lock()
-        self._verified: dict[str, tuple[_Stamp, _Served]] = {}
+        self._verified: dict[str, _Verified] = {}
+        self._recheck_s = recheck_s
+        self._clock = clock
         self._model_lock = model_lock or threading.Lock()
         self._answer_ends = answer_ends
         self._capped = capped or (lambda crops: site.model().with_image_crops(crops))
@@ -134,21 +168,29 @@ class ReleaseCatalogue:
             release_id = _check_release_id(name)
         except ValueError:
             return None
+        now = self._clock()
+        with self._lock:
+            cached = self._verified.get(release_id)
+        if cached is not None and now - cached.looked < self._recheck_s:
+            return cached.served
         folder = self._site.settings.artifacts_folder / release_id  # a checked token
         stamp = _stamp(folder)
         if not stamp:
+            with self._lock:
+                self._verified.pop(release_id, None)
             return None
         with self._lock:
             cached = self._verified.get(release_id)
-            if cached is not None and cached[0] == stamp:
-                return cached[1]
+            if cached is not None and cached.stamp == stamp:
+                self._verified[release_id] = dataclasses.replace(cached, looked=now)
+                return cached.served
             try:
                 served = _load_patch(self._site, folder, release_id)
             except (DpmtvError, OSError) as exc:  # the reason may name a path: log only
                 _log.warning("release %s is not served: %s", release_id, exc)
                 self._verified.pop(release_id, None)
                 return None
-            self._verified[release_id] = (stamp, served)
+            self._verified[release_id] = _Verified(stamp, served, now)
             return served
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -17,12 +18,13 @@ from PIL import Image
 
 import client.release.site
 import client.service.inference as service_inference
+import client.service.releases as releases
 from client.activations.hooks import PatchPolicy
 from client.cli._artifact import artifact_patch
 from client.models import LoadedModel, build_tiny_model, get_adapter, instruction_digest
 from client.release.site import Site
 from client.service.inference import InferRequest, answer_queries
-from client.service.releases import ReleaseCatalogue, UnknownModelError
+from client.service.releases import RECHECK_S, ReleaseCatalogue, UnknownModelError
 from client.settings import SiteSettings
 from dpmtv_common.crypto import SigningKey, TrustedKeys
 from dpmtv_common.errors import ConfigError
@@ -31,6 +33,16 @@ from tests.unit.client.signed_artifact import write_signed_artifact
 KEY = SigningKey.generate()
 RELEASE = "r-instruction"
 INSTRUCTION = "Answer with one word."
+
+
+class FakeClock:
+    """Monotonic seconds that move only when a test moves them."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
 
 
 @pytest.fixture(scope="module")
@@ -166,7 +178,8 @@ def test_an_artifact_rewritten_in_place_after_it_was_served_is_verified_again(
     # same names: another instruction's (same sizes, a later mtime), or one byte more in one
     # file with its old mtime put back (a tampered artifact)
     folder = store(site, instruction_digest(INSTRUCTION))
-    catalogue = ReleaseCatalogue(site)
+    clock = FakeClock()
+    catalogue = ReleaseCatalogue(site, clock=clock)
     assert catalogue.patch(RELEASE, PatchPolicy.PROMPT_LAST_TOKEN, instruction=INSTRUCTION)
     files = sorted(p for p in folder.iterdir() if p.is_file())
     times = {p: p.stat().st_mtime_ns for p in files}
@@ -186,6 +199,91 @@ def test_an_artifact_rewritten_in_place_after_it_was_served_is_verified_again(
         os.utime(files[0], ns=(times[files[0]], times[files[0]]))
         expected = UnknownModelError  # no longer verifies
 
-    # Act / Assert: the change is seen, not the verified copy served
+    # Act / Assert: once the recheck interval has passed, the change is seen, not the
+    # verified copy served
+    clock.now += RECHECK_S
     with pytest.raises(expected):
         catalogue.patch(RELEASE, PatchPolicy.PROMPT_LAST_TOKEN, instruction=INSTRUCTION)
+
+
+def tamper(folder: Path) -> None:
+    """One byte more in one of the artifact's files, its modification time kept."""
+    first = sorted(p for p in folder.iterdir() if p.is_file())[0]
+    mtime = first.stat().st_mtime_ns
+    with first.open("ab") as handle:
+        handle.write(b"\0")
+    os.utime(first, ns=(mtime, mtime))
+
+
+def test_a_verified_artifact_is_looked_at_once_a_recheck_interval_not_every_request(
+    site, monkeypatch
+):
+    # Arrange: a release served once, then tampered with; every look at its files counted
+    folder = store(site, instruction_digest(INSTRUCTION))
+    clock = FakeClock()
+    catalogue = ReleaseCatalogue(site, clock=clock)
+    assert catalogue.patch(RELEASE, PatchPolicy.PROMPT_LAST_TOKEN, instruction=INSTRUCTION)
+    looks: list[Path] = []
+    stamp = releases._stamp
+    monkeypatch.setattr(releases, "_stamp", lambda path: looks.append(path) or stamp(path))
+    tamper(folder)
+
+    # Act / Assert: within the interval, requests get the copy verified before and the disk
+    # is not touched; the first request after it looks, sees the change and refuses
+    for _ in range(5):
+        clock.now += RECHECK_S / 10
+        assert catalogue.patch(RELEASE, PatchPolicy.PROMPT_LAST_TOKEN, instruction=INSTRUCTION)
+    assert looks == []
+    clock.now += RECHECK_S / 2
+    with pytest.raises(UnknownModelError):
+        catalogue.patch(RELEASE, PatchPolicy.PROMPT_LAST_TOKEN, instruction=INSTRUCTION)
+    assert looks == [folder]
+
+
+def test_an_unchanged_artifact_is_not_verified_again_after_a_recheck(site, monkeypatch):
+    # Arrange: a release served once; its verification counted from then on
+    store(site, instruction_digest(INSTRUCTION))
+    clock = FakeClock()
+    catalogue = ReleaseCatalogue(site, clock=clock)
+    assert catalogue.patch(RELEASE, PatchPolicy.PROMPT_LAST_TOKEN, instruction=INSTRUCTION)
+    loads: list[str] = []
+    load = releases._load_patch
+    monkeypatch.setattr(releases, "_load_patch", lambda s, f, r: loads.append(r) or load(s, f, r))
+
+    # Act: requests across three recheck intervals, files unchanged
+    for _ in range(6):
+        clock.now += RECHECK_S / 2
+        assert catalogue.patch(RELEASE, PatchPolicy.PROMPT_LAST_TOKEN, instruction=INSTRUCTION)
+
+    # Assert: the files were looked at, the artifact not verified again
+    assert loads == []
+
+
+def test_a_removed_release_is_refused_once_the_recheck_interval_has_passed(site):
+    # Arrange: a release served once, then its folder removed
+    folder = store(site, instruction_digest(INSTRUCTION))
+    clock = FakeClock()
+    catalogue = ReleaseCatalogue(site, clock=clock)
+    assert catalogue.patch(RELEASE, PatchPolicy.PROMPT_LAST_TOKEN, instruction=INSTRUCTION)
+    shutil.rmtree(folder)
+
+    # Act / Assert: refused after the interval, and listed no more
+    clock.now += RECHECK_S
+    with pytest.raises(UnknownModelError):
+        catalogue.patch(RELEASE, PatchPolicy.PROMPT_LAST_TOKEN, instruction=INSTRUCTION)
+    assert RELEASE not in catalogue.model_ids()
+
+
+def test_a_recheck_interval_of_zero_looks_at_the_files_at_every_request(site):
+    folder = store(site, instruction_digest(INSTRUCTION))
+    catalogue = ReleaseCatalogue(site, recheck_s=0, clock=FakeClock())
+    assert catalogue.patch(RELEASE, PatchPolicy.PROMPT_LAST_TOKEN, instruction=INSTRUCTION)
+    tamper(folder)
+    with pytest.raises(UnknownModelError):
+        catalogue.patch(RELEASE, PatchPolicy.PROMPT_LAST_TOKEN, instruction=INSTRUCTION)
+
+
+@pytest.mark.parametrize("recheck_s", [-1.0, float("nan")])
+def test_a_recheck_interval_below_zero_is_refused(site, recheck_s):
+    with pytest.raises(ConfigError, match="recheck_s must be at least 0 seconds"):
+        ReleaseCatalogue(site, recheck_s=recheck_s)
