@@ -38,7 +38,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -64,6 +64,7 @@ from dpmtv_common.errors import ConfigError, DataError
 __all__ = ["FrontApi", "FrontLink", "announce_chat", "build_app"]
 
 _log = logging.getLogger(__name__)
+CHAT_PATH = "/v1/chat/completions"
 _BODY_TIMEOUT_S = 120.0  # and its body within this (the relay socket's frame limit)
 # A body this small is parsed and its images decoded on the event loop: a thread's round trip
 # would cost more than the work (about a millisecond), and larger images would hold the loop.
@@ -89,12 +90,19 @@ class _HttpError(Exception):
 class FrontLink(asyncio.Protocol):
     """The front's end of the link, on its event loop: frames out, answers to their requests.
 
-    ``on_lost`` runs once the site service's end closes (it is stopping, or gone): every
-    request still waiting is answered 503 and the front stops.
+    ``on_stop`` runs once the site service's end closes (it is stopping, or gone): every
+    request still waiting is answered 503 and the front stops. ``defer`` schedules the write
+    of frames queued in a turn of the loop (:class:`~client.service.write_coalescing.TurnWriter`);
+    None: at the end of the turn.
     """
 
-    def __init__(self, on_stop: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        on_stop: Callable[[], None],
+        defer: Callable[[Callable[[], None]], None] | None = None,
+    ) -> None:
         self._on_stop = on_stop
+        self._defer = defer
         self._reader = FrameReader()
         self._transport: asyncio.Transport | None = None
         self._writer: TurnWriter | None = None
@@ -105,7 +113,7 @@ class FrontLink(asyncio.Protocol):
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
         """Keep the link's transport to write frames on (a turn's frames in one write)."""
         self._transport = transport  # type: ignore[assignment]
-        self._writer = TurnWriter(self._transport)  # type: ignore[arg-type]
+        self._writer = TurnWriter(self._transport, self._defer)  # type: ignore[arg-type]
 
     def data_received(self, data: bytes) -> None:
         """Route each whole frame to its request's queue (or stop, when told)."""
@@ -318,7 +326,7 @@ def announce_chat(link: FrontLink, scope: dict[str, Any]) -> None:
     in one batch instead of starting the first alone while the front parses the others.
     Withdrawn if the request is refused before it reaches the service.
     """
-    if scope.get("method") == "POST" and scope.get("path") == "/v1/chat/completions":
+    if scope.get("method") == "POST" and scope.get("path") == CHAT_PATH:
         with contextlib.suppress(_HttpError):  # the link is gone: nothing to announce to
             link.send({"kind": "expect"})
             scope[_ANNOUNCED] = True
@@ -375,8 +383,22 @@ def _decoded(chat: ChatRequest, parsed: ParsedChat) -> tuple[dict[str, Any], tup
     return frame.model_dump(mode="json"), tuple(image.tobytes() for image in images)
 
 
-def build_app(api: FrontApi) -> Starlette:
-    """The routes, each authorised and counted."""
+_Asgi = Callable[
+    [MutableMapping[str, Any], Callable[..., Awaitable[Any]], Callable[..., Awaitable[Any]]],
+    Awaitable[None],
+]
+"""An ASGI application: ``(scope, receive, send)``."""
+
+
+def build_app(api: FrontApi) -> _Asgi:
+    """The routes, each authorised and counted.
+
+    ``POST /v1/chat/completions``, the endpoint's hot path, goes straight to its handler,
+    ahead of Starlette's middleware and router: they cost a small model's request a few
+    percent of its throughput (measured in docs/benchmarks/serving.md), and the handler
+    already answers every error of its own (:func:`_route`). Every other request, the chat
+    path under another method included (405), goes through Starlette as before.
+    """
 
     async def health(request: Request) -> Response:
         return JSONResponse({"status": "ok"})
@@ -396,18 +418,24 @@ def build_app(api: FrontApi) -> Starlette:
                              "invalid_request_error", "model_not_found")  # fmt: skip
         return JSONResponse({"id": name, "object": "model", "created": 0, "owned_by": api.owner})
 
+    chat = _route(api, "chat", functools.partial(_chat, api))
     routes = [
         Route("/health", _route(api, "health", health, auth=False), methods=["GET"]),
         Route("/metrics", _route(api, "metrics", metrics), methods=["GET"]),
         Route("/v1/models", _route(api, "models", models), methods=["GET"]),
         Route("/v1/models/{name:path}", _route(api, "models", model), methods=["GET"]),
-        Route(
-            "/v1/chat/completions",
-            _route(api, "chat", functools.partial(_chat, api)),
-            methods=["POST"],
-        ),
+        Route(CHAT_PATH, chat, methods=["POST"]),
     ]
-    return Starlette(routes=routes)
+    routed = Starlette(routes=routes)
+
+    async def app(scope: MutableMapping[str, Any], receive: Any, send: Any) -> None:
+        if scope["type"] == "http" and scope["method"] == "POST" and scope["path"] == CHAT_PATH:
+            response = await chat(Request(scope, receive, send))
+            await response(scope, receive, send)
+            return
+        await routed(scope, receive, send)
+
+    return app
 
 
 async def _chat(api: FrontApi, request: Request) -> Response:

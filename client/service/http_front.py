@@ -28,6 +28,7 @@ import uvicorn
 from client.service.front_link import read_frame
 from client.service.http_api import FrontApi, FrontLink, announce_chat, build_app
 from client.service.http_guard import IdleConnections, guarded_protocol
+from client.service.write_coalescing import IdleSelector
 
 __all__ = ["main"]
 
@@ -41,7 +42,9 @@ def _settings(link: socket.socket) -> dict[str, object]:
     return frame[0]
 
 
-async def _serve(listener: socket.socket, link_socket: socket.socket) -> None:
+async def _serve(
+    listener: socket.socket, link_socket: socket.socket, selector: IdleSelector
+) -> None:
     settings = _settings(link_socket)
     server: uvicorn.Server | None = None
 
@@ -51,7 +54,9 @@ async def _serve(listener: socket.socket, link_socket: socket.socket) -> None:
 
     loop = asyncio.get_running_loop()
     link_socket.setblocking(False)
-    _, link = await loop.connect_accepted_socket(lambda: FrontLink(stop), sock=link_socket)
+    _, link = await loop.connect_accepted_socket(
+        lambda: FrontLink(stop, defer=selector.defer), sock=link_socket
+    )
     api = FrontApi(
         token=str(settings["token"]).encode(),
         max_queue=int(settings["max_queue"]),  # type: ignore[call-overload]
@@ -69,6 +74,7 @@ async def _serve(listener: socket.socket, link_socket: socket.socket) -> None:
         server_header=False,
         http=protocol,
         ws="none",  # no websockets served (nor their library imported)
+        proxy_headers=False,  # no client address is read, and no forwarded header trusted
         loop="asyncio",
         limit_concurrency=int(settings["max_connections"]),  # type: ignore[call-overload]
         timeout_keep_alive=5,
@@ -92,8 +98,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="%(name)s: %(message)s", stream=sys.stderr)
     listener = socket.socket(fileno=args.listen_fd)
     link = socket.socket(fileno=args.link_fd)
+    selector = IdleSelector()  # the link's frames leave when the loop goes idle
     try:
-        asyncio.run(_serve(listener, link))
+        with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(selector)) as runner:
+            runner.run(_serve(listener, link, selector))
     finally:
         link.close()
         listener.close()

@@ -13,18 +13,29 @@ the site service's link thread, beside the model's decoding loop.
   head that nothing follows (a streamed answer between events) leaves at the end of that turn.
 * :class:`TurnWriter` (the link) writes every frame queued during one turn of the event loop
   in one send at its end: the announcements of requests whose heads arrived together, and
-  the requests parsed one after another in that turn, reach the service in one read.
+  the requests parsed one after another in that turn, reach the service in one read. In the
+  front its frames wait longer, until the loop has nothing left to run
+  (:class:`IdleSelector`): requests that arrive together are parsed over several turns (each
+  handler awaits its body, then the service's acceptance), and the service prepares none of
+  them before the last has come (it waits for every request announced), so sending each
+  turn's frames apart only adds sends, each as costly as a tenth of a request's work in the
+  front. A frame never waits more than ``max_hold_s`` (1 ms) beyond the turn that wrote it.
 
-Neither reorders bytes or changes what is written; each only decides when a send happens, and
-nothing waits beyond the end of the turn that wrote it.
+Neither reorders bytes or changes what is written; each only decides when a send happens.
 """
 
 from __future__ import annotations
 
 import asyncio
+import selectors
+import time
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["HeadHeldTransport", "TurnWriter"]
+__all__ = ["HeadHeldTransport", "IdleSelector", "TurnWriter"]
+
+MAX_HOLD_S = 0.001
+"""Longest a deferred write waits for the event loop to go idle (beyond its turn)."""
 
 _HEAD_PREFIX = b"HTTP/1."  # every HTTP/1.x response head starts with its status line
 
@@ -77,15 +88,63 @@ class HeadHeldTransport:
         self._transport.abort()
 
 
+class IdleSelector(selectors.DefaultSelector):
+    """The event loop's selector, running deferred writes when the loop is about to wait.
+
+    An asyncio loop calls :meth:`select` once a turn, with a timeout of 0 while callbacks are
+    ready to run and a longer one (or None) when it has nothing to do until I/O or a timer.
+    Writes deferred with :meth:`defer` run at the first call that would wait, or at the first
+    call after the oldest has waited ``max_hold_s``, so a loop kept busy still writes them.
+    That call then only polls (timeout 0): the writes may have scheduled callbacks (a failed
+    write closes its transport), which must not wait behind a blocking wait for I/O.
+
+    Args:
+        max_hold_s: Longest a deferred write waits for the loop to go idle.
+    """
+
+    def __init__(self, max_hold_s: float = MAX_HOLD_S) -> None:
+        super().__init__()
+        self._max_hold_s = max_hold_s
+        self._deferred: list[Callable[[], None]] = []
+        self._oldest = 0.0
+
+    def defer(self, callback: Callable[[], None]) -> None:
+        """Run ``callback`` (a write) when the loop is about to wait, or within ``max_hold_s``."""
+        if not self._deferred:
+            self._oldest = time.monotonic()
+        self._deferred.append(callback)
+
+    def select(self, timeout: float | None = None) -> list[tuple[selectors.SelectorKey, int]]:
+        """Run the deferred writes if it is time (class docstring), then select."""
+        if self._deferred and (
+            timeout is None or timeout > 0 or time.monotonic() - self._oldest >= self._max_hold_s
+        ):
+            due, self._deferred = self._deferred, []
+            for callback in due:
+                callback()
+            timeout = 0
+        return super().select(timeout)
+
+
 class TurnWriter:
     """Frames to one transport, written together at the end of the event loop's turn.
 
     ``send`` is called from the event loop's thread (the front's one thread); called where no
     loop runs, there is no turn to wait for and the frame is written at once.
+
+    Args:
+        transport: Where the frames go.
+        defer: Schedules the write of a turn's frames (:meth:`IdleSelector.defer`: when the
+            loop goes idle); None: at the end of the turn (``call_soon``).
     """
 
-    def __init__(self, transport: asyncio.Transport) -> None:
+    def __init__(
+        self,
+        transport: asyncio.Transport,
+        defer: Callable[[Callable[[], None]], None] | None = None,
+    ) -> None:
         self._transport = transport
+        self._defer = defer
         self._queued: list[bytes] = []
         self._flushes_on: asyncio.AbstractEventLoop | None = None  # where a flush is due
 
@@ -99,7 +158,7 @@ class TurnWriter:
             return
         if self._flushes_on is not loop:  # (a loop that closed first never ran its flush)
             self._flushes_on = loop
-            loop.call_soon(self.flush)
+            (self._defer or loop.call_soon)(self.flush)
 
     def flush(self) -> None:
         """Write every queued frame now, in order."""

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 from PIL import Image
+from starlette.applications import Starlette
 
 from client.service.front_link import FrameReader
 from client.service.http_api import FrontApi, FrontLink, announce_chat, build_app
@@ -135,6 +136,39 @@ def _api(max_memory: int) -> tuple[FrontApi, _Answering]:
 
 
 AUTHORISED = [(b"authorization", f"Bearer {TOKEN}".encode())]
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "through_starlette"),
+    [
+        ("POST", "/v1/chat/completions", 200, False),  # the hot path, straight to its handler
+        ("GET", "/v1/chat/completions", 405, True),
+        ("POST", "/v1/models", 405, True),
+        ("GET", "/health", 200, True),
+        ("GET", "/v1/nothing", 404, True),
+    ],
+)
+def test_only_a_chat_post_skips_starlette_s_router_and_every_route_answers_as_before(
+    monkeypatch, method, path, status, through_starlette
+):
+    # Arrange: requests seen by Starlette recorded
+    seen: list[str] = []
+    routed = Starlette.__call__
+
+    async def recording(self: Starlette, scope: Any, receive: Any, send: Any) -> None:
+        seen.append(scope["path"])
+        await routed(self, scope, receive, send)
+
+    monkeypatch.setattr(Starlette, "__call__", recording)
+    api, _ = _api(max_memory=1 << 30)
+    scope = {"type": "http", "method": method, "path": path, "headers": AUTHORISED}
+
+    # Act
+    got = asyncio.run(_call(api, scope, _chat_body(8)))
+
+    # Assert
+    assert got == status
+    assert seen == ([path] if through_starlette else [])
 
 
 def test_a_request_whose_images_would_pass_the_memory_bound_is_503_and_holds_nothing():

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 import pytest
 
-from client.service.write_coalescing import HeadHeldTransport, TurnWriter
+from client.service.write_coalescing import HeadHeldTransport, IdleSelector, TurnWriter
 
 HEAD = b"HTTP/1.1 200 OK\r\ncontent-length: 2\r\n\r\n"
 
@@ -154,3 +157,81 @@ def test_a_frame_sent_where_no_loop_runs_is_written_at_once():
     writer.send(b"a")
     writer.send(b"b")
     assert inner.writes == [b"a", b"b"]
+
+
+def _on_idle_loop(
+    body: Callable[[TurnWriter, RecordingTransport], Awaitable[Any]], max_hold_s: float = 0.001
+) -> tuple[Any, RecordingTransport]:
+    """``body`` run on a loop whose selector defers the writer's writes until it goes idle."""
+    selector = IdleSelector(max_hold_s=max_hold_s)
+    inner = RecordingTransport()
+    writer = TurnWriter(inner, defer=selector.defer)  # type: ignore[arg-type]
+    with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(selector)) as runner:
+        result = runner.run(body(writer, inner))
+    return result, inner
+
+
+def test_frames_of_several_busy_turns_leave_in_one_send_once_the_loop_goes_idle():
+    # Arrange: three handlers, each sending a frame a turn for three turns (as requests parsed
+    # one after another, each awaiting between its steps)
+    async def handler(writer: TurnWriter, name: bytes) -> None:
+        for step in range(3):
+            writer.send(name + str(step).encode())
+            await asyncio.sleep(0)
+
+    async def body(writer: TurnWriter, inner: RecordingTransport) -> list[bytes]:
+        await asyncio.gather(*(handler(writer, name) for name in (b"a", b"b", b"c")))
+        held = list(inner.writes)
+        await asyncio.sleep(0.01)  # the loop waits: idle
+        return held
+
+    # Act
+    held, inner = _on_idle_loop(body, max_hold_s=60)
+
+    # Assert: nothing left while the loop had work; then every frame, in order, in one send
+    assert held == []
+    assert inner.writes == [b"a0b0c0a1b1c1a2b2c2"]
+
+
+def test_a_loop_that_never_goes_idle_still_writes_within_the_hold_bound():
+    # Arrange: a loop kept busy (a callback ready at every turn) for 50 ms
+    async def body(writer: TurnWriter, inner: RecordingTransport) -> list[float]:
+        seen: list[float] = []
+        began = time.monotonic()
+        writer.send(b"a")
+        while True:
+            if inner.writes and not seen:
+                seen.append(time.monotonic() - began)
+            if time.monotonic() - began >= 0.05:
+                return seen
+            await asyncio.sleep(0)
+
+    # Act
+    seen, inner = _on_idle_loop(body, max_hold_s=0.005)
+
+    # Assert: written once while the loop was still busy, not before the bound
+    assert inner.writes == [b"a"]
+    assert len(seen) == 1
+    assert seen[0] >= 0.005
+
+
+def test_a_write_that_schedules_work_does_not_leave_it_behind_a_blocking_wait():
+    # Arrange: a deferred write that schedules a callback (as a failed write closes its
+    # transport), on a loop with nothing else to do for a long while
+    selector = IdleSelector()
+
+    async def body() -> float:
+        loop = asyncio.get_running_loop()
+        done = loop.create_future()
+        began = time.monotonic()
+        selector.defer(lambda: loop.call_soon(done.set_result, None))
+        loop.call_later(5, lambda: None)  # a timer far off: the loop would wait 5 s for it
+        await done
+        return time.monotonic() - began
+
+    # Act
+    with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(selector)) as runner:
+        waited = runner.run(body())
+
+    # Assert: the scheduled callback ran at once, not after the 5 s wait
+    assert waited < 1.0
