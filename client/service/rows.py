@@ -295,23 +295,33 @@ class RowSampler(LogitsProcessor):
 def _patch_tables(
     loaded: LoadedModel, rows: Sequence[Row], steps: Sequence[Step]
 ) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
-    """``{layer: (mask (batch, H), values (batch, H, D))}`` of the rows patched at ``steps``."""
+    """``{layer: (mask (batch, H), values (batch, H, D))}`` of the rows patched at ``steps``.
+
+    Rows that take the same values (a release's rows at the same step) are written together:
+    a batch of one release costs a table write a layer, not one a row and layer.
+    """
     shape = loaded.adapter.head_shape(loaded.model)
     batch = len(rows)
-    tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    together: dict[tuple[int, int], tuple[HeadSet, torch.Tensor, list[int]]] = {}
     for index, (row, step) in enumerate(zip(rows, steps, strict=True)):
         vector = row.step_patch(step)
         if row.patch is None or vector is None:
             continue
-        heads = torch.as_tensor(row.patch.heads.to_array())
-        for layer in row.patch.heads.layers:
+        heads = row.patch.heads
+        together.setdefault((id(heads), id(vector)), (heads, vector, []))[2].append(index)
+    tables: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for heads, vector, indices in together.values():
+        pairs = torch.as_tensor(heads.to_array())
+        members = torch.tensor(indices)[:, None]
+        for layer in heads.layers:
             if layer not in tables:
                 mask = torch.zeros(batch, shape.num_heads, dtype=torch.bool)
                 values = torch.zeros(batch, shape.num_heads, shape.head_dim)
                 tables[layer] = (mask, values)
-            in_layer = heads[:, 0] == layer
-            tables[layer][0][index, heads[in_layer, 1]] = True
-            tables[layer][1][index, heads[in_layer, 1]] = vector[in_layer]
+            in_layer = pairs[:, 0] == layer
+            columns = pairs[in_layer, 1][None, :]
+            tables[layer][0][members, columns] = True
+            tables[layer][1][members, columns] = vector[in_layer]
     return tables
 
 

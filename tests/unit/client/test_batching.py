@@ -28,7 +28,7 @@ from client.models import (
 from client.service.batching import Batcher, OverloadedError
 from client.service.decoding import BatchStats, ContinuousBatch, steps_continuously
 from client.service.pass_costs import PassCosts
-from client.service.rows import Row, RowPatch, Ticket, prepare_row
+from client.service.rows import Row, RowPatch, Step, Ticket, _patch_tables, prepare_row
 from dpmtv_common.errors import ConfigError
 from dpmtv_common.heads import HeadSet
 from tests.unit.client.conftest import draw
@@ -333,6 +333,36 @@ def test_the_row_patch_equals_the_whole_batch_patch_of_client_hooks(loaded):
     assert record.total_calls > 0
     assert own.tokens == reference.tokens
     assert own.tokens != plain.tokens  # a patch of this size changes the answer
+
+
+@ONE_ARCH
+def test_patch_tables_hold_each_rows_own_heads_and_values_at_its_step(loaded):
+    # Arrange: releases of other heads and values, rows at every step, some sharing values
+    one = release("one", 1)
+    some = release("some", 2, heads=HeadSet.of([(0, 1), (1, 0), (1, 3)]))
+    every = release("every", 3, policy=PatchPolicy.EVERY_CALL, heads=HeadSet.of([(1, 2)]))
+    ended = dataclasses.replace(one, answer_end=torch.randn(one.values.shape))
+    rows = [row(loaded, "red", patch) for patch in (one, None, some, one, every, ended, one)]
+    steps = [Step.PROMPT, Step.PROMPT, Step.PROMPT, Step.LATER_DECODING, Step.LATER_DECODING,
+             Step.FIRST_DECODING, Step.PROMPT]  # fmt: skip
+    # Act
+    tables = _patch_tables(loaded, rows, steps)
+    # Assert: what each row's own heads and values say, row by row, and nothing else
+    expected: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+    for index, (item, step) in enumerate(zip(rows, steps, strict=True)):
+        vector = item.step_patch(step)
+        if vector is None:
+            continue
+        for (layer, head), value in zip(item.patch.heads.heads, vector, strict=True):
+            mask, values = expected.setdefault(
+                layer, (torch.zeros(len(rows), 4, dtype=torch.bool), torch.zeros(len(rows), 4, 16))
+            )
+            mask[index, head] = True
+            values[index, head] = value
+    assert sorted(tables) == sorted(expected) == [0, 1]
+    for layer, (mask, values) in expected.items():
+        assert torch.equal(tables[layer][0], mask)
+        assert torch.equal(tables[layer][1], values)
 
 
 @ONE_ARCH
