@@ -147,11 +147,14 @@ class FrontLink(asyncio.Protocol):
         """One frame to the site service, from the event loop's thread.
 
         Written with the others of this turn of the loop
-        (:class:`~client.service.write_coalescing.TurnWriter`).
+        (:class:`~client.service.write_coalescing.TurnWriter`); an announcement
+        (``{"kind": "expect"}``) ahead of the requests queued with it, so the service counts
+        every request on its way before it sees one arrive.
         """
         if self.lost or self._writer is None:
             raise _HttpError.of(_LINK_GONE)
-        self._writer.send(encode_frame(message, blobs))
+        ahead = message.get("kind") == "expect"
+        self._writer.send(encode_frame(message, blobs), ahead=ahead)
 
     def open(self) -> tuple[int, asyncio.Queue[dict[str, Any]]]:
         """A new request id and the queue its answers arrive in (until :meth:`close`)."""

@@ -146,11 +146,21 @@ class TurnWriter:
         self._transport = transport
         self._defer = defer
         self._queued: list[bytes] = []
+        self._ahead: list[bytes] = []  # sent before the frames queued in the usual order
         self._flushes_on: asyncio.AbstractEventLoop | None = None  # where a flush is due
 
-    def send(self, frame: bytes) -> None:
-        """Queue ``frame``; the turn's frames leave in one write when the turn ends."""
-        self._queued.append(frame)
+    def send(self, frame: bytes, *, ahead: bool = False) -> None:
+        """Queue ``frame``; the turn's frames leave in one write when the turn ends.
+
+        ``ahead``: the frame leaves before every frame queued without it (still in order among
+        its own kind), as the front's announcements do: a request announced after another was
+        queued would otherwise reach the service after it, which may then take the requests
+        before it for all there are.
+        """
+        if ahead:
+            self._ahead.append(frame)
+        else:
+            self._queued.append(frame)
         try:
             loop = asyncio.get_running_loop()
         except RuntimeError:  # no loop, no turn
@@ -161,8 +171,9 @@ class TurnWriter:
             (self._defer or loop.call_soon)(self.flush)
 
     def flush(self) -> None:
-        """Write every queued frame now, in order."""
+        """Write every queued frame now: those sent ``ahead`` first, each kind in order."""
         self._flushes_on = None
-        queued, self._queued = self._queued, []
+        queued = self._ahead + self._queued
+        self._ahead, self._queued = [], []
         if queued and not self._transport.is_closing():
             self._transport.write(b"".join(queued))

@@ -73,6 +73,20 @@ def test_a_chat_request_is_announced_when_its_head_arrives_and_nothing_else_is()
     assert "dpmtv.announced" not in health
 
 
+def test_an_announcement_reaches_the_service_before_requests_queued_ahead_of_it():
+    # Arrange: a request's frame queued, then another request's head arrives (same turn)
+    async def run() -> list[str]:
+        link, transport = _link()
+        link.send({"kind": "chat", "id": 1})
+        announce_chat(link, dict(CHAT))
+        await asyncio.sleep(0)
+        await asyncio.sleep(0)
+        return [frame["kind"] for frame in transport.frames]
+
+    # Act / Assert: the service counts the second request before it sees the first arrive
+    assert asyncio.run(run()) == ["expect", "chat"]
+
+
 @pytest.mark.parametrize(
     ("headers", "body", "status"),
     [

@@ -139,6 +139,24 @@ def test_frames_of_one_turn_leave_in_one_send_in_order_and_later_ones_apart():
     assert asyncio.run(run()) == [b"abbccc", b"d"]
 
 
+def test_frames_sent_ahead_leave_before_those_queued_without_each_kind_in_order():
+    async def run() -> list[bytes]:
+        inner = RecordingTransport()
+        writer = TurnWriter(inner)  # type: ignore[arg-type]
+        writer.send(b"e1", ahead=True)
+        writer.send(b"c1")
+        writer.send(b"c2")
+        writer.send(b"e2", ahead=True)  # an announcement after two requests were queued
+        writer.send(b"c3")
+        await _next_turn()
+        writer.send(b"c4")
+        writer.send(b"e3", ahead=True)
+        await _next_turn()
+        return inner.writes
+
+    assert asyncio.run(run()) == [b"e1e2c1c2c3", b"e3c4"]
+
+
 def test_frames_queued_for_a_link_that_closed_are_not_written():
     async def run() -> list[bytes]:
         inner = RecordingTransport()
