@@ -23,6 +23,7 @@ from client.data.images import (
     decode_image,
     decoded_from_image,
     read_rgb,
+    rgb_from_bytes,
     summarize_pixels,
     to_rgb,
 )
@@ -411,3 +412,56 @@ def test_summaries_merge_by_mode_and_reading():
         ("I;16", 2, 0, 4000),
         ("I;16", 1, 0, 60000),
     ]
+
+
+# ---------------------------------------------------------------- a query's image, from bytes
+
+
+def _query_images(folder: Path) -> dict[str, Path]:
+    """One file of each reading a query's image may take (modes, depths, frames, EXIF)."""
+    files: dict[str, Path] = {}
+    for mode, colour in (("RGB", COLOUR), ("RGBA", (*COLOUR, 90)), ("LA", (120, 60)),
+                         ("L", 77), ("1", 1), ("I;16", 3000)):  # fmt: skip
+        files[mode] = folder / f"{mode.replace(';', '_')}.png"
+        Image.new(mode, (6, 5), colour).save(files[mode])
+    palette = Image.new("P", (3, 2))
+    palette.putpalette([*COLOUR, 0, 0, 255] + [0] * 762)
+    palette.putdata([0, 1, 0, 1, 1, 0])
+    files["P transparent"] = folder / "palette.png"
+    palette.save(files["P transparent"], transparency=1)
+    files["F"] = folder / "float.tif"
+    Image.fromarray(np.linspace(0, 1, 30, dtype=np.float32).reshape(5, 6)).save(files["F"])
+    files["CMYK"] = folder / "cmyk.jpg"
+    Image.new("CMYK", (6, 5), (0, 255, 255, 0)).save(files["CMYK"])
+    files["48-bit colour"] = _write_rgb16_png(
+        folder / "rgb16.png", np.arange(90, dtype=np.int64).reshape(5, 6, 3) * 700
+    )
+    exif = Image.Exif()
+    exif[0x0112] = 6
+    files["EXIF rotated"] = folder / "photo.jpg"
+    Image.new("RGB", (8, 4), COLOUR).save(files["EXIF rotated"], exif=exif)
+    files["two frames"] = folder / "frames.gif"
+    Image.new("RGB", (4, 4), "red").save(
+        files["two frames"], save_all=True, append_images=[Image.new("RGB", (4, 4), "blue")]
+    )
+    return files
+
+
+def test_a_query_s_image_from_bytes_reads_as_a_site_s_file_of_every_kind(tmp_path):
+    # Arrange: files of every reading, as a site's records and as a query's bytes
+    for kind, path in _query_images(tmp_path).items():
+        # Act
+        from_file = decode_image(path).rgb
+        from_bytes = rgb_from_bytes(path.read_bytes(), 0)
+        # Assert: the same pixels, the same size, 8-bit RGB
+        assert from_bytes.mode == "RGB", kind
+        assert from_bytes.size == from_file.size, kind
+        assert np.array_equal(np.asarray(from_bytes), np.asarray(from_file)), kind
+
+
+def test_a_query_s_16_bit_colour_of_few_bits_is_refused_as_a_site_s_file_is(tmp_path):
+    path = _write_rgb16_png(tmp_path / "dim.png", np.full((4, 4, 3), 1000))
+    with pytest.raises(DataError, match="16-bit colour image must use more than 12 bits"):
+        decode_image(path)
+    with pytest.raises(DataError, match="image 2: a 16-bit colour image must use more"):
+        rgb_from_bytes(path.read_bytes(), 2)
