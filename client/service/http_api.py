@@ -38,7 +38,7 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, MutableMapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -388,7 +388,7 @@ def _decoded(chat: ChatRequest, parsed: ParsedChat) -> tuple[dict[str, Any], tup
 
 _Asgi = Callable[
     [MutableMapping[str, Any], Callable[..., Awaitable[Any]], Callable[..., Awaitable[Any]]],
-    Awaitable[None],
+    Coroutine[Any, Any, None],
 ]
 """An ASGI application: ``(scope, receive, send)``."""
 

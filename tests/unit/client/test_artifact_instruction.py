@@ -225,7 +225,12 @@ def test_a_verified_artifact_is_looked_at_once_a_recheck_interval_not_every_requ
     assert catalogue.patch(RELEASE, PatchPolicy.PROMPT_LAST_TOKEN, instruction=INSTRUCTION)
     looks: list[Path] = []
     stamp = releases._stamp
-    monkeypatch.setattr(releases, "_stamp", lambda path: looks.append(path) or stamp(path))
+
+    def looking(path: Path) -> Any:
+        looks.append(path)
+        return stamp(path)
+
+    monkeypatch.setattr(releases, "_stamp", looking)
     tamper(folder)
 
     # Act / Assert: within the interval, requests get the copy verified before and the disk
@@ -248,7 +253,12 @@ def test_an_unchanged_artifact_is_not_verified_again_after_a_recheck(site, monke
     assert catalogue.patch(RELEASE, PatchPolicy.PROMPT_LAST_TOKEN, instruction=INSTRUCTION)
     loads: list[str] = []
     load = releases._load_patch
-    monkeypatch.setattr(releases, "_load_patch", lambda s, f, r: loads.append(r) or load(s, f, r))
+
+    def loading(site: Site, folder: Path, release: str) -> Any:
+        loads.append(release)
+        return load(site, folder, release)
+
+    monkeypatch.setattr(releases, "_load_patch", loading)
 
     # Act: requests across three recheck intervals, files unchanged
     for _ in range(6):

@@ -351,7 +351,7 @@ def test_patch_tables_hold_each_rows_own_heads_and_values_at_its_step(loaded):
     expected: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
     for index, (item, step) in enumerate(zip(rows, steps, strict=True)):
         vector = item.step_patch(step)
-        if vector is None:
+        if vector is None or item.patch is None:
             continue
         for (layer, head), value in zip(item.patch.heads.heads, vector, strict=True):
             mask, values = expected.setdefault(
