@@ -21,18 +21,23 @@ the site service's link thread, beside the model's decoding loop.
   turn's frames apart only adds sends, each as costly as a tenth of a request's work in the
   front. A frame never waits more than ``max_hold_s`` (1 ms) beyond the turn that wrote it.
 
-Neither reorders bytes or changes what is written; each only decides when a send happens.
+Neither changes what is written. :class:`HeadHeldTransport` only decides when a send happens;
+:class:`TurnWriter` also sends the front's announcements ahead of the frames queued before
+them in the same write (:meth:`TurnWriter.send`), each kind in the order it was queued.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
 import selectors
 import time
 from collections.abc import Callable
 from typing import Any
 
 __all__ = ["HeadHeldTransport", "IdleSelector", "TurnWriter"]
+
+_log = logging.getLogger(__name__)
 
 MAX_HOLD_S = 0.001
 """Longest a deferred write waits for the event loop to go idle (beyond its turn)."""
@@ -96,7 +101,8 @@ class IdleSelector(selectors.DefaultSelector):
     Writes deferred with :meth:`defer` run at the first call that would wait, or at the first
     call after the oldest has waited ``max_hold_s``, so a loop kept busy still writes them.
     That call then only polls (timeout 0): the writes may have scheduled callbacks (a failed
-    write closes its transport), which must not wait behind a blocking wait for I/O.
+    write closes its transport), which must not wait behind a blocking wait for I/O. A write
+    that raises is logged, as the loop logs a callback's exception, and the others still run.
 
     Args:
         max_hold_s: Longest a deferred write waits for the loop to go idle.
@@ -121,7 +127,10 @@ class IdleSelector(selectors.DefaultSelector):
         ):
             due, self._deferred = self._deferred, []
             for callback in due:
-                callback()
+                try:
+                    callback()
+                except Exception:  # as asyncio's own callbacks: logged, the loop goes on
+                    _log.exception("a deferred write failed")
             timeout = 0
         return super().select(timeout)
 

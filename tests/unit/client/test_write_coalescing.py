@@ -258,3 +258,23 @@ def test_a_write_that_schedules_work_does_not_leave_it_behind_a_blocking_wait():
 
     # Assert: the scheduled callback ran at once, not after the 5 s wait
     assert waited < 1.0
+
+
+def test_a_deferred_write_that_raises_is_logged_and_the_others_still_run(caplog):
+    selector = IdleSelector()
+    ran: list[str] = []
+
+    def broken() -> None:
+        raise RuntimeError("a bug in a write")
+
+    async def body() -> None:
+        selector.defer(broken)
+        selector.defer(lambda: ran.append("second"))
+        await asyncio.sleep(0.01)  # the loop waits: idle
+        ran.append("loop went on")
+
+    with asyncio.Runner(loop_factory=lambda: asyncio.SelectorEventLoop(selector)) as runner:
+        runner.run(body())
+
+    assert ran == ["second", "loop went on"]
+    assert "a deferred write failed" in caplog.text
