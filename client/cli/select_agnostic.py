@@ -198,7 +198,7 @@ def run_task_agnostic(args: argparse.Namespace) -> int:
     centre_file = args.centre_out or args.out.with_suffix(".centre.safetensors")
     from client.data.records import load_dataset
     from client.public.scope import HeadsMode, choose_scope, held_out_accuracy_by_chunks
-    from client.public.tasks import public_task
+    from client.public.tasks import MAX_PUBLIC_QUERIES, public_task
 
     check_site_model(settings)
     loaded = load_site_model(settings).with_image_crops(args.max_image_crops)
@@ -208,7 +208,7 @@ def run_task_agnostic(args: argparse.Namespace) -> int:
     for dataset in datasets:
         tasks.append(
             public_task(loaded, dataset, shots=args.shots, max_chunks=args.max_chunks,
-                        max_queries=args.queries, seed=args.seed,
+                        max_queries=args.queries or MAX_PUBLIC_QUERIES, seed=args.seed,
                         batch_size=settings.batch_size)
         )  # fmt: skip
         print(f"public task {dataset.task!r}: {len(tasks[-1].activations)} chunks", flush=True)

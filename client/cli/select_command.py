@@ -24,12 +24,16 @@ from client.cli._common import (
     write_heads_file,
 )
 from client.cli._types import non_negative_int, open_unit_float, positive_float, positive_int
+from client.public.defaults import MAX_PUBLIC_QUERIES
 from dpmtv_common.errors import ConfigError
 
 if TYPE_CHECKING:
     from client.public.clip import ClipChoice
 
 __all__ = ["register"]
+
+DATA_QUERIES = 64
+"""Zero-shot queries of a --data public set that score its heads, unless --queries says."""
 
 
 def register(sub: Any) -> None:
@@ -72,8 +76,11 @@ def register(sub: Any) -> None:
     parser.add_argument("--method", choices=SELECTION_METHODS, default="attribution")
     parser.add_argument("--max-chunks", type=positive_int, default=200)
     parser.add_argument(
-        "--queries", type=positive_int, default=64, help="public zero-shot queries used"
-    )
+        "--queries", type=positive_int, default=None,
+        help=f"public zero-shot queries used (default: {DATA_QUERIES} of the --data set; with "
+        f"--public-task, {MAX_PUBLIC_QUERIES} of each task, what the documented benchmarks "
+        "measured)",
+    )  # fmt: skip
     parser.add_argument("--steps", type=positive_int, default=600, help="REINFORCE (MTV: 600)")
     parser.add_argument("--samples", type=positive_int, default=32, help="REINFORCE (MTV: 32)")
     parser.add_argument(
@@ -207,7 +214,8 @@ def run(args: argparse.Namespace) -> int:
             f"got {args.k}."
         )
     chunks = make_chunks(dataset, shots=args.shots, seed=args.seed, max_chunks=args.max_chunks)
-    queries = [chunk.query for chunk in chunks.chunks][: args.queries]
+    count = DATA_QUERIES if args.queries is None else args.queries
+    queries = [chunk.query for chunk in chunks.chunks][:count]
     # Selection scores each query's first answer token: all of them <unk> would select heads
     # for p(<unk>), so that is refused before any forward pass, as a release refuses it. The
     # share is over every record, as `data check` counts it.

@@ -34,6 +34,7 @@ from client.activations.extraction import zero_shot_prompt
 from client.data.records import Record, SiteDataset
 from client.evaluation.first_token import QuerySet
 from client.models import LoadedModel
+from client.public.defaults import MAX_PUBLIC_QUERIES
 from client.public.selection import (
     AttributionTerms,
     QueryTerms,
@@ -60,9 +61,6 @@ __all__ = [
 
 MIN_PUBLIC_TASKS = 2
 """Leave-one-task-out needs a task to hold out and one to learn from."""
-
-MAX_PUBLIC_QUERIES = 40
-"""Queries a public task keeps by default (:func:`public_task`), to score heads on."""
 
 
 @dataclass(frozen=True)

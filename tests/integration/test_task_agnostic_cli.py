@@ -297,3 +297,35 @@ def test_picks_among_needs_public_tasks(world, capsys):
     argv = _select(world, "--data", str(world / "shape" / "public"), "--picks-among", "every-head")
     assert main(argv) == 2
     assert "--picks-among needs --public-task" in capsys.readouterr().err
+
+
+class _Stop(Exception):
+    """Ends a run once what it would do is seen."""
+
+
+@pytest.mark.parametrize(("given", "expected"), [([], 40), (["--queries", "7"], 7)])
+def test_public_tasks_keep_the_benchmarks_query_count_unless_told(
+    world: Path, monkeypatch: pytest.MonkeyPatch, given: list[str], expected: int
+) -> None:
+    # Arrange: each public task's preparation recorded, then the run stopped
+    import client.public.tasks as tasks
+
+    asked: list[int] = []
+
+    def recorded(*args: Any, max_queries: int, **kwargs: Any) -> Any:
+        asked.append(max_queries)
+        raise _Stop
+
+    monkeypatch.setattr(tasks, "public_task", recorded)
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    command = _select(world)
+    at = command.index("--queries")
+    command = command[:at] + command[at + 2 :] + given
+
+    # Act: the run ends at the first public task (an error the command line reports)
+    code = main([*command, *_public(world, "shape", "count"), "--for-epsilon", "1",
+                 "--for-chunks", "60"])  # fmt: skip
+
+    # Assert: 40 a task (client.public.defaults.MAX_PUBLIC_QUERIES), or what --queries says
+    assert code != 0
+    assert asked == [expected]
