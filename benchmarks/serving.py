@@ -722,8 +722,8 @@ def _split_line(results: dict[tuple[str, int], list[Cell]]) -> str:
     if worst > 1:
         gap += (
             ", with no forward pass meanwhile (the worker waits for every request announced, "
-            f"then prepares them together): the {worst} clients answered in one step ask again "
-            "together, the front handles their requests one after another "
+            "then prepares them together): the clients answered in one decoding step (a "
+            "batch's rows) ask again together, the front handles their requests one after another "
             f"({front:.2f} ms of CPU a request, {worst * front:.1f} ms for {worst}) and sends "
             "them on once it has no more to do, and the service checks each again."
         )
