@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import shutil
 import struct
+import warnings
 import zlib
 from pathlib import Path
 
@@ -465,3 +466,13 @@ def test_a_query_s_16_bit_colour_of_few_bits_is_refused_as_a_site_s_file_is(tmp_
         decode_image(path)
     with pytest.raises(DataError, match="image 2: a 16-bit colour image must use more"):
         rgb_from_bytes(path.read_bytes(), 2)
+
+
+@pytest.mark.parametrize("side", [10_000, 60_000])  # PIL's warning range, and its error range
+def test_a_query_s_decompression_bomb_is_refused_before_its_pixels_are_decoded(tmp_path, side):
+    data = _bomb_png(tmp_path / "bomb.png", side).read_bytes()
+    # As a service runs: PIL's warning is not an error unless the decoder makes it one.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        with pytest.raises(DataError, match=f"image 3 must have at most {Image.MAX_IMAGE_PIXELS}"):
+            rgb_from_bytes(data, 3)
