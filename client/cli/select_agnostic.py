@@ -204,12 +204,12 @@ def run_task_agnostic(args: argparse.Namespace) -> int:
     loaded = load_site_model(settings).with_image_crops(args.max_image_crops)
     datasets = [load_dataset(folder) for folder in folders]
     setting = _say_setting(args, [d.task for d in datasets])
+    queries = MAX_PUBLIC_QUERIES if args.queries is None else args.queries
     tasks = []
     for dataset in datasets:
         tasks.append(
             public_task(loaded, dataset, shots=args.shots, max_chunks=args.max_chunks,
-                        max_queries=args.queries or MAX_PUBLIC_QUERIES, seed=args.seed,
-                        batch_size=settings.batch_size)
+                        max_queries=queries, seed=args.seed, batch_size=settings.batch_size)
         )  # fmt: skip
         print(f"public task {dataset.task!r}: {len(tasks[-1].activations)} chunks", flush=True)
     ks = sorted({max(1, args.k // 2), args.k})
